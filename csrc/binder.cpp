@@ -1,0 +1,75 @@
+#include "binder.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
+
+namespace fastoffload {
+namespace {
+
+inline void rebind(const at::Tensor& param, const at::Tensor& data) {
+  param.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+}
+
+}  // namespace
+
+void Binder::set_block(size_t index, const StoredBlock& block) {
+  TORCH_CHECK(index <= blocks_.size(), "fastoffload: internal error: binder block ", index, " out of order");
+  if (index == blocks_.size()) blocks_.emplace_back();
+  Bound& bound = blocks_[index];
+  bound.tensors = block.tensors;
+  bound.views.clear();
+  bound.placeholders.clear();
+  bound.placeholders.reserve(block.layout.size());
+  for (const auto& entry : block.layout) {
+    std::vector<int64_t> shape(std::max<size_t>(entry.sizes.size(), 1), 0);
+    bound.placeholders.push_back(at::empty(shape, at::TensorOptions().dtype(entry.dtype).device(device_)));
+  }
+}
+
+void Binder::build_views(size_t index, const StoredBlock& block, const SlotRing& ring) {
+  Bound& bound = blocks_.at(index);
+  bound.views.assign(ring.size(), {});
+  for (size_t s = 0; s < ring.size(); ++s) {
+    const at::Tensor& buffer = ring.slot(s).buffer;
+    const auto options = at::TensorOptions().device(buffer.device());
+    auto& views = bound.views[s];
+    views.reserve(block.layout.size());
+    for (const auto& entry : block.layout) views.push_back(view_of(buffer.storage(), options, 0, entry));
+  }
+}
+
+void Binder::drop_block(size_t index) {
+  Bound& bound = blocks_.at(index);
+  bound = Bound();
+}
+
+void Binder::bind_slot(size_t index, size_t slot) const {
+  const Bound& bound = blocks_[index];
+  const auto& views = bound.views[slot];
+  for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], views[j]);
+}
+
+void Binder::bind_placeholders(size_t index) const {
+  const Bound& bound = blocks_[index];
+  for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], bound.placeholders[j]);
+}
+
+void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) const {
+  const Bound& bound = blocks_.at(index);
+  TORCH_CHECK(values.size() == bound.tensors.size(), "fastoffload: internal error: ", values.size(),
+              " values for ", bound.tensors.size(), " parameters");
+  for (size_t j = 0; j < bound.tensors.size(); ++j) bound.tensors[j].set_data(values[j]);
+}
+
+int64_t Binder::first_foreign(size_t index) const {
+  const Bound& bound = blocks_[index];
+  for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    const c10::StorageImpl* held = bound.tensors[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+    if (held != bound.placeholders[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl())
+      return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
+}  // namespace fastoffload

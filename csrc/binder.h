@@ -1,0 +1,53 @@
+// Binder: points a block's parameters at their bytes in a slot, or at zero-size placeholders.
+//
+// Every view (block x slot) and every placeholder is built once, when a block is added or its slots
+// change, so that acquiring or releasing a block on the hot path is one pointer swap per parameter in
+// C++ (TensorImpl::shallow_copy_from, which is what `param.data = t` does underneath minus the
+// dispatcher and Python), with no tensor created and no list crossing from Python.
+//
+// A placeholder is rank-preserving and empty (shape (0,)*ndim, (0,) for scalars), of the parameter's
+// dtype, on the offload device: code that inspects `p.device`, `p.dtype` or `p.dim()` between steps
+// sees what it saw on a resident model, as with FastVideo's offload.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "layer_store.h"
+#include "slot_ring.h"
+
+namespace fastoffload {
+
+class Binder {
+ public:
+  explicit Binder(at::Device device) : device_(device) {}
+
+  // Registers (index == number of blocks so far) or re-registers block `index` after a repack.
+  void set_block(size_t index, const StoredBlock& block);
+  void build_views(size_t index, const StoredBlock& block, const SlotRing& ring);
+  void drop_block(size_t index);
+
+  void bind_slot(size_t index, size_t slot) const;
+  void bind_placeholders(size_t index) const;
+  // Binds arbitrary tensors through the full `set_data` (device changes, autograd bookkeeping).
+  void bind_values(size_t index, const std::vector<at::Tensor>& values) const;
+  // Index of the first parameter that was rebound by someone else while holding its placeholder,
+  // or -1 when all still hold their placeholders.
+  int64_t first_foreign(size_t index) const;
+
+  const std::vector<at::Tensor>& placeholders(size_t index) const { return blocks_.at(index).placeholders; }
+
+ private:
+  struct Bound {
+    std::vector<at::Tensor> tensors;
+    std::vector<at::Tensor> placeholders;
+    std::vector<std::vector<at::Tensor>> views;  // [slot][tensor]
+  };
+  at::Device device_;
+  std::vector<Bound> blocks_;
+};
+
+}  // namespace fastoffload

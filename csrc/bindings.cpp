@@ -1,0 +1,130 @@
+// Python bindings for fastoffload_ext._C. The only file that includes torch/extension.h.
+//
+// The per-step methods (acquire, prefetch, release) take an integer handle and keep the GIL: they
+// are a few microseconds of host work, and dropping and retaking the GIL would cost more than they
+// do. Methods that move whole blocks through host memory release it.
+#include <torch/extension.h>
+
+#include "offload_engine.h"
+#include "pinned_pool.h"
+
+namespace py = pybind11;
+
+namespace fastoffload {
+namespace {
+
+py::dict pool_stats(const PinnedPool& pool) {
+  const PoolStats s = pool.stats();
+  py::dict d;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["in_use_bytes"] = s.in_use_bytes;
+  d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+  d["peak_reserved_bytes"] = s.peak_reserved_bytes;
+  d["slab_count"] = s.slab_count;
+  d["allocation_count"] = s.allocation_count;
+  d["fallback_slabs"] = s.fallback_slabs;
+  d["pin_seconds"] = s.pin_seconds;
+  d["backing"] = s.backing;
+  return d;
+}
+
+at::Tensor pool_allocate(const std::shared_ptr<PinnedPool>& pool, size_t nbytes) {
+  std::shared_ptr<PoolAllocation> allocation;
+  {
+    py::gil_scoped_release no_gil;
+    allocation = pool->allocate(nbytes);
+  }
+  void* data = allocation->data();
+  // The tensor owns the allocation: the memory stays valid however long Python keeps the tensor.
+  return at::from_blob(
+      data, {static_cast<int64_t>(nbytes)}, [allocation](void*) mutable { allocation.reset(); },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+py::dict engine_stats(const OffloadEngine& engine) {
+  const EngineStats& s = engine.stats();
+  py::dict d;
+  d["acquires"] = s.acquires;
+  d["prefetches"] = s.prefetches;
+  d["prefetch_hits"] = s.prefetch_hits;
+  d["cache_hits"] = s.cache_hits;
+  d["sync_loads"] = s.sync_loads;
+  d["skipped_prefetches"] = s.skipped_prefetches;
+  d["copies"] = engine.copy_engine().copies_issued();
+  d["bytes_copied"] = engine.copy_engine().bytes_copied();
+  d["num_blocks"] = engine.num_blocks();
+  d["num_slots"] = engine.num_slots();
+  d["slot_bytes"] = engine.slot_bytes();
+  d["packed_bytes"] = engine.total_bytes();
+  return d;
+}
+
+}  // namespace
+}  // namespace fastoffload
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace fastoffload;
+  m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
+
+  m.def("build_info", []() {
+    py::dict d;
+    d["torch"] = FASTOFFLOAD_TORCH_VERSION;
+#ifdef FASTOFFLOAD_WITH_CUDA
+    d["cuda"] = true;
+    d["cuda_version"] = FASTOFFLOAD_CUDA_VERSION;
+#else
+    d["cuda"] = false;
+    d["cuda_version"] = py::none();
+#endif
+    d["alignment"] = PinnedPool::kAlignment;
+    return d;
+  });
+
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool",
+                                                      "Page-locked host memory in slabs, sub-allocated at exact sizes.")
+      .def(py::init([](int device_index, const std::string& backing, size_t limit_bytes, bool allow_pageable_fallback,
+                       size_t min_slab_bytes) {
+             return std::make_shared<PinnedPool>(device_index, parse_backing(backing), limit_bytes,
+                                                 allow_pageable_fallback, min_slab_bytes);
+           }),
+           py::arg("device_index") = -1, py::arg("backing") = "host_alloc", py::arg("limit_bytes") = 0,
+           py::arg("allow_pageable_fallback") = false, py::arg("min_slab_bytes") = 0)
+      .def("allocate", &pool_allocate, py::arg("nbytes"),
+           "A uint8 CPU tensor of `nbytes` in pool memory; the memory returns to the pool when the tensor dies.")
+      .def("stats", &pool_stats)
+      .def_property_readonly("device_index", &PinnedPool::device_index)
+      .def_property_readonly("pins", &PinnedPool::pins)
+      .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
+
+  py::class_<OffloadEngine>(m, "OffloadEngine", "One offloaded block list on one device.")
+      .def(py::init<at::Device, size_t, std::shared_ptr<PinnedPool>>(), py::arg("device"), py::arg("num_slots"),
+           py::arg("pool"))
+      .def("add_block", &OffloadEngine::add_block, py::arg("names"), py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("acquire", &OffloadEngine::acquire, py::arg("block"))
+      .def("prefetch", &OffloadEngine::prefetch, py::arg("block"))
+      .def("release", &OffloadEngine::release, py::arg("block"))
+      .def("materialize", &OffloadEngine::materialize, py::arg("block"), py::call_guard<py::gil_scoped_release>())
+      .def("repack", &OffloadEngine::repack, py::arg("block"), py::arg("names"), py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("restore", &OffloadEngine::restore, py::arg("block"), py::arg("device"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &OffloadEngine::close, py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &OffloadEngine::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("stats", &engine_stats)
+      .def("block_bytes", &OffloadEngine::block_bytes, py::arg("block"))
+      .def("slot_of", &OffloadEngine::slot_of, py::arg("block"))
+      .def("slot_state", &OffloadEngine::slot_state, py::arg("slot"))
+      .def("slot_block", &OffloadEngine::slot_block, py::arg("slot"))
+      .def("slot_address", &OffloadEngine::slot_address, py::arg("slot"))
+      .def("is_materialized", &OffloadEngine::is_materialized, py::arg("block"))
+      .def("is_removed", &OffloadEngine::is_removed, py::arg("block"))
+      .def("host_view", &OffloadEngine::host_view, py::arg("block"), py::arg("index"))
+      .def_property_readonly("num_blocks", &OffloadEngine::num_blocks)
+      .def_property_readonly("num_slots", &OffloadEngine::num_slots)
+      .def_property_readonly("slot_bytes", &OffloadEngine::slot_bytes)
+      .def_property_readonly("total_bytes", &OffloadEngine::total_bytes)
+      .def_property_readonly("device", &OffloadEngine::device)
+      .def_property_readonly("pool", &OffloadEngine::pool);
+}

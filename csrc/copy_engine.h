@@ -1,0 +1,70 @@
+// CopyEngine: the only place that talks to the CUDA runtime about streams, events and copies.
+//
+// Prefetching a block is: the copy stream waits for the slot's "free" event (recorded on the compute
+// stream when the slot's previous block was released), one cudaMemcpyAsync of the whole packed block,
+// and a "ready" event recorded on the copy stream. Acquiring it is the current compute stream waiting
+// on "ready". The host never blocks on the hot path and no record_stream is needed, because the slots
+// are static and their reuse is ordered by events alone.
+//
+// With the host as the "device" (device_index < 0) copies are memcpy and events are no-ops: the slot
+// rotation above them is exactly the one that runs on a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fastoffload {
+
+class Event {
+ public:
+  explicit Event(int device_index);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  bool recorded() const { return recorded_; }
+
+ private:
+  friend class CopyEngine;
+  int device_index_;
+  void* handle_ = nullptr;  // cudaEvent_t
+  bool recorded_ = false;
+};
+
+class CopyEngine {
+ public:
+  explicit CopyEngine(int device_index);
+  ~CopyEngine();
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  bool is_host() const { return device_index_ < 0; }
+  int device_index() const { return device_index_; }
+
+  // On the copy stream: wait for `free_event` (if ever recorded), copy, record `ready_event`.
+  void copy_to_device(void* dst, const void* src, size_t nbytes, Event& free_event, Event& ready_event);
+  // The current compute stream waits until `ready_event` has completed.
+  void wait_on_current(Event& ready_event);
+  // Record `event` on the current compute stream.
+  void record_on_current(Event& event);
+  // Host blocks until every copy issued so far has completed.
+  void synchronize_copies();
+  // Whether the current stream of this device is capturing a CUDA graph.
+  bool current_stream_capturing() const;
+  // Fork the copy stream into a capture running on the current stream (the copy stream waits on it).
+  void join_copy_stream_to_current();
+  // The current stream waits on everything issued to the copy stream so far.
+  void current_waits_for_copies();
+
+  uint64_t copies_issued() const { return copies_issued_; }
+  uint64_t bytes_copied() const { return bytes_copied_; }
+
+ private:
+  void* current_stream() const;
+  int device_index_;
+  void* copy_stream_ = nullptr;  // cudaStream_t
+  void* join_event_ = nullptr;   // cudaEvent_t used for stream-to-stream joins
+  uint64_t copies_issued_ = 0;
+  uint64_t bytes_copied_ = 0;
+};
+
+}  // namespace fastoffload

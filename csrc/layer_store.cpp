@@ -1,0 +1,152 @@
+#include "layer_store.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+namespace fastoffload {
+namespace {
+
+size_t align_up(size_t value) {
+  constexpr size_t a = PinnedPool::kAlignment;
+  return (value + a - 1) / a * a;
+}
+
+size_t storage_span_bytes(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return static_cast<size_t>(last + 1) * t.element_size();
+}
+
+// A uint8 tensor over the bytes of `t`'s storage span, on `t`'s device.
+at::Tensor span_bytes(const at::Tensor& t, size_t nbytes) {
+  at::Tensor bytes = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(t.device()));
+  bytes.set_(t.storage(), static_cast<int64_t>(t.storage_offset() * t.element_size()),
+             {static_cast<int64_t>(nbytes)}, {1});
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                      size_t* total_bytes) {
+  TORCH_CHECK(names.size() == tensors.size(), "fastoffload: got ", names.size(), " names for ", tensors.size(),
+              " tensors");
+  std::vector<TensorLayout> layout;
+  layout.reserve(tensors.size());
+  size_t offset = 0;
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const at::Tensor& t = tensors[j];
+    const std::string& name = names[j];
+    TORCH_CHECK(t.defined(), "fastoffload: parameter '", name, "' is undefined");
+    TORCH_CHECK(!t.is_meta(), "fastoffload: parameter '", name,
+                "' is on the meta device and has no values to offload; materialize the model first "
+                "(e.g. model.to_empty(device=...) followed by load_state_dict)");
+    TORCH_CHECK(t.layout() == at::kStrided, "fastoffload: parameter '", name, "' has layout ", t.layout(),
+                "; only dense (strided) tensors can be offloaded. Convert it with .to_dense() first");
+    TORCH_CHECK(!t.is_quantized(), "fastoffload: parameter '", name,
+                "' is a quantized tensor, which cannot be packed; dequantize it or keep its block resident");
+    TORCH_CHECK(t.unsafeGetTensorImpl()->has_storage(), "fastoffload: parameter '", name,
+                "' is a tensor subclass without storage of its own (e.g. DTensor or a wrapper subclass); "
+                "keep its block resident (resident_blocks) or convert it to a plain tensor");
+    TensorLayout entry;
+    entry.name = name;
+    entry.dtype = t.scalar_type();
+    entry.sizes = t.sizes().vec();
+    entry.strides = t.strides().vec();
+    entry.nbytes = storage_span_bytes(t);
+    entry.offset = offset;
+    offset = align_up(offset + entry.nbytes);
+    layout.push_back(std::move(entry));
+  }
+  *total_bytes = offset;
+  return layout;
+}
+
+at::Tensor view_of(const c10::Storage& storage, const at::TensorOptions& options, size_t base_offset,
+                   const TensorLayout& layout) {
+  at::Tensor view = at::empty({0}, options.dtype(layout.dtype));
+  const size_t itemsize = c10::elementSize(layout.dtype);
+  view.set_(storage, static_cast<int64_t>((base_offset + layout.offset) / itemsize), layout.sizes, layout.strides);
+  return view;
+}
+
+at::Tensor clone_with_layout(const at::Tensor& src, const TensorLayout& layout, at::Device target) {
+  at::NoGradGuard no_grad;
+  TensorLayout at_zero = layout;
+  at_zero.offset = 0;
+  at::Tensor bytes = at::empty({static_cast<int64_t>(std::max<size_t>(layout.nbytes, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(target));
+  if (layout.nbytes > 0) bytes.narrow(0, 0, static_cast<int64_t>(layout.nbytes)).copy_(span_bytes(src, layout.nbytes));
+  return view_of(bytes.storage(), at::TensorOptions().device(target), 0, at_zero);
+}
+
+LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)) {
+  TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
+}
+
+StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  StoredBlock block;
+  block.layout = plan_layout(names, tensors, &block.bytes);
+  block.host = pool_->allocate(block.bytes);
+  std::shared_ptr<PoolAllocation> keep_alive = block.host;
+  block.host_bytes = at::from_blob(
+      block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  at::NoGradGuard no_grad;
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const TensorLayout& entry = block.layout[j];
+    if (entry.nbytes == 0) continue;
+    block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
+        .copy_(span_bytes(tensors[j], entry.nbytes));
+  }
+  block.tensors = tensors;
+  return block;
+}
+
+size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  blocks_.push_back(pack(names, tensors));
+  return blocks_.size() - 1;
+}
+
+void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", index);
+  // Pack first: if packing fails the old copy stays intact.
+  StoredBlock fresh = pack(names, tensors);
+  blocks_[index] = std::move(fresh);
+}
+
+void LayerStore::remove(size_t index) {
+  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", index);
+  blocks_[index] = StoredBlock();
+  blocks_[index].removed = true;
+}
+
+at::Tensor LayerStore::host_view(size_t index, size_t j) const {
+  const StoredBlock& stored = block(index);
+  TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", index, " has no tensor ", j);
+  return view_of(stored.host_bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+}
+
+const StoredBlock& LayerStore::block(size_t index) const {
+  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", index, " (the store holds ", blocks_.size(),
+              ")");
+  TORCH_CHECK(!blocks_[index].removed, "fastoffload: block ", index, " was removed from the store (detached)");
+  return blocks_[index];
+}
+
+size_t LayerStore::max_block_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_) result = std::max(result, b.bytes);
+  return result;
+}
+
+size_t LayerStore::total_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_) result += b.bytes;
+  return result;
+}
+
+}  // namespace fastoffload

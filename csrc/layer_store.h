@@ -1,0 +1,81 @@
+// LayerStore: every offloaded block's tensors packed into one aligned region of pool memory.
+//
+// Packing a block is what turns "one copy per parameter" into "one copy per block": the region is
+// copied to a device slot with a single cudaMemcpyAsync. Each tensor keeps its dtype, sizes and
+// strides exactly (its storage span is copied byte for byte, so channels_last, transposed and
+// expanded layouts survive), at an offset aligned to PinnedPool::kAlignment so that a view of any
+// dtype can start there.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "pinned_pool.h"
+
+namespace fastoffload {
+
+struct TensorLayout {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  size_t offset = 0;  // bytes from the start of the block's region
+  size_t nbytes = 0;  // bytes of the tensor's storage span
+};
+
+struct StoredBlock {
+  std::vector<at::Tensor> tensors;  // the parameters themselves (their identity, not their data)
+  std::vector<TensorLayout> layout;
+  std::shared_ptr<PoolAllocation> host;
+  at::Tensor host_bytes;  // uint8 CPU tensor over `host`; keeps it alive while viewed
+  size_t bytes = 0;       // packed size, aligned
+  bool removed = false;
+};
+
+// Layout of `tensors` packed back to back; throws a c10::Error naming the tensor when one cannot be
+// stored (meta, sparse, quantized or storage-less tensors).
+std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                      size_t* total_bytes);
+
+class LayerStore {
+ public:
+  explicit LayerStore(std::shared_ptr<PinnedPool> pool);
+
+  // Packs the current values of `tensors` into a new region and returns the block's index.
+  size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  // Replaces block `index` with the current values of `tensors` (which may be different objects,
+  // e.g. after a LoRA conversion replaced submodules). The old region is freed.
+  void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  // Frees block `index`'s region; the block keeps its index but can no longer be used.
+  void remove(size_t index);
+
+  // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive).
+  at::Tensor host_view(size_t index, size_t j) const;
+
+  const StoredBlock& block(size_t index) const;
+  size_t size() const { return blocks_.size(); }
+  size_t max_block_bytes() const;
+  size_t total_bytes() const;
+  const std::shared_ptr<PinnedPool>& pool() const { return pool_; }
+
+ private:
+  StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+
+  std::shared_ptr<PinnedPool> pool_;
+  std::vector<StoredBlock> blocks_;
+};
+
+// A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`
+// bytes in.
+at::Tensor view_of(const c10::Storage& storage, const at::TensorOptions& options, size_t base_offset,
+                   const TensorLayout& layout);
+
+// A new tensor on `target` with `layout`'s dtype, sizes and strides and the values of `src` (which has
+// that layout): its storage span is copied byte for byte, so any stride pattern survives.
+at::Tensor clone_with_layout(const at::Tensor& src, const TensorLayout& layout, at::Device target);
+
+}  // namespace fastoffload

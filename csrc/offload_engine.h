@@ -1,0 +1,94 @@
+// OffloadEngine: one offloaded block list on one device. Ties the store (host copies), the slot ring
+// (device copies), the copy engine (streams and events) and the binder (what parameters point at).
+//
+// Python calls it once per block per step with an integer handle:
+//   acquire(i)   block i is about to run: make sure it is in a slot (copy now if nothing prefetched
+//                it), make the current stream wait for the copy, point the parameters at the slot.
+//   prefetch(j)  start copying block j into a free slot on the copy stream; no-op if it is there.
+//   release(i)   block i has run: parameters back to placeholders, record the slot's "free" event.
+// No list crosses the boundary on that path and the host never waits for the device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "binder.h"
+#include "copy_engine.h"
+#include "layer_store.h"
+#include "pinned_pool.h"
+#include "slot_ring.h"
+
+namespace fastoffload {
+
+struct EngineStats {
+  uint64_t acquires = 0;
+  uint64_t prefetches = 0;         // copies started by prefetch()
+  uint64_t prefetch_hits = 0;      // acquires that found their block prefetched
+  uint64_t cache_hits = 0;         // acquires that found their block still in a slot from its last run
+  uint64_t sync_loads = 0;         // acquires that had to start the copy themselves
+  uint64_t skipped_prefetches = 0; // prefetches with no slot to go to
+};
+
+class OffloadEngine {
+ public:
+  OffloadEngine(at::Device device, size_t num_slots, std::shared_ptr<PinnedPool> pool);
+  ~OffloadEngine();
+
+  // Packs the current values of `params` and points them at placeholders. Returns the handle.
+  size_t add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params);
+
+  void acquire(size_t block);
+  bool prefetch(size_t block);
+  bool release(size_t block);
+
+  // Mutation support: the block's parameters become ordinary device tensors (out of the rotation)
+  // until repack() packs whatever parameters the block has then.
+  void materialize(size_t block);
+  void repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params);
+  // Gives the parameters back as real tensors on `target` with their current values; the block's
+  // host copy is freed and the handle can no longer be used.
+  void restore(size_t block, at::Device target);
+  // Frees the slots (after restore() of every block, or to drop everything).
+  void close();
+  void synchronize();
+
+  size_t num_blocks() const { return store_.size(); }
+  size_t num_slots() const { return ring_.size(); }
+  size_t slot_bytes() const { return ring_.slot_bytes(); }
+  size_t block_bytes(size_t block) const { return store_.block(block).bytes; }
+  size_t total_bytes() const { return store_.total_bytes(); }
+  int64_t slot_of(size_t block) const { return ring_.slot_of(block); }
+  std::string slot_state(size_t slot) const;
+  int64_t slot_block(size_t slot) const { return ring_.slot(slot).block; }
+  uint64_t slot_address(size_t slot) const;
+  bool is_materialized(size_t block) const;
+  bool is_removed(size_t block) const;
+  at::Tensor host_view(size_t block, size_t j) const { return store_.host_view(block, j); }
+  const EngineStats& stats() const { return stats_; }
+  const CopyEngine& copy_engine() const { return copy_; }
+  const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }
+  at::Device device() const { return device_; }
+
+ private:
+  void check_block(size_t block) const;
+  void ensure_slots();
+  void issue_copy(size_t block, size_t slot);
+  void check_grad(size_t block) const;
+
+  at::Device device_;
+  LayerStore store_;
+  SlotRing ring_;
+  CopyEngine copy_;
+  Binder binder_;
+  std::vector<uint8_t> materialized_;
+  std::vector<uint8_t> removed_;
+  bool views_stale_ = true;
+  EngineStats stats_;
+};
+
+}  // namespace fastoffload

@@ -1,0 +1,116 @@
+// PinnedPool: page-locked host memory in large slabs, handed out at exact (aligned) sizes.
+//
+// Why not torch's caching host allocator: it rounds every request up to a power of two, so a
+// 1.2 GiB block pins 2 GiB, and pinning a model parameter by parameter costs one cudaHostAlloc per
+// tensor. Here a request is rounded to kAlignment bytes only, slabs are released back to the OS as
+// soon as they are empty, and every byte is accounted for in stats().
+//
+// Without CUDA (a CPU-only build, or a pool for the host "device") the same pool hands out ordinary
+// page-aligned memory, so the sub-allocator and its accounting are tested on machines with no GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fastoffload {
+
+// How a slab's memory is obtained.
+enum class Backing {
+  kHostAlloc,  // cudaHostAlloc (portable)
+  kRegister,   // mmap + cudaHostRegister (portable); in-place registration of ordinary pages
+  kPageable,   // mmap only; no pinning (host device, or the opt-in fallback when pinning fails)
+};
+
+Backing parse_backing(const std::string& name);
+const char* backing_name(Backing backing);
+
+struct PoolStats {
+  size_t reserved_bytes = 0;       // bytes held in slabs (pinned and pageable)
+  size_t pinned_bytes = 0;         // of which page-locked
+  size_t in_use_bytes = 0;         // bytes handed out and not yet returned
+  size_t peak_in_use_bytes = 0;
+  size_t peak_reserved_bytes = 0;
+  size_t slab_count = 0;
+  size_t allocation_count = 0;     // live allocations
+  size_t fallback_slabs = 0;       // slabs that fell back to pageable memory
+  double pin_seconds = 0.0;        // wall time spent obtaining and pinning slabs
+  std::string backing;
+};
+
+class PinnedPool;
+
+// One sub-allocation. Returns its range to the pool when destroyed; holds the pool alive, so a
+// tensor that views this memory (and owns a shared_ptr to it) can outlive every other owner.
+class PoolAllocation {
+ public:
+  PoolAllocation(std::shared_ptr<PinnedPool> pool, size_t slab_id, size_t offset, size_t size, void* ptr,
+                 bool pinned);
+  ~PoolAllocation();
+  PoolAllocation(const PoolAllocation&) = delete;
+  PoolAllocation& operator=(const PoolAllocation&) = delete;
+
+  void* data() const { return ptr_; }
+  size_t size() const { return size_; }
+  bool pinned() const { return pinned_; }
+
+ private:
+  std::shared_ptr<PinnedPool> pool_;
+  size_t slab_id_;
+  size_t offset_;
+  size_t size_;
+  void* ptr_;
+  bool pinned_;
+};
+
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  static constexpr size_t kAlignment = 256;
+
+  // device_index < 0: the host "device" (no pinning at all). limit_bytes == 0: no limit on pinned
+  // bytes. min_slab_bytes: smallest slab to reserve (0: exactly what a request needs, page-rounded).
+  PinnedPool(int device_index, Backing backing, size_t limit_bytes, bool allow_pageable_fallback,
+             size_t min_slab_bytes);
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  // Thread-safe. Throws c10::Error with the sizes involved when memory cannot be obtained.
+  std::shared_ptr<PoolAllocation> allocate(size_t nbytes);
+  PoolStats stats() const;
+  int device_index() const { return device_index_; }
+  Backing backing() const { return backing_; }
+  bool pins() const { return device_index_ >= 0 && backing_ != Backing::kPageable; }
+
+ private:
+  friend class PoolAllocation;
+  struct Slab {
+    void* base = nullptr;
+    size_t size = 0;
+    Backing backing = Backing::kPageable;
+    size_t used = 0;
+    std::map<size_t, size_t> free_ranges;  // offset -> size, coalesced
+  };
+
+  void release(size_t slab_id, size_t offset, size_t size);
+  // Called with mutex_ held.
+  size_t add_slab(size_t nbytes);
+  void free_slab(Slab& slab);
+
+  const int device_index_;
+  const Backing backing_;
+  const size_t limit_bytes_;
+  const bool allow_pageable_fallback_;
+  const size_t min_slab_bytes_;
+
+  mutable std::mutex mutex_;
+  std::map<size_t, Slab> slabs_;  // slab id -> slab
+  size_t next_slab_id_ = 0;
+  PoolStats stats_;
+};
+
+}  // namespace fastoffload

@@ -1,0 +1,178 @@
+"""Forward hooks that wrap a module's ``forward`` (FastVideo's hook surface).
+
+PyTorch's own ``register_forward_pre_hook`` cannot replace a module's arguments *and* guarantee a
+matching cleanup call when the forward raises. Offload needs exactly that guarantee: a block whose
+weights were loaded into a device slot must give the slot back even if its forward fails, or the next
+step computes against a slot that is never freed. So the manager replaces ``module.forward`` once with
+a wrapper that runs the hooks around the original forward:
+
+- pre-hooks run in insertion order, post-hooks in reverse;
+- if the forward (or a later pre-hook) raises, every pre-hook that already ran gets
+  ``post_forward(module, None)``, newest first, and the exception propagates;
+- if a post-hook raises, the hooks after it in the post order still get ``post_forward(module, None)``.
+
+There is one hook per name per module (``ForwardHook.name()`` is the key).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardHook:
+    """Base class for hooks run by :class:`ModuleHookManager` around a module's forward."""
+
+    @classmethod
+    def name(cls) -> str:
+        """The key of this hook in a manager: one hook per name per module."""
+        return cls.__name__
+
+    def on_attach(self, module: nn.Module) -> None:
+        """Called once when the hook is attached to ``module``."""
+
+    def on_detach(self, module: nn.Module) -> None:
+        """Called once when the hook is detached from ``module`` (not when the module is deleted)."""
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Called before the original forward; returns the (possibly changed) arguments."""
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        """Called after the original forward (with ``output=None`` when it raised); returns the output."""
+        return output
+
+
+def _run_post_hooks(module: nn.Module, ran: list[ForwardHook], output: Any) -> Any:
+    """post_forward on ``ran`` newest first; after a failure the rest still run, with None."""
+    error: BaseException | None = None
+    for hook in reversed(ran):
+        if error is None:
+            try:
+                output = hook.post_forward(module, output)
+            except BaseException as raised:  # KeyboardInterrupt too: cleanup must still happen
+                error = raised
+        else:
+            try:
+                hook.post_forward(module, None)
+            except Exception:  # the first error is the one the caller sees
+                logger.exception("post_forward of %s failed while cleaning up after an error", hook.name())
+    if error is not None:
+        raise error
+    return output
+
+
+def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    manager: ModuleHookManager = getattr(module, ModuleHookManager.module_hook_attribute)
+    ran: list[ForwardHook] = []
+    try:
+        for hook in manager.forward_hooks.values():
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            ran.append(hook)
+        output = manager.original_forward(*args, **kwargs)
+    except BaseException:
+        for hook in reversed(ran):
+            try:
+                hook.post_forward(module, None)
+            except Exception:
+                logger.exception("post_forward of %s failed while cleaning up after an error", hook.name())
+        raise
+    return _run_post_hooks(module, ran, output)
+
+
+class ModuleHookManager:
+    """The hooks of one module, stored on it as ``module._hook_manager``."""
+
+    module_hook_attribute = "_hook_manager"
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward_hooks: dict[str, ForwardHook] = {}
+        self.original_forward = module.forward
+
+    @classmethod
+    def get_from(cls, module: nn.Module) -> ModuleHookManager | None:
+        """The module's manager, or None when it has none."""
+        return getattr(module, cls.module_hook_attribute, None)
+
+    @classmethod
+    def get_from_or_default(cls, module: nn.Module) -> ModuleHookManager:
+        """The module's manager, created (and ``module.forward`` wrapped, once) if it has none."""
+        manager = cls.get_from(module)
+        if manager is None:
+            manager = cls(module)
+            setattr(module, cls.module_hook_attribute, manager)
+            module.forward = functools.partial(_forward_with_hooks, module)
+        return manager
+
+    @staticmethod
+    def remove_from_manager(module: nn.Module) -> None:
+        """Drops the manager and restores the original forward. Hooks are not detached."""
+        manager = ModuleHookManager.get_from(module)
+        if manager is None:
+            return
+        module.forward = manager.original_forward
+        # original_forward is the bound method when forward was not overridden on the instance;
+        # leaving it as an instance attribute would pin the old method object.
+        if getattr(module.forward, "__self__", None) is module and getattr(module.forward, "__func__", None) is \
+                getattr(type(module), "forward", None):
+            del module.forward
+        delattr(module, ModuleHookManager.module_hook_attribute)
+
+    def _check_manager_attached(self) -> None:
+        attached = self.get_from(self.module)
+        if attached is None:
+            raise ValueError("ModuleHookManager is not attached to the module; use "
+                             "ModuleHookManager.get_from_or_default(module).")
+        if attached is not self:
+            raise ValueError("A different ModuleHookManager is attached to the module; use "
+                             "ModuleHookManager.get_from(module).")
+
+    def append_forward_hook(self, hook: ForwardHook) -> None:
+        """Adds ``hook`` last (its pre-hook runs last, its post-hook first), then calls ``on_attach``."""
+        self._check_manager_attached()
+        name = hook.name()
+        if name in self.forward_hooks:
+            raise ValueError(f"Hook with name {name} is already registered; use replace_forward_hook to swap it.")
+        self.forward_hooks[name] = hook
+        try:
+            hook.on_attach(self.module)
+        except BaseException:
+            del self.forward_hooks[name]
+            raise
+
+    def replace_forward_hook(self, name: str, new_hook: ForwardHook, run_on_attach: bool = True) -> None:
+        """Swaps the hook called ``name`` for ``new_hook`` in the same position: the old hook's
+        ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``."""
+        self._check_manager_attached()
+        if name not in self.forward_hooks:
+            raise ValueError(f"No hook with name {name} found; use append_forward_hook to add it.")
+        new_name = new_hook.name()
+        if new_name != name and new_name in self.forward_hooks:
+            raise ValueError(f"Hook with name {new_name} is already registered.")
+        old_hook = self.forward_hooks[name]
+        old_hook.on_detach(self.module)
+        self.forward_hooks = {(new_name if key == name else key): (new_hook if key == name else hook)
+                              for key, hook in self.forward_hooks.items()}
+        if run_on_attach:
+            new_hook.on_attach(self.module)
+
+    def remove_forward_hook(self, name: str, run_detach: bool = True) -> None:
+        """Removes the hook called ``name``, calling its ``on_detach`` first when ``run_detach``."""
+        self._check_manager_attached()
+        if name not in self.forward_hooks:
+            raise ValueError(f"No hook with name {name} found.")
+        if run_detach:
+            self.forward_hooks[name].on_detach(self.module)
+        del self.forward_hooks[name]
+
+    def get_forward_hook(self, name: str) -> ForwardHook | None:
+        """The hook called ``name``, or None."""
+        return self.forward_hooks.get(name)
+
+
+__all__ = ["ForwardHook", "ModuleHookManager"]

@@ -1,0 +1,125 @@
+"""Build script for fastoffload_ext.
+
+torch is both a build and a runtime dependency that the user already has, so it is not listed in
+``build-system.requires``: building against a private copy of torch in an isolated environment would
+produce an extension for the wrong ABI. Install with ``pip install --no-build-isolation .``.
+
+``FASTOFFLOAD_CUDA`` chooses the flavour of ``fastoffload_ext._C``:
+  auto (default)  CUDA build when torch is a CUDA build and a CUDA toolkit is found; CPU-only otherwise.
+                  No GPU is needed to build.
+  1               CUDA build; fail with a message naming what is missing.
+  0               CPU-only build (the engine then runs with the host as its "device").
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE = "fastoffload_ext"
+VERSION = "0.1.0"
+
+try:
+    import torch
+except ImportError:
+    sys.exit(
+        "fastoffload_ext: torch is not installed in this environment. Install torch first "
+        "(pip install torch), then build with: pip install --no-build-isolation ."
+    )
+
+
+def _toolkit_ok(home: Path) -> bool:
+    nvcc = home / "bin" / "nvcc"
+    libs = [home / "lib64" / "libcudart.so", home / "lib" / "libcudart.so",
+            home / "targets" / "x86_64-linux" / "lib" / "libcudart.so"]
+    return nvcc.exists() and any(lib.exists() for lib in libs)
+
+
+def find_cuda_home() -> Path | None:
+    """The CUDA toolkit root, or None.
+
+    torch's own guess takes the parent of the folder that holds ``nvcc``. Where ``nvcc`` is a wrapper
+    script in /usr/local/bin, that guess is /usr/local, which has no cudart to link against. So each
+    candidate must actually hold both ``bin/nvcc`` and ``libcudart``.
+    """
+    candidates: list[Path] = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]))
+    candidates.append(Path("/usr/local/cuda"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    for home in candidates:
+        if _toolkit_ok(home):
+            return home.resolve()
+    return None
+
+
+def choose_flavour() -> tuple[bool, str]:
+    mode = os.environ.get("FASTOFFLOAD_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "1", "0"):
+        sys.exit(f"fastoffload_ext: FASTOFFLOAD_CUDA must be auto, 1 or 0, got {mode!r}")
+    if mode == "0":
+        return False, "FASTOFFLOAD_CUDA=0 asked for a CPU-only build"
+    home = find_cuda_home()
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"torch {torch.__version__} is not a CUDA build")
+    if home is None:
+        missing.append("no CUDA toolkit found (looked at $CUDA_HOME, /usr/local/cuda and the folder of nvcc "
+                       "on PATH for bin/nvcc and libcudart)")
+    if missing:
+        if mode == "1":
+            sys.exit("fastoffload_ext: FASTOFFLOAD_CUDA=1 asked for a CUDA build, but " + "; ".join(missing) +
+                     ". Install the CUDA toolkit and set CUDA_HOME, or build with FASTOFFLOAD_CUDA=0.")
+        return False, "; ".join(missing)
+    # torch.utils.cpp_extension reads CUDA_HOME once, when it is imported: set it before that.
+    os.environ["CUDA_HOME"] = str(home)
+    return True, f"CUDA toolkit at {home}"
+
+
+def main() -> None:
+    with_cuda, why = choose_flavour()
+    from torch.utils import cpp_extension
+
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    cxx_flags = ["-O3", "-fvisibility=hidden", f"-DFASTOFFLOAD_TORCH_VERSION=\"{torch.__version__}\""]
+    if with_cuda:
+        cxx_flags.append("-DFASTOFFLOAD_WITH_CUDA=1")
+        cxx_flags.append(f"-DFASTOFFLOAD_CUDA_VERSION=\"{torch.version.cuda}\"")
+        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags})
+    else:
+        extension = cpp_extension.CppExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags})
+
+    build_info = {
+        "version": VERSION,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_build": with_cuda,
+        "cuda_home": os.environ.get("CUDA_HOME") if with_cuda else None,
+        "why": why,
+        "cxx_flags": cxx_flags,
+        "python": sys.version.split()[0],
+    }
+    (ROOT / PACKAGE / "_build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
+    print(f"fastoffload_ext: {'CUDA' if with_cuda else 'CPU-only'} build ({why})", file=sys.stderr)
+
+    setup(
+        name=PACKAGE,
+        version=VERSION,
+        packages=[PACKAGE],
+        package_data={PACKAGE: ["py.typed", "_build_info.json"]},
+        ext_modules=[extension],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+        python_requires=">=3.10",
+        zip_safe=False,
+    )
+
+
+main()
