@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every GPU claim comes from this script: build in place against the torch that is installed, run
+# every test including the CUDA ones, run the benchmark suite. Logs, JSON and plots go to $OUT when
+# it is set (the device tool), else to results/gpu_check.
+# Usage: bash scripts/gpu_check.sh [--quick] [extra pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=${OUT:-results/gpu_check}
+mkdir -p "$DEST"
+QUICK=""
+if [ "${1:-}" = "--quick" ]; then QUICK="--quick"; shift; fi
+export PYTHONUNBUFFERED=1
+summary="$DEST/summary.txt"
+: > "$summary"
+step() {  # step NAME LOG CMD...
+  local name=$1 log=$2; shift 2
+  local start=$(date +%s)
+  "$@" > "$log" 2>&1
+  local rc=$?
+  printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$(tail -1 "$log")" | tee -a "$summary"
+  return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || true
+step build "$DEST/build.log" env MAX_JOBS=$(nproc) bash scripts/setup_env.sh || { cat "$DEST/build.log"; cat build.log 2>/dev/null | tail -50; exit 1; }
+python3 -m fastoffload_ext >> "$summary" 2>&1
+step tests "$DEST/tests.log" python3 -m pytest -q -p no:cacheprovider -rs "$@"
+tests_rc=$?
+step bench "$DEST/bench.log" python3 -m benchmarks $QUICK --out "$DEST"
+bench_rc=$?
+cat "$summary"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

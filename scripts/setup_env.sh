@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Idempotent set-up used by `make test` and `make bench`: installs what is missing, builds the
+# extension in place when its sources changed. Uses the torch that is already installed (the GPU
+# machines have no network); installs one only where none is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
+
+have() { "$PY" -c "import $1" >/dev/null 2>&1; }
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! have torch; then
+  echo "setup: installing $TORCH_SPEC" >&2
+  pip_install "$TORCH_SPEC"
+fi
+missing=()
+for pair in pytest:pytest hypothesis:hypothesis ninja:ninja setuptools:setuptools wheel:wheel ${EXTRA_MODULES:-}; do
+  have "${pair%%:*}" || missing+=("${pair##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  pip_install "${missing[@]}" || echo "setup: could not install ${missing[*]} (offline?); continuing" >&2
+fi
+
+# Rebuild only when the sources or the torch changed: a stamp of both sits next to the package.
+stamp=$(cat setup.py csrc/* | sha1sum | cut -d' ' -f1)-$("$PY" -c "import torch; print(torch.__version__)")
+if [ "$(cat fastoffload_ext/_build_stamp 2>/dev/null)" != "$stamp" ] || ! "$PY" -c "import fastoffload_ext._C" >/dev/null 2>&1; then
+  echo "setup: building fastoffload_ext (FASTOFFLOAD_CUDA=${FASTOFFLOAD_CUDA:-auto}, MAX_JOBS=${MAX_JOBS:-$(nproc)})" >&2
+  start=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -q -e . \
+    > build.log 2>&1 || { tail -40 build.log >&2; echo "setup: build failed, full log in build.log" >&2; exit 1; }
+  echo "$stamp" > fastoffload_ext/_build_stamp
+  echo "setup: built in $(( $(date +%s) - start )) s" >&2
+fi

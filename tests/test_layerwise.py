@@ -1,0 +1,450 @@
+"""Layerwise offload against the resident model, bit for bit, through the public API.
+
+Every test runs on the CPU (the engine with the host as its device) and, with the ``cuda`` marker, on
+a GPU; both backends ("ext": the compiled core, "python": FastVideo's algorithm).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fastoffload_ext as fo
+from fastoffload_ext import ModuleHookManager, LayerwiseOffloadHook
+
+from ._models import OFFLOAD_DEVICES, Block, Stack, make_pair, params_equal, place_outside_blocks
+
+BACKENDS = ["ext", "python"]
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cpu") if name == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _setup(n_blocks: int, device: str, dtype: torch.dtype = torch.float32, seed: int = 0, d: int = 16):
+    model, reference = make_pair(n_blocks, dtype, d=d, seed=seed)
+    reference.to(_device(device))
+    place_outside_blocks(model, device)
+    x = torch.randn(3, 5, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(_device(device))
+    return model, reference, x
+
+
+def _hook(block: nn.Module) -> LayerwiseOffloadHook:
+    manager = ModuleHookManager.get_from(block)
+    assert manager is not None
+    hook = manager.get_forward_hook(LayerwiseOffloadHook.name())
+    assert isinstance(hook, LayerwiseOffloadHook)
+    return hook
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 5, 7])
+def test_bit_exact_over_steps(device: str, backend: str, dtype: torch.dtype, depth: int, n_blocks: int) -> None:
+    model, reference, x = _setup(n_blocks, device, dtype)
+    with torch.inference_mode():
+        want = reference(x)
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth)
+    assert group is not None and group.backend == backend
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    for block in model.blocks:
+        assert all(p.numel() == 0 for p in block.parameters())
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    with torch.inference_mode():
+        assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("resident", [0, 1, 3, 4])
+@pytest.mark.parametrize("cyclic", [True, False])
+def test_resident_blocks_and_cyclic(device: str, backend: str, resident: int, cyclic: bool) -> None:
+    model, reference, x = _setup(4, device)
+    with torch.no_grad():
+        want = reference(x)
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, resident_blocks=resident, cyclic=cyclic)
+    target = _device(device)
+    for i, block in enumerate(model.blocks):
+        if i < resident:
+            # Resident blocks: real tensors on the device, no hook.
+            assert all(p.numel() > 0 and p.device == target for p in block.parameters())
+            assert ModuleHookManager.get_from(block) is None
+        else:
+            assert all(p.numel() == 0 for p in block.parameters())
+    states = group.states
+    assert len(states) == 4 - resident
+    if states:
+        last = states[-1]
+        assert (last.next_state is states[0]) == (cyclic and len(states) > 1) or (cyclic and len(states) == 1)
+        if not cyclic:
+            assert last.next_state is None and last.prefetch_targets == []
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    if backend == "ext" and states:
+        stats = group.stats()
+        offloaded = len(states)
+        # Non-cyclic: every step's first offloaded block is loaded on demand; cyclic: only the first step's.
+        expected_sync = 1 if (cyclic or offloaded <= 2) else 3
+        assert stats["sync_loads"] == expected_sync
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_depth_zero_loads_on_demand(device: str, backend: str) -> None:
+    model, reference, x = _setup(3, device)
+    with torch.no_grad():
+        want = reference(x)
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=0)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    if backend == "ext":
+        assert group.stats()["num_slots"] == 1
+    fo.disable_layerwise_offload(model)
+
+
+class _Skipping(nn.Module):
+    """A cache-based accelerator's pattern: some steps skip blocks, some run a block twice."""
+
+    def __init__(self, stack: Stack) -> None:
+        super().__init__()
+        self.blocks = stack.blocks
+        self.proj_in = stack.proj_in
+        self.proj_out = stack.proj_out
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        x = self.proj_in(x)
+        for i in order:
+            x = self.blocks[i](x)
+        return self.proj_out(x)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_skipped_and_repeated_blocks(device: str, backend: str, depth: int) -> None:
+    model, reference, x = _setup(5, device)
+    model, reference = _Skipping(model), _Skipping(reference)
+    orders = [[0, 1, 2, 3, 4], [0, 2, 4], [0, 0, 1, 1, 4], [3, 1], [0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]
+    fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth)
+    with torch.no_grad():
+        for order in orders:
+            assert torch.equal(model(x, order), reference(x, order)), order
+    group = fo.get_offload_group(model)
+    if backend == "ext":
+        engine = group.engine
+        assert all(engine.slot_state(s) != "in_use" for s in range(engine.num_slots))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exception_mid_forward_loses_nothing(device: str, backend: str) -> None:
+    model, reference, x = _setup(4, device)
+    with torch.no_grad():
+        want = reference(x)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+
+    def boom(module, args):
+        raise KeyboardInterrupt("interrupted inside block 2")
+
+    handle = model.blocks[2].norms[0].register_forward_pre_hook(boom)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt, match="inside block 2"):
+        model(x)
+    handle.remove()
+    # The failed block gave its weights back; the next step is exact.
+    assert all(p.numel() == 0 for b in model.blocks for p in b.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_detach_mid_step_keeps_current_values(device: str, backend: str) -> None:
+    model, reference, x = _setup(3, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    seen = {}
+
+    def detach_now(module, args):
+        fo.disable_layerwise_offload(model, device="cpu")
+        seen["done"] = True
+
+    handle = model.blocks[1].qkv.register_forward_pre_hook(detach_now)
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    assert seen["done"]
+    assert fo.get_offload_group(model) is None
+    assert all(ModuleHookManager.get_from(b) is None for b in model.blocks)
+    assert all(p.device.type == "cpu" and p.numel() > 0 for b in model.blocks for p in b.parameters())
+    assert params_equal(model.blocks, reference.blocks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disable_puts_parameters_where_asked(backend: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=1)
+    fo.disable_layerwise_offload(model, device="cpu")
+    for block in model.blocks:
+        assert ModuleHookManager.get_from(block) is None
+        assert "forward" not in vars(block)  # the original forward is back
+        for p in block.parameters():
+            assert p.device.type == "cpu" and p.numel() > 0
+    assert params_equal(model, reference)
+    with pytest.raises(ValueError, match="layerwise offload is not enabled on this model"):
+        fo.disable_layerwise_offload(model)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_on_detach_through_the_hook_manager(backend: str) -> None:
+    model, reference, x = _setup(2, "cpu")
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    for block in model.blocks:
+        ModuleHookManager.get_from(block).remove_forward_hook(LayerwiseOffloadHook.name())
+        assert all(p.numel() > 0 for p in block.parameters())
+    assert params_equal(model, reference)
+
+
+def test_seed_errors_and_enable_twice() -> None:
+    with pytest.raises(ValueError, match="^No nn.ModuleList found in the model for layerwise offloading.$"):
+        fo.enable_layerwise_offload(nn.Sequential(nn.Linear(2, 2)), device="cpu")
+    model, _, _ = _setup(2, "cpu")
+    with pytest.raises(AssertionError, match="^Expect hook exists in blocks for replacement.$"):
+        fo.enable_layerwise_offload(model, is_replace=True, device="cpu")
+    fo.enable_layerwise_offload(model, device="cpu")
+    with pytest.raises(ValueError, match="layerwise offload is already enabled on this model"):
+        fo.enable_layerwise_offload(model, device="cpu")
+    fo.disable_layerwise_offload(model)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_replace_swaps_the_hooks(backend: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    with torch.no_grad():
+        want = reference(x)
+    first = fo.enable_layerwise_offload(model, device="cpu", backend="python")
+    second = fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, prefetch_depth=2)
+    assert fo.get_offload_group(model) is second and second is not first
+    assert all(_hook(b).state in second.states for b in model.blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_without_cuda_and_no_device_it_warns_and_skips(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, _, _ = _setup(2, "cpu")
+    with caplog.at_level("WARNING"):
+        assert fo.enable_layerwise_offload(model) is None
+    assert "CUDA is not available. Layerwise offloading is disabled." in caplog.text
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefetch_depth": -1}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got -1"),
+    ({"prefetch_depth": 1.5}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got 1.5"),
+    ({"resident_blocks": 5}, r"resident_blocks must be an integer between 0 and the 2 blocks of 'blocks', got 5"),
+    ({"resident_blocks": -1}, r"resident_blocks must be an integer between 0 and the 2 blocks of 'blocks', got -1"),
+    ({"backend": "cuda"}, r"backend must be one of 'auto', 'ext', 'python', got 'cuda'"),
+    ({"device": "mps"}, r"device must be 'cuda', 'cuda:N' or 'cpu', got 'mps'"),
+    ({"device": "banana"}, r"device must be 'cuda', 'cuda:N' or 'cpu', got 'banana'"),
+    ({"pin_backing": "gpu"}, r"pin_backing must be one of 'host_alloc', 'register', 'pageable', got 'gpu'"),
+])
+def test_bad_arguments(kwargs, message) -> None:
+    model, reference, _ = _setup(2, "cpu")
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(ValueError, match=message):
+        fo.enable_layerwise_offload(model, **kwargs)
+    assert fo.get_offload_group(model) is None and params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_weights_are_refused_and_nothing_changes(backend: str) -> None:
+    model, reference, _ = _setup(3, "cpu")
+    model.blocks[2].o.weight = model.blocks[0].o.weight
+    with pytest.raises(ValueError, match=r"parameter blocks.2.o.weight is the same tensor as blocks.0.o.weight"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert all(p.numel() > 0 for p in model.parameters())
+    model, _, _ = _setup(3, "cpu")
+    model.proj_out.weight = model.blocks[1].o.weight
+    with pytest.raises(ValueError, match=r"parameter proj_out.weight is the same tensor as blocks.1.o.weight"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    # Keeping the tied block resident is the documented way out.
+    model, _, _ = _setup(3, "cpu")
+    model.proj_out.weight = model.blocks[0].o.weight
+    assert fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=1) is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_meta_parameters_are_refused(backend: str) -> None:
+    with torch.device("meta"):
+        model = Stack(2)
+    with pytest.raises(ValueError, match=r"parameter 0.qkv.weight is on the meta device and has no values to offload"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_recording_forward_is_refused(device: str, backend: str) -> None:
+    model, reference, x = _setup(2, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    with pytest.raises(RuntimeError, match=r"its parameter '\S+' requires grad, and grad mode is on"):
+        model(x)
+    # The refused forward loses nothing, and the normal (no-grad) path works afterwards.
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    model.requires_grad_(False)
+    assert torch.equal(model(x), reference(x).detach())
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+class _LoRALinear(nn.Module):
+    """What an adapter conversion does: replaces a Linear with a module holding more parameters."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        gen = torch.Generator().manual_seed(7)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features, generator=gen).to(base.weight.dtype)
+                                   .to(base.weight.device) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank, generator=gen).to(base.weight.dtype)
+                                   .to(base.weight.device) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _convert_and_merge(block: Block) -> None:
+    block.up = _LoRALinear(block.up)
+    with torch.no_grad():
+        block.o.weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mutate_params_scope_follows_fastvideo_lora_pattern(device: str, backend: str) -> None:
+    model, reference, x = _setup(3, device)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    with torch.no_grad():
+        model(x)  # offload is running
+        for block in model.blocks:
+            hook = _hook(block)
+            with hook.mutate_params_scope():
+                # Inside the scope the weights are real device tensors and stay there.
+                assert all(p.numel() > 0 and p.device == _device(device) for p in block.parameters())
+                _convert_and_merge(block)
+        for block in reference.blocks:
+            _convert_and_merge(block)
+        assert all(p.numel() == 0 for b in model.blocks for p in b.parameters())
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mutate_scope_rebuilds_even_when_it_raises(backend: str) -> None:
+    model, reference, x = _setup(2, "cpu")
+    model.requires_grad_(False)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = _hook(model.blocks[0])
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        with hook.mutate_params_scope():
+            with torch.no_grad():
+                model.blocks[0].qkv.weight.add_(1.0)
+            raise RuntimeError("conversion failed")
+    with torch.no_grad():
+        reference.blocks[0].qkv.weight.add_(1.0)
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_buffers_go_to_the_device_and_stay(device: str, backend: str) -> None:
+    model, reference, x = _setup(2, device)
+    for m in (model, reference):
+        for block in m.blocks:
+            block.register_buffer("scale", torch.full((16,), 0.5))
+    reference.to(_device(device))
+    for m in (model, reference):
+        for block in m.blocks:
+            block.forward = (lambda blk: (lambda h: Block.forward(blk, h) * blk.scale))(block)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    assert all(b.scale.device == _device(device) for b in model.blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_arriving_on_gpu_frees_its_memory(backend: str) -> None:
+    torch.cuda.empty_cache()
+    model, reference, x = _setup(4, "cuda", d=256)
+    before = torch.cuda.memory_allocated()
+    model.to("cuda")
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    assert torch.cuda.memory_allocated() - before >= block_bytes
+    group = fo.enable_layerwise_offload(model, backend=backend)
+    assert group.device.type == "cuda"
+    # The blocks' weights left the GPU (only slots of at most two blocks may be allocated, lazily).
+    assert torch.cuda.memory_allocated() - before < block_bytes * 0.05 + 4096
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.cuda
+def test_ext_peak_gpu_memory_is_bounded_by_slots() -> None:
+    model, reference, x = _setup(8, "cuda", dtype=torch.bfloat16, d=512)
+    group = fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        out = model(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    stats = group.stats()
+    largest = max(group.engine.block_bytes(i) for i in range(len(group.states)))
+    assert stats["num_slots"] == 2 and stats["slot_bytes"] == largest
+    activations = 64 * x.numel() * x.element_size()
+    assert peak <= 2 * largest + activations + (2 << 20)
+    assert torch.equal(out, reference(x))
+
+
+def test_transformers_decoder_layers_offload_bit_exact() -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is installed by scripts/setup_env.sh")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        want = reference(input_ids=ids).last_hidden_state
+    for backend in BACKENDS:
+        group = fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+        assert group.list_name == "layers" and len(group.states) == 3
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(input_ids=ids).last_hidden_state, want)
+        fo.disable_layerwise_offload(model)
+        assert params_equal(model, reference)
