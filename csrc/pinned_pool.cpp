@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include <c10/util/Exception.h>
 
@@ -20,7 +21,11 @@ constexpr size_t kPage = 4096;
 
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-double mib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+std::string mib(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return text;
+}
 
 void* map_pages(size_t nbytes) {
   void* base = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -144,7 +149,7 @@ size_t PinnedPool::add_slab(size_t nbytes) {
 #ifdef FASTOFFLOAD_WITH_CUDA
     std::string error;
     if (limit_bytes_ != 0 && stats_.pinned_bytes + size > limit_bytes_) {
-      error = "the pool's limit of " + std::to_string(mib(limit_bytes_)) + " MiB would be exceeded";
+      error = "the pool's limit of " + mib(limit_bytes_) + " MiB would be exceeded";
     } else {
       c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
       slab.base = pin_pages(backing_, size, error);

@@ -5,6 +5,11 @@
 // tensor. Here a request is rounded to kAlignment bytes only, slabs are released back to the OS as
 // soon as they are empty, and every byte is accounted for in stats().
 //
+// Backing, measured on one H200 host (PCIe Gen5 x16, 2026-11-29, fresh 1 GiB): cudaHostAlloc pins at
+// 622 ms/GiB, mmap + cudaHostRegister at 382 ms/GiB; H2D from either runs at the same speed (55.5 vs
+// 55.4 GB/s at 1 GiB, 35.2 vs 38.5 at 1 MiB). The layerwise layer therefore defaults to kRegister;
+// both stay available, and kRegister is also the path that can pin pages shared between processes.
+//
 // Without CUDA (a CPU-only build, or a pool for the host "device") the same pool hands out ordinary
 // page-aligned memory, so the sub-allocator and its accounting are tested on machines with no GPU.
 #pragma once

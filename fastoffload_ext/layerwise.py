@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 GROUP_ATTRIBUTE = "_fastoffload_group"
 BACKENDS = ("auto", "ext", "python")
 PIN_BACKINGS = ("host_alloc", "register", "pageable")
+# mmap + cudaHostRegister: measured on the H200 (2026-11-29, one fresh 1 GiB allocation) at 382 ms/GiB
+# against 622 ms/GiB for cudaHostAlloc, with the same H2D bandwidth from either (55.4 vs 55.5 GB/s at
+# 1 GiB, 54.5 vs 54.8 at 16 MiB).
+DEFAULT_PIN_BACKING = "register"
 
 
 class LayerwiseOffloadHook(ForwardHook):
@@ -288,7 +292,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
         pin_backing: ext only: "host_alloc" (cudaHostAlloc), "register" (mmap + cudaHostRegister) or
-            "pageable". Default: "host_alloc".
+            "pageable". Default: "register" (faster to pin, same copy speed; see DEFAULT_PIN_BACKING).
         allow_pageable_fallback: ext only: when pinning fails, warn and use pageable memory instead of
             raising.
         pinned_limit_bytes: ext only: refuse (or fall back, see above) beyond this many pinned bytes.
@@ -335,7 +339,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     if chosen == "ext" and offloaded:
         core = _backend.require_ext()
         index = -1 if resolved.type == "cpu" else resolved.index
-        pool = core.PinnedPool(index, pin_backing or "host_alloc", pinned_limit_bytes or 0, allow_pageable_fallback, 0)
+        pool = core.PinnedPool(index, pin_backing or DEFAULT_PIN_BACKING, pinned_limit_bytes or 0, allow_pageable_fallback, 0)
         engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
     group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
     group._owner = owner
