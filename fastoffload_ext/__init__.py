@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastoffload_ext._backend import REASON as backend_reason
 from fastoffload_ext._backend import active_backend, build_info, ext_available
+from fastoffload_ext.configure import AppliedOffload, apply_offload_config
 from fastoffload_ext.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.layerwise import (
     LayerwiseOffloadGroup,
@@ -16,12 +17,29 @@ from fastoffload_ext.layerwise import (
     enable_layerwise_offload,
     get_offload_group,
 )
+from fastoffload_ext.lazy import LazyModule, is_lazy_module
 from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.policy import DEVICE_POLICY_STEPS, UNIFIED_MEMORY_OFFLOAD_PATHS, has_unified_memory
+from fastoffload_ext.resolution import ExecutionMode, Resolution, ResolutionView, resolve
+from fastoffload_ext.schedule import ReleaseSchedule, run_pipeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEVICE_POLICY_STEPS",
+    "UNIFIED_MEMORY_OFFLOAD_PATHS",
+    "AppliedOffload",
+    "ExecutionMode",
     "ExtLayerwiseOffloadState",
+    "LazyModule",
+    "ReleaseSchedule",
+    "Resolution",
+    "ResolutionView",
+    "apply_offload_config",
+    "has_unified_memory",
+    "is_lazy_module",
+    "resolve",
+    "run_pipeline",
     "ForwardHook",
     "LayerwiseOffloadGroup",
     "LayerwiseOffloadHook",

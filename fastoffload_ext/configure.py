@@ -1,0 +1,268 @@
+"""One call that turns an offload config into offloaded modules, and says why it did what it did.
+
+Without this, a user has to resolve the config through the device policy, read the result, enable
+layerwise offload on the transformer, wrap components for lazy loading, and remember that the policy
+may have overruled them. :func:`apply_offload_config` does all of it::
+
+    applied = apply_offload_config(
+        {"engine": {"offload": {"dit_layerwise": True}}},
+        transformer=dit,                                  # an nn.Module, a LazyModule, or a key of components
+        components={"text_encoder": load_text_encoder,    # zero-argument loaders, not loaded modules
+                    "vae": load_vae},
+    )
+    text_encoder = applied.components["text_encoder"]     # LazyModule or loaded module, per the config
+    print(applied.explain())                              # what was done and which rule decided it
+
+What it does, in order:
+
+1. Checks every argument, so a mistake fails before anything is loaded or hooked.
+2. Resolves ``config`` through ``steps`` (default :data:`~fastoffload_ext.policy.DEVICE_POLICY_STEPS`)
+   with :func:`~fastoffload_ext.resolution.resolve`. The caller's config is not mutated.
+3. Components: when ``engine.offload.lazy_module_load`` resolved to True, each loader is wrapped in a
+   :class:`~fastoffload_ext.lazy.LazyModule` (nothing loads now); otherwise every loader runs now and
+   the loaded module is returned. Either way ``AppliedOffload.components`` maps each name to something
+   usable as the module. Loaders are required, not modules: lazy loading can only save memory for a
+   component that has not been loaded yet.
+4. Layerwise offload: when ``engine.offload.dit_layerwise`` resolved to True, the transformer gets
+   ``fastoffload_ext.layerwise.enable_layerwise_offload(transformer, device=device, **layerwise_options)``.
+   A lazy transformer (a ``LazyModule``, or a component name while lazy loading is on) is *not* loaded
+   for this: offload is registered as its materialize transform, so it applies to the instance loaded
+   now (if any) and to every instance reloaded after a release. Without a transformer, nothing is
+   hooked and a warning says so. With ``device=None`` on a machine without CUDA the engine declines
+   (as FastVideo's does) and the action is ``SKIPPED``.
+5. The other resolved switches (``engine.use_fsdp_inference``, ``engine.offload.dit``,
+   ``text_encoder``, ``image_encoder``, ``vae``) describe FastVideo's whole-module offloads, which this
+   package does not implement. The ones that resolved to True are listed in
+   ``AppliedOffload.not_applied`` and logged, so the pipeline can act on them; none is silently dropped.
+
+``device`` is passed to ``enable_layerwise_offload`` unchanged: None lets the engine pick the current
+CUDA device; ``"cpu"`` runs the engine with the host as the device (how the CPU tests exercise it).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.policy import DEVICE_POLICY_STEPS
+from fastoffload_ext.resolution import Resolution, ResolutionStep, resolve
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AppliedOffload", "LayerwiseAction", "apply_offload_config"]
+
+_LAYERWISE_PATH = "engine.offload.dit_layerwise"
+_LAZY_PATH = "engine.offload.lazy_module_load"
+# Resolved switches that describe offloads this package does not perform itself.
+_NOT_IMPLEMENTED_PATHS = (
+    "engine.use_fsdp_inference",
+    "engine.offload.dit",
+    "engine.offload.text_encoder",
+    "engine.offload.image_encoder",
+    "engine.offload.vae",
+)
+# Arguments of enable_layerwise_offload that apply_offload_config supplies itself.
+_RESERVED_LAYERWISE_OPTIONS = ("model", "device")
+
+
+class LayerwiseAction(enum.StrEnum):
+    """What :func:`apply_offload_config` did about layerwise offload."""
+
+    APPLIED = "applied"
+    """``enable_layerwise_offload`` ran on the (loaded) transformer."""
+    ON_LOAD = "on_load"
+    """The transformer is lazy: offload is applied to every instance it loads (and to the loaded one now)."""
+    SKIPPED = "skipped"
+    """``enable_layerwise_offload`` declined and returned None (no CUDA and no ``device`` given); it logged why."""
+    DISABLED = "disabled"
+    """``engine.offload.dit_layerwise`` resolved to False; see the resolution for which rule decided it."""
+    NO_TRANSFORMER = "no_transformer"
+    """The config asked for layerwise offload but no transformer was passed."""
+
+
+@dataclass(frozen=True)
+class AppliedOffload:
+    """What :func:`apply_offload_config` did, and the resolution that made it do so.
+
+    Attributes:
+        resolution: the resolved config with its provenance (``resolution.explain()``).
+        layerwise: what happened about layerwise offload.
+        layerwise_result: what ``enable_layerwise_offload`` returned (its ``LayerwiseOffloadGroup`` when
+            ``APPLIED``; None otherwise).
+        components: each component name → a ``LazyModule`` (lazy loading on) or the loaded module.
+        lazy_components: the names wrapped in ``LazyModule``, in the order given.
+        not_applied: settings that resolved to True but that this package does not act on.
+    """
+
+    resolution: Resolution
+    layerwise: LayerwiseAction
+    layerwise_result: Any
+    components: Mapping[str, Any]
+    lazy_components: tuple[str, ...]
+    not_applied: tuple[str, ...]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The resolved config (nested dicts)."""
+        return self.resolution.config
+
+    def explain(self) -> str:
+        """The actions taken, each with the rule that decided it, followed by the full resolution."""
+        resolution = self.resolution
+
+        def why(path: str) -> str:
+            origin = resolution.origins.get(path, "default")
+            source = origin if origin in ("input", "default") else f"set by {origin}"
+            return f"{path} = {resolution.get(path)} ({source})"
+
+        lines = [f"Layerwise offload: {self.layerwise.value} [{why(_LAYERWISE_PATH)}]"]
+        lazy = ", ".join(self.lazy_components) if self.lazy_components else "none"
+        lines.append(f"Lazy components: {lazy} [{why(_LAZY_PATH)}]")
+        if self.not_applied:
+            lines.append("Resolved on but not performed by fastoffload_ext (your pipeline must act on them): "
+                         + ", ".join(self.not_applied))
+        lines.append(resolution.explain())
+        return "\n".join(lines)
+
+
+def _check_components(components: Mapping[str, Callable[[], Any]] | None) -> dict[str, Callable[[], Any]]:
+    if components is None:
+        return {}
+    if not isinstance(components, Mapping):
+        raise TypeError(f"components must be a mapping of name -> loader, got {type(components).__name__}")
+    loaders: dict[str, Callable[[], Any]] = {}
+    for name, loader in components.items():
+        # is_lazy_module before isinstance: isinstance() on a LazyModule would load it.
+        if is_lazy_module(loader):
+            raise TypeError(f"components[{name!r}] is already a LazyModule; pass its loader (a zero-argument "
+                            "callable) and apply_offload_config will wrap it when lazy loading is on")
+        if isinstance(loader, nn.Module):
+            raise TypeError(f"components[{name!r}] is a loaded {type(loader).__name__}; pass a loader instead, "
+                            f"e.g. components={{{name!r}: build_{name}}} where build_{name}() returns the module: "
+                            "lazy loading can only save memory for a component that is not loaded yet")
+        if not callable(loader):
+            raise TypeError(f"components[{name!r}] is {type(loader).__name__}, not a loader; pass a "
+                            "zero-argument callable that returns the module")
+        loaders[name] = loader
+    return loaders
+
+
+def _check_transformer(transformer: nn.Module | LazyModule | str | None, loaders: Mapping[str, Any]) -> None:
+    if transformer is None or is_lazy_module(transformer):
+        return
+    if isinstance(transformer, str):
+        if transformer not in loaders:
+            raise ValueError(f"transformer={transformer!r} names no component; components has "
+                             f"{', '.join(map(repr, loaders)) or 'nothing'}. Pass the transformer module, or the "
+                             "key of its loader in components")
+        return
+    if not isinstance(transformer, nn.Module):
+        raise TypeError(f"transformer must be an nn.Module, a LazyModule or the name of a component, got "
+                        f"{type(transformer).__name__}")
+
+
+def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    reserved = [key for key in _RESERVED_LAYERWISE_OPTIONS if key in options]
+    if reserved:
+        raise ValueError(f"layerwise_options may not contain {', '.join(map(repr, reserved))}: pass the "
+                         "transformer as transformer= and the device as device= to apply_offload_config")
+    return dict(options)
+
+
+def _load_now(name: str, loader: Callable[[], Any]) -> Any:
+    component = loader()
+    if component is None:
+        raise ValueError(f"Loader for component {name} returned None; the loader must return the built "
+                         "component (check for a missing return statement)")
+    return component
+
+
+def apply_offload_config(
+    config: Mapping[str, Any],
+    *,
+    transformer: nn.Module | LazyModule | str | None = None,
+    components: Mapping[str, Callable[[], Any]] | None = None,
+    device: torch.device | str | None = None,
+    layerwise_options: Mapping[str, Any] | None = None,
+    steps: Sequence[ResolutionStep] = DEVICE_POLICY_STEPS,
+) -> AppliedOffload:
+    """Resolve ``config`` through the device policy and apply the result (see the module docstring).
+
+    Args:
+        config: the offload config as nested mappings (schema:
+            :data:`~fastoffload_ext.resolution.DEFAULT_SCHEMA`); not mutated.
+        transformer: the DiT to offload layerwise: an ``nn.Module``, a ``LazyModule``, or the name of
+            its loader in ``components``. May be None.
+        components: name → zero-argument loader returning the module.
+        device: the device the layerwise engine computes on (None: the engine's default).
+        layerwise_options: extra keyword arguments for ``enable_layerwise_offload`` (e.g.
+            ``resident_blocks``, ``prefetch_depth``, ``cyclic``, ``backend``).
+        steps: the resolution steps; defaults to the device policy.
+
+    Returns:
+        :class:`AppliedOffload`: the components to use, what was done, and why.
+
+    Raises:
+        TypeError: a component is not a loader, or ``transformer`` is of the wrong kind.
+        ValueError: ``transformer`` names no component, ``layerwise_options`` holds ``model`` or
+            ``device``, or a loader returned None; resolution errors
+            (:class:`~fastoffload_ext.resolution.ResolutionError`) and errors of
+            ``enable_layerwise_offload`` propagate.
+    """
+    loaders = _check_components(components)
+    _check_transformer(transformer, loaders)
+    options = _check_layerwise_options(layerwise_options)
+
+    resolution = resolve(config, steps)
+
+    lazy = bool(resolution.get(_LAZY_PATH))
+    built: dict[str, Any] = {}
+    for name, loader in loaders.items():
+        built[name] = LazyModule(name, loader) if lazy else _load_now(name, loader)
+    lazy_components = tuple(loaders) if lazy else ()
+
+    # is_lazy_module first: isinstance(proxy, str) would load a lazy transformer just to answer.
+    target = transformer
+    if not is_lazy_module(transformer) and isinstance(transformer, str):
+        target = built[transformer]
+    layerwise_result: Any = None
+    if not resolution.get(_LAYERWISE_PATH):
+        action = LayerwiseAction.DISABLED
+    elif target is None:
+        action = LayerwiseAction.NO_TRANSFORMER
+        logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "
+                       "pass transformer= to apply_offload_config")
+    else:
+        # Imported here: the engine module is heavier and this module must stay importable without it.
+        from fastoffload_ext.layerwise import enable_layerwise_offload
+
+        if is_lazy_module(target):
+            def offload_on_load(module: Any) -> Any:
+                enable_layerwise_offload(module, device=device, **options)
+                return module
+
+            target.set_materialize_transform(offload_on_load)
+            action = LayerwiseAction.ON_LOAD
+        else:
+            layerwise_result = enable_layerwise_offload(target, device=device, **options)
+            action = LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED
+
+    not_applied = tuple(path for path in _NOT_IMPLEMENTED_PATHS if resolution.get(path))
+    if not_applied:
+        logger.info("Resolved on but not performed by fastoffload_ext, act on them in your pipeline: %s",
+                    ", ".join(not_applied))
+    logger.info("Offload applied: layerwise %s, lazy components: %s", action.value,
+                ", ".join(lazy_components) or "none")
+
+    return AppliedOffload(resolution=resolution, layerwise=action, layerwise_result=layerwise_result,
+                          components=MappingProxyType(built), lazy_components=lazy_components,
+                          not_applied=not_applied)

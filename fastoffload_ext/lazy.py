@@ -1,0 +1,238 @@
+"""Components that load when first used and can be dropped when no longer needed.
+
+A diffusion pipeline usually builds every component (text encoder, image encoder, transformer, VAE)
+before its first stage runs, so its peak memory is the *sum* of the components, although no two of
+them are needed at the same moment. On a unified-memory device that sum is charged to the same pool
+the activations come from, and a model whose parts each fit can still fail to load.
+
+``LazyModule`` turns the sum into a *maximum*: it stands in for a component, loads it the first time
+anything touches it, and drops it when told to. Whoever runs the stages decides when to release
+(FastVideo's pipeline does; ``fastoffload_ext.schedule`` does it for everyone else); this module only
+owns the proxying and the load/free mechanics.
+
+The proxy is deliberately transparent: attribute access, calls and ``isinstance`` all reach the real
+component, loading it if needed, so code written for the real module keeps working. The two things
+that must *not* load it are ``repr`` (logging a pipeline must not pull gigabytes) and
+:func:`is_lazy_module` (the way to ask "is this a proxy?" without paying for the answer).
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeGuard
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LazyModule", "is_lazy_module"]
+
+# The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
+# attribute access on the proxy belongs to the real component.
+_STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_materialize_transform", "_lazy_module",
+                "_lazy_release_callbacks")
+
+
+def _cuda_allocated_gib() -> float | None:
+    """Device memory held by tensors right now, or None where there is no CUDA to ask."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.memory_allocated() / 1024**3
+
+
+def _state(proxy: LazyModule, slot: str) -> Any:
+    return object.__getattribute__(proxy, slot)
+
+
+def _set_state(proxy: LazyModule, slot: str, value: Any) -> None:
+    object.__setattr__(proxy, slot, value)
+
+
+class LazyModule:
+    """Stands in for a pipeline component and loads it on first use.
+
+    Every attribute access, call and ``isinstance`` check is forwarded to the real component, which
+    is loaded first if needed. :meth:`release` drops the reference and empties the allocator cache;
+    any later use runs the loader again, so releasing too early costs time, never correctness.
+
+    Args:
+        name: the component's name, used in log messages and errors.
+        loader: a zero-argument callable that builds and returns the component. It runs once per
+            materialization: on first use, and again after each :meth:`release`.
+    """
+
+    __slots__ = _STATE_SLOTS
+
+    def __init__(self, name: str, loader: Callable[[], Any]) -> None:
+        _set_state(self, "_lazy_name", name)
+        _set_state(self, "_lazy_loader", loader)
+        _set_state(self, "_lazy_materialize_transform", None)
+        _set_state(self, "_lazy_module", None)
+        _set_state(self, "_lazy_release_callbacks", [])
+
+    @property
+    def lazy_name(self) -> str:
+        """The name given at construction; reading it does not load the component."""
+        return _state(self, "_lazy_name")
+
+    @property
+    def is_materialized(self) -> bool:
+        """Whether the real component is loaded now; asking does not load it."""
+        return _state(self, "_lazy_module") is not None
+
+    def materialize(self) -> Any:
+        """The real component, loaded (and transformed) now if this is its first use since a release.
+
+        Raises:
+            ValueError: the loader, or a materialize transform, returned None; a missing return
+                statement would otherwise surface much later as a confusing ``NoneType`` error.
+        """
+        loaded = _state(self, "_lazy_module")
+        if loaded is not None:
+            return loaded
+
+        name = _state(self, "_lazy_name")
+        logger.info("Loading deferred module %s", name)
+        component = _state(self, "_lazy_loader")()
+        if component is None:
+            raise ValueError(f"Deferred loader for module {name} returned None; the loader must return the "
+                             "built component (check for a missing return statement)")
+
+        transform = _state(self, "_lazy_materialize_transform")
+        if transform is not None:
+            component = transform(component)
+            if component is None:
+                raise ValueError(f"Materialize transform for module {name} returned None; a transform must "
+                                 "return the module it was given, or a wrapper of it")
+        _set_state(self, "_lazy_module", component)
+
+        allocated = _cuda_allocated_gib()
+        if allocated is not None:
+            logger.info("Loaded deferred module %s, cuda allocated now %.2f GiB", name, allocated)
+        return component
+
+    def set_materialize_transform(self, transform: Callable[[Any], Any]) -> None:
+        """Apply ``transform`` to the component now (if loaded) and to every instance loaded later.
+
+        Registering a transform never loads the component. Transforms compose: a second call wraps
+        the first (``new(old(module))``) for future loads, while an instance that is already loaded,
+        having been through ``old`` already, receives only ``new``, so current and future instances
+        end up set up the same way. A transform may return a wrapper (``torch.compile`` does).
+
+        Raises:
+            ValueError: the component is loaded and ``transform`` returned None for it; the proxy is
+                left exactly as it was (previous transform, previous instance).
+        """
+        previous = _state(self, "_lazy_materialize_transform")
+        loaded = _state(self, "_lazy_module")
+
+        if previous is None:
+            composed: Callable[[Any], Any] = transform
+        else:
+            def composed(component: Any) -> Any:
+                return transform(previous(component))
+
+        if loaded is not None:
+            transformed = transform(loaded)
+            if transformed is None:
+                raise ValueError(f"Materialize transform for module {self.lazy_name} returned None; a "
+                                 "transform must return the module it was given, or a wrapper of it")
+            _set_state(self, "_lazy_module", transformed)
+        _set_state(self, "_lazy_materialize_transform", composed)
+
+    def add_release_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` every time the real component is dropped (after the drop, in order)."""
+        _state(self, "_lazy_release_callbacks").append(callback)
+
+    def release(self) -> bool:
+        """Drop the real component and free what it held.
+
+        Release callbacks run after the proxy lets go of the component, then the garbage collector
+        runs and, where CUDA is available, the caching allocator hands its free blocks back; memory
+        only comes back if nothing else still references the component.
+
+        Returns:
+            True if a loaded component was dropped, False if there was nothing to release.
+        """
+        component = _state(self, "_lazy_module")
+        if component is None:
+            return False
+
+        name = _state(self, "_lazy_name")
+        before = _cuda_allocated_gib()
+        _set_state(self, "_lazy_module", None)
+        del component
+        for callback in list(_state(self, "_lazy_release_callbacks")):
+            callback()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+        after = _cuda_allocated_gib()
+        if before is not None and after is not None:
+            logger.info("Released deferred module %s, cuda allocated %.2f -> %.2f GiB, freed %.2f GiB", name, before,
+                        after, before - after)
+        else:
+            logger.info("Released deferred module %s", name)
+        return True
+
+    # ---- proxying -----------------------------------------------------------------------------
+
+    def __getattr__(self, item: str) -> Any:
+        # Only reached when normal lookup failed, i.e. the attribute is not the proxy's own. The
+        # proxy's slots are excluded so an uninitialised proxy (e.g. one built by copy/pickle
+        # machinery) fails with AttributeError instead of recursing through materialize().
+        if item in _STATE_SLOTS:
+            raise AttributeError(item)
+        value = getattr(self.materialize(), item)
+        if inspect.ismethod(value) or inspect.isbuiltin(value):
+            return self._keep_proxy_identity(value)
+        return value
+
+    def _keep_proxy_identity(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``method`` so that when it returns the component itself, the proxy is returned.
+
+        ``nn.Module.to``, ``.cuda``, ``.eval``, ``.half``, ``.requires_grad_`` return ``self``, and
+        pipelines write ``self.vae = self.vae.to(device)``. Returning the real component there would
+        silently replace the proxy with a strong reference that nobody can release: the run would
+        look normal and free nothing.
+        """
+
+        @functools.wraps(method)
+        def forwarding(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            if result is _state(self, "_lazy_module"):
+                return self
+            return result
+
+        return forwarding
+
+    def __setattr__(self, item: str, value: Any) -> None:
+        setattr(self.materialize(), item, value)
+
+    def __delattr__(self, item: str) -> None:
+        delattr(self.materialize(), item)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.materialize()(*args, **kwargs)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # type: ignore[override]
+        # isinstance() falls back to __class__ when the exact type does not match, so forwarding it
+        # keeps checks such as isinstance(module, FSDPModule) truthful. The price is that such a
+        # check loads the component; a wrong answer would be worse, since callers branch on it
+        # without saying so. is_lazy_module() is the check that does not load.
+        return type(self.materialize())
+
+    def __repr__(self) -> str:
+        state = "materialized" if _state(self, "_lazy_module") is not None else "deferred"
+        return f"<LazyModule {_state(self, '_lazy_name')} ({state})>"
+
+
+def is_lazy_module(obj: Any) -> TypeGuard[LazyModule]:
+    """Whether ``obj`` is a :class:`LazyModule` proxy, without loading it (``isinstance`` would)."""
+    # type() reads the real type slot; it does not consult the forwarded __class__.
+    return type(obj) is LazyModule

@@ -1,0 +1,383 @@
+"""apply_offload_config: resolves through the device policy, then acts, and reports why.
+
+Two kinds of test: with a recording stand-in for ``enable_layerwise_offload`` (to pin down exactly what
+is called, when, and with which arguments), and with the real engine on the host device
+(``device="cpu"``) to check the end result: hooks attached, outputs bit-identical to the resident model.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fastoffload_ext.layerwise
+import fastoffload_ext.platform
+from fastoffload_ext import policy
+from fastoffload_ext.configure import AppliedOffload, LayerwiseAction, apply_offload_config
+from fastoffload_ext.hooks import ModuleHookManager
+from fastoffload_ext.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.resolution import ResolutionView, UnknownPathError
+
+LAYERWISE_ON = {"engine": {"offload": {"dit_layerwise": True}}}
+
+
+class TinyDiT(nn.Module):
+    """A transformer-shaped model: an embedding, then a ModuleList of residual blocks."""
+
+    def __init__(self, blocks: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                    for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def tiny_dit(seed: int = 0) -> TinyDiT:
+    torch.manual_seed(seed)
+    return TinyDiT()
+
+
+class RecordingEnable:
+    """Stands in for enable_layerwise_offload and records every call."""
+
+    def __init__(self, result: Any = "group") -> None:
+        self.calls: list[tuple[Any, dict[str, Any]]] = []
+        self.result = result
+
+    def __call__(self, model: Any, **kwargs: Any) -> Any:
+        self.calls.append((model, kwargs))
+        return self.result
+
+
+@pytest.fixture
+def fake_enable(monkeypatch: pytest.MonkeyPatch) -> RecordingEnable:
+    recorder = RecordingEnable()
+    monkeypatch.setattr(fastoffload_ext.layerwise, "enable_layerwise_offload", recorder)
+    return recorder
+
+
+@pytest.fixture
+def unified_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", lambda device_id=0: True)
+    monkeypatch.setattr(fastoffload_ext.platform, "device_name", lambda device_id=0: "Test iGPU")
+
+
+class CountingLoaders:
+    def __init__(self, *names: str) -> None:
+        self.loads: list[str] = []
+        self.loaders: dict[str, Callable[[], nn.Module]] = {name: self._loader(name) for name in names}
+
+    def _loader(self, name: str) -> Callable[[], nn.Module]:
+        def load() -> nn.Module:
+            self.loads.append(name)
+            return tiny_dit() if name == "transformer" else nn.Linear(4, 4)
+        return load
+
+
+# ---- what gets done, decided by the config --------------------------------------------------------
+
+def test_layerwise_applied_to_a_module(fake_enable: RecordingEnable) -> None:
+    model = tiny_dit()
+    applied = apply_offload_config(LAYERWISE_ON, transformer=model, device="cpu",
+                                   layerwise_options={"prefetch_depth": 2, "resident_blocks": 1})
+    assert applied.layerwise is LayerwiseAction.APPLIED
+    assert applied.layerwise_result == "group"
+    assert fake_enable.calls == [(model, {"device": "cpu", "prefetch_depth": 2, "resident_blocks": 1})]
+
+
+def test_layerwise_off_in_config_calls_nothing(fake_enable: RecordingEnable) -> None:
+    applied = apply_offload_config({}, transformer=tiny_dit(), device="cpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED
+    assert applied.layerwise_result is None
+    assert fake_enable.calls == []
+
+
+def test_policy_turning_layerwise_off_is_explained(fake_enable: RecordingEnable, unified_device: None) -> None:
+    applied = apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), device="cpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED
+    assert fake_enable.calls == []
+    assert applied.resolution.decided_by("engine.offload.dit_layerwise") == "apply_unified_memory_offload_policy"
+    text = applied.explain()
+    assert text.splitlines()[0] == ("Layerwise offload: disabled [engine.offload.dit_layerwise = False "
+                                    "(set by apply_unified_memory_offload_policy)]")
+    assert "decided by apply_unified_memory_offload_policy (input: True)" in text
+
+
+def test_layerwise_without_transformer_warns(fake_enable: RecordingEnable, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fastoffload_ext.configure"):
+        applied = apply_offload_config(LAYERWISE_ON)
+    assert applied.layerwise is LayerwiseAction.NO_TRANSFORMER
+    assert fake_enable.calls == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; pass transformer= "
+        "to apply_offload_config"]
+
+
+def test_engine_declining_is_reported_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fastoffload_ext.layerwise, "enable_layerwise_offload", RecordingEnable(result=None))
+    applied = apply_offload_config(LAYERWISE_ON, transformer=tiny_dit())
+    assert applied.layerwise is LayerwiseAction.SKIPPED
+
+
+def test_components_load_now_when_lazy_loading_is_off(fake_enable: RecordingEnable) -> None:
+    loaders = CountingLoaders("text_encoder", "vae")
+    applied = apply_offload_config({"engine": {"offload": {"lazy_module_load": False}}}, components=loaders.loaders)
+    assert loaders.loads == ["text_encoder", "vae"]
+    assert applied.lazy_components == ()
+    assert all(type(component) is nn.Linear for component in applied.components.values())
+
+
+def test_components_are_wrapped_when_lazy_loading_is_on(fake_enable: RecordingEnable) -> None:
+    loaders = CountingLoaders("text_encoder", "vae")
+    applied = apply_offload_config({"engine": {"offload": {"lazy_module_load": True}}}, components=loaders.loaders)
+    assert loaders.loads == []
+    assert applied.lazy_components == ("text_encoder", "vae")
+    vae = applied.components["vae"]
+    assert is_lazy_module(vae) and vae.lazy_name == "vae"
+    vae(torch.ones(4))
+    assert loaders.loads == ["vae"]
+
+
+def test_policy_turns_lazy_loading_on_for_unified_memory(fake_enable: RecordingEnable, unified_device: None) -> None:
+    loaders = CountingLoaders("text_encoder", "vae")
+    applied = apply_offload_config({"engine": {"offload": {"vae": True}}}, components=loaders.loaders)
+    assert applied.lazy_components == ("text_encoder", "vae")
+    assert loaders.loads == []
+    assert applied.resolution.decided_by("engine.offload.lazy_module_load") == "fill_lazy_module_load"
+    assert applied.config["engine"]["offload"]["vae"] is False
+    assert ("Lazy components: text_encoder, vae "
+            "[engine.offload.lazy_module_load = True (set by fill_lazy_module_load)]") in applied.explain()
+
+
+def test_training_keeps_components_resident_on_unified_memory(fake_enable: RecordingEnable,
+                                                               unified_device: None) -> None:
+    loaders = CountingLoaders("vae")
+    applied = apply_offload_config({"mode": "finetuning"}, components=loaders.loaders)
+    assert applied.lazy_components == ()
+    assert loaders.loads == ["vae"]
+
+
+def test_lazy_transformer_by_name_is_offloaded_on_every_load(fake_enable: RecordingEnable) -> None:
+    loaders = CountingLoaders("transformer", "vae")
+    config = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": True}}}
+    applied = apply_offload_config(config, transformer="transformer", components=loaders.loaders, device="cpu")
+    assert applied.layerwise is LayerwiseAction.ON_LOAD
+    assert loaders.loads == [] and fake_enable.calls == []  # nothing loaded to register the offload
+    proxy = applied.components["transformer"]
+    first = proxy.materialize()
+    assert fake_enable.calls == [(first, {"device": "cpu"})]
+    proxy.release()
+    second = proxy.materialize()
+    assert second is not first
+    assert [model for model, _ in fake_enable.calls] == [first, second]
+
+
+def test_eager_transformer_by_name_is_offloaded_once(fake_enable: RecordingEnable) -> None:
+    loaders = CountingLoaders("transformer")
+    config = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": False}}}
+    applied = apply_offload_config(config, transformer="transformer", components=loaders.loaders, device="cpu")
+    assert applied.layerwise is LayerwiseAction.APPLIED
+    assert fake_enable.calls == [(applied.components["transformer"], {"device": "cpu"})]
+
+
+def test_user_lazy_transformer_is_not_loaded_to_register(fake_enable: RecordingEnable) -> None:
+    loads: list[int] = []
+    proxy = LazyModule("transformer", lambda: loads.append(1) or tiny_dit())
+    applied = apply_offload_config(LAYERWISE_ON, transformer=proxy, device="cpu")
+    assert applied.layerwise is LayerwiseAction.ON_LOAD
+    assert loads == [] and fake_enable.calls == []
+    loaded = proxy.materialize()
+    assert fake_enable.calls == [(loaded, {"device": "cpu"})]
+
+
+def test_already_loaded_lazy_transformer_is_offloaded_now(fake_enable: RecordingEnable) -> None:
+    proxy = LazyModule("transformer", tiny_dit)
+    loaded = proxy.materialize()
+    apply_offload_config(LAYERWISE_ON, transformer=proxy, device="cpu")
+    assert fake_enable.calls == [(loaded, {"device": "cpu"})]
+    assert proxy.materialize() is loaded
+
+
+def test_whole_module_offloads_are_reported_not_dropped(fake_enable: RecordingEnable,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    config = {"engine": {"use_fsdp_inference": True, "offload": {"vae": True, "text_encoder": True}}}
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.configure"):
+        applied = apply_offload_config(config)
+    assert applied.not_applied == ("engine.use_fsdp_inference", "engine.offload.text_encoder", "engine.offload.vae")
+    assert ("Resolved on but not performed by fastoffload_ext, act on them in your pipeline: "
+            "engine.use_fsdp_inference, engine.offload.text_encoder, engine.offload.vae") in caplog.text
+    assert "Offload applied: layerwise disabled, lazy components: none" in caplog.text
+    assert "your pipeline must act on them): engine.use_fsdp_inference, engine.offload.text_encoder" \
+        in applied.explain()
+
+
+def test_conflict_rule_removes_fsdp_from_not_applied(fake_enable: RecordingEnable) -> None:
+    config = {"engine": {"use_fsdp_inference": True, "offload": {"dit_layerwise": True, "dit": True}}}
+    applied = apply_offload_config(config, transformer=tiny_dit(), device="cpu")
+    assert applied.not_applied == ()
+    assert applied.config["engine"]["use_fsdp_inference"] is False
+
+
+def test_custom_steps(fake_enable: RecordingEnable) -> None:
+    def force_layerwise(view: ResolutionView) -> dict[str, Any]:
+        return {"engine.offload.dit_layerwise": True}
+
+    model = tiny_dit()
+    applied = apply_offload_config({}, transformer=model, device="cpu",
+                                   steps=(*policy.DEVICE_POLICY_STEPS, force_layerwise))
+    assert applied.layerwise is LayerwiseAction.APPLIED
+    assert applied.resolution.decided_by("engine.offload.dit_layerwise") == "force_layerwise"
+
+
+def test_config_is_not_mutated(fake_enable: RecordingEnable, unified_device: None) -> None:
+    config = {"engine": {"offload": {"dit_layerwise": True, "vae": True}}}
+    before = copy.deepcopy(config)
+    apply_offload_config(config, transformer=tiny_dit())
+    assert config == before
+
+
+def test_result_is_read_only(fake_enable: RecordingEnable) -> None:
+    applied = apply_offload_config({}, components=CountingLoaders("vae").loaders)
+    assert isinstance(applied, AppliedOffload)
+    with pytest.raises(TypeError):
+        applied.components["vae"] = None  # type: ignore[index]
+
+
+# ---- errors: all raised before anything is loaded or hooked ----------------------------------------
+
+def test_loaded_module_instead_of_loader(fake_enable: RecordingEnable) -> None:
+    with pytest.raises(TypeError, match=r"components\['vae'\] is a loaded Linear; pass a loader instead, e\.g\. "
+                                        r"components=\{'vae': build_vae\}"):
+        apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), components={"vae": nn.Linear(2, 2)})
+    assert fake_enable.calls == []
+
+
+def test_lazy_module_instead_of_loader(fake_enable: RecordingEnable) -> None:
+    loads: list[int] = []
+    proxy = LazyModule("vae", lambda: loads.append(1) or nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"components\['vae'\] is already a LazyModule; pass its loader"):
+        apply_offload_config({}, components={"vae": proxy})
+    assert loads == []
+
+
+def test_non_callable_component(fake_enable: RecordingEnable) -> None:
+    with pytest.raises(TypeError, match=r"components\['vae'\] is str, not a loader; pass a zero-argument callable"):
+        apply_offload_config({}, components={"vae": "stabilityai/sd-vae"})
+
+
+def test_components_not_a_mapping(fake_enable: RecordingEnable) -> None:
+    with pytest.raises(TypeError, match=r"components must be a mapping of name -> loader, got list"):
+        apply_offload_config({}, components=[tiny_dit])  # type: ignore[arg-type]
+
+
+def test_transformer_name_not_in_components(fake_enable: RecordingEnable) -> None:
+    loaders = CountingLoaders("vae")
+    with pytest.raises(ValueError, match=r"transformer='dit' names no component; components has 'vae'\. Pass the "
+                                         r"transformer module, or the key of its loader in components"):
+        apply_offload_config(LAYERWISE_ON, transformer="dit", components=loaders.loaders)
+    assert loaders.loads == []
+
+
+def test_transformer_of_the_wrong_kind(fake_enable: RecordingEnable) -> None:
+    with pytest.raises(TypeError, match=r"transformer must be an nn.Module, a LazyModule or the name of a component, "
+                                        r"got dict"):
+        apply_offload_config(LAYERWISE_ON, transformer={"blocks": []})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", ["device", "model"])
+def test_reserved_layerwise_options(fake_enable: RecordingEnable, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"layerwise_options may not contain '{key}': pass the transformer as "
+                                         r"transformer= and the device as device= to apply_offload_config"):
+        apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), layerwise_options={key: "cpu"})
+    assert fake_enable.calls == []
+
+
+def test_loader_returning_none(fake_enable: RecordingEnable) -> None:
+    with pytest.raises(ValueError, match=r"Loader for component vae returned None; the loader must return the built "
+                                         r"component"):
+        apply_offload_config({"engine": {"offload": {"lazy_module_load": False}}}, components={"vae": lambda: None})
+
+
+def test_resolution_errors_propagate(fake_enable: RecordingEnable) -> None:
+    def typo(view: ResolutionView) -> dict[str, Any]:
+        return {"engine.offload.layerwise": True}
+
+    with pytest.raises(UnknownPathError, match=r"Resolution step typo set 'engine.offload.layerwise'"):
+        apply_offload_config({}, transformer=tiny_dit(), steps=[typo])
+    assert fake_enable.calls == []
+
+
+# ---- with the real engine on the host device ---------------------------------------------------------
+
+def _hooked_blocks(model: TinyDiT) -> list[bool]:
+    flags = []
+    for block in model.blocks:
+        manager = ModuleHookManager.get_from(block)
+        flags.append(manager is not None and manager.get_forward_hook("LayerwiseOffloadHook") is not None)
+    return flags
+
+
+def test_real_engine_offloads_and_matches_the_resident_model() -> None:
+    model = tiny_dit(seed=1)
+    resident = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = resident(x)
+    applied = apply_offload_config(LAYERWISE_ON, transformer=model, device="cpu")
+    assert applied.layerwise is LayerwiseAction.APPLIED
+    assert applied.layerwise_result is fastoffload_ext.layerwise.get_offload_group(model)
+    assert _hooked_blocks(model) == [True, True, True]
+    with torch.no_grad():
+        for _ in range(3):  # repeated steps, with the wrap-around prefetch
+            assert torch.equal(model(x), expected)
+
+
+def test_real_engine_on_a_lazy_transformer_survives_release() -> None:
+    proxy = LazyModule("transformer", lambda: tiny_dit(seed=2))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = tiny_dit(seed=2)(x)
+    applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": True}}},
+                                   transformer=proxy, device="cpu")
+    assert applied.layerwise is LayerwiseAction.ON_LOAD
+    assert proxy.is_materialized is False
+    with torch.no_grad():
+        assert torch.equal(proxy(x), expected)
+    assert _hooked_blocks(proxy.materialize()) == [True, True, True]
+    assert proxy.release() is True
+    with torch.no_grad():
+        assert torch.equal(proxy(x), expected)  # the reloaded instance is offloaded again
+    assert fastoffload_ext.layerwise.get_offload_group(proxy.materialize()) is not None
+
+
+def test_real_engine_untouched_when_the_policy_says_no(unified_device: None) -> None:
+    model = tiny_dit()
+    applied = apply_offload_config(LAYERWISE_ON, transformer=model, device="cpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED
+    assert fastoffload_ext.layerwise.get_offload_group(model) is None
+    assert _hooked_blocks(model) == [False, False, False]
+
+
+def test_real_engine_rejects_a_model_without_blocks() -> None:
+    with pytest.raises(ValueError, match="No nn.ModuleList found in the model for layerwise offloading."):
+        apply_offload_config(LAYERWISE_ON, transformer=nn.Linear(2, 2), device="cpu")
+
+
+def test_layerwise_stand_in_matches_the_engine_signature() -> None:
+    """The stand-in above is only valid while the engine accepts what apply_offload_config passes."""
+    import inspect
+
+    parameters = inspect.signature(fastoffload_ext.layerwise.enable_layerwise_offload).parameters
+    assert list(parameters)[:2] == ["model", "is_replace"]
+    for keyword in ("device", "resident_blocks", "cyclic", "prefetch_depth", "backend", "pin_backing"):
+        assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY

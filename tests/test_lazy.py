@@ -1,0 +1,453 @@
+"""LazyModule: every promise of its docstrings (and the seed's) checked against real modules."""
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fastoffload_ext import lazy as lazy_module_file
+from fastoffload_ext.lazy import LazyModule, is_lazy_module
+
+LOGGER = "fastoffload_ext.lazy"
+
+
+class CountingLoader:
+    """A loader that builds a fresh Linear each call and remembers every instance it built."""
+
+    def __init__(self, features: int = 4) -> None:
+        self.features = features
+        self.built: list[weakref.ref[nn.Module]] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.built)
+
+    def __call__(self) -> nn.Linear:
+        module = nn.Linear(self.features, self.features)
+        self.built.append(weakref.ref(module))
+        return module
+
+
+class SelfReturning(nn.Module):
+    """Stands in for .cuda() on a CPU machine: same contract as nn.Module.cuda (returns self)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def cuda(self, device: Any = None) -> SelfReturning:  # type: ignore[override]
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def make(name: str = "vae", features: int = 4) -> tuple[LazyModule, CountingLoader]:
+    loader = CountingLoader(features)
+    return LazyModule(name, loader), loader
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def test_construction_does_not_load() -> None:
+    proxy, loader = make()
+    assert loader.calls == 0
+    assert proxy.is_materialized is False
+    assert proxy.lazy_name == "vae"
+    assert loader.calls == 0  # lazy_name and is_materialized do not load either
+
+
+def test_attribute_access_loads_once() -> None:
+    proxy, loader = make()
+    weight = proxy.weight
+    assert loader.calls == 1
+    assert proxy.is_materialized is True
+    assert weight is proxy.materialize().weight
+    _ = proxy.bias, proxy.in_features
+    assert loader.calls == 1
+    assert proxy.in_features == 4
+
+
+def test_call_loads_and_forwards_arguments() -> None:
+    proxy, loader = make()
+    x = torch.randn(3, 4)
+    out = proxy(x)
+    assert loader.calls == 1
+    real = proxy.materialize()
+    assert torch.equal(out, real(x))
+
+
+def test_isinstance_forwards_and_loads() -> None:
+    proxy, loader = make()
+    assert isinstance(proxy, nn.Linear)
+    assert loader.calls == 1
+    assert isinstance(proxy, nn.Module)
+    assert not isinstance(proxy, nn.Conv2d)
+    assert proxy.__class__ is nn.Linear
+    assert loader.calls == 1
+
+
+def test_is_lazy_module_does_not_load() -> None:
+    proxy, loader = make()
+    assert is_lazy_module(proxy) is True
+    assert loader.calls == 0
+    assert is_lazy_module(nn.Linear(2, 2)) is False
+    assert is_lazy_module(None) is False
+    assert is_lazy_module(LazyModule) is False
+    assert type(proxy) is LazyModule  # type() sees the proxy; isinstance sees the component
+
+
+def test_repr_never_loads() -> None:
+    proxy, loader = make("text_encoder")
+    assert repr(proxy) == "<LazyModule text_encoder (deferred)>"
+    assert f"{proxy!r} in a log line" == "<LazyModule text_encoder (deferred)> in a log line"
+    assert loader.calls == 0
+    proxy.materialize()
+    assert repr(proxy) == "<LazyModule text_encoder (materialized)>"
+    assert loader.calls == 1
+
+
+def test_materialize_loads_once_and_returns_the_component() -> None:
+    proxy, loader = make()
+    first = proxy.materialize()
+    second = proxy.materialize()
+    assert first is second
+    assert type(first) is nn.Linear
+    assert loader.calls == 1
+
+
+def test_loader_error_leaves_proxy_unloaded_and_retries() -> None:
+    attempts = {"n": 0}
+
+    def flaky() -> nn.Module:
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise OSError("checkpoint not found")
+        return nn.Linear(2, 2)
+
+    proxy = LazyModule("dit", flaky)
+    with pytest.raises(OSError, match="checkpoint not found"):
+        proxy.materialize()
+    assert proxy.is_materialized is False
+    assert isinstance(proxy.materialize(), nn.Linear)
+    assert attempts["n"] == 2
+
+
+def test_loader_returning_none_raises() -> None:
+    proxy = LazyModule("vae", lambda: None)
+    with pytest.raises(ValueError, match=r"Deferred loader for module vae returned None; the loader must return"):
+        proxy.materialize()
+    with pytest.raises(ValueError, match=r"Deferred loader for module vae returned None"):
+        _ = proxy.weight
+    assert proxy.is_materialized is False
+
+
+def test_loading_logs_without_cuda(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    proxy, _ = make("vae")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        proxy.materialize()
+    assert [r.getMessage() for r in caplog.records] == ["Loading deferred module vae"]
+
+
+# ---- attribute forwarding and identity -----------------------------------------------------------
+
+def test_setattr_and_delattr_forward_to_the_component() -> None:
+    proxy, loader = make()
+    proxy.custom_flag = 7
+    assert loader.calls == 1
+    real = proxy.materialize()
+    assert real.custom_flag == 7
+    assert proxy.custom_flag == 7
+    del proxy.custom_flag
+    assert not hasattr(real, "custom_flag")
+
+
+def test_plain_attributes_are_returned_as_is() -> None:
+    proxy, _ = make()
+    real = proxy.materialize()
+    assert proxy.weight is real.weight
+    assert proxy.training is True
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.to("cpu"),
+    lambda m: m.to(torch.float64),
+    lambda m: m.eval(),
+    lambda m: m.train(),
+    lambda m: m.half(),
+    lambda m: m.float(),
+    lambda m: m.requires_grad_(False),
+    lambda m: m.cuda(),
+], ids=["to-device", "to-dtype", "eval", "train", "half", "float", "requires_grad_", "cuda"])
+def test_self_returning_methods_hand_back_the_proxy(call: Callable[[Any], Any]) -> None:
+    proxy = LazyModule("component", SelfReturning)
+    result = call(proxy)
+    assert result is proxy
+    assert is_lazy_module(result)
+
+
+def test_self_returning_method_effects_reach_the_component() -> None:
+    proxy, _ = make()
+    assert proxy.half() is proxy
+    assert proxy.materialize().weight.dtype == torch.float16
+    assert proxy.requires_grad_(False) is proxy
+    assert proxy.materialize().weight.requires_grad is False
+    assert proxy.eval() is proxy
+    assert proxy.materialize().training is False
+
+
+def test_methods_returning_other_objects_pass_them_through() -> None:
+    proxy, _ = make()
+    real = proxy.materialize()
+    state = proxy.state_dict()
+    assert set(state) == {"weight", "bias"}
+    assert torch.equal(state["weight"], real.weight)
+    assert list(proxy.parameters())[0] is real.weight
+
+
+def test_builtin_self_returning_method_hands_back_the_proxy() -> None:
+    # Tensor.add_ is a builtin method returning self: the isbuiltin branch.
+    proxy = LazyModule("buffer", lambda: torch.zeros(3))
+    assert proxy.add_(2) is proxy
+    assert torch.equal(proxy.materialize(), torch.full((3,), 2.0))
+    assert torch.equal(proxy.add(1), torch.full((3,), 3.0))  # a new tensor, passed through
+
+
+def test_reassignment_pattern_keeps_the_proxy_releasable() -> None:
+    """`self.vae = self.vae.to(device)` must keep the proxy, so the pipeline can still free the module."""
+
+    class Stage:
+        def __init__(self, vae: Any) -> None:
+            self.vae = vae
+
+    proxy, loader = make()
+    stage = Stage(proxy)
+    stage.vae = stage.vae.to("cpu").eval()
+    assert stage.vae is proxy
+    assert proxy.release() is True
+    gc.collect()
+    assert loader.built[0]() is None  # nothing kept the component alive
+
+
+def test_uninitialised_proxy_fails_cleanly() -> None:
+    # Built by copy/pickle machinery without __init__: an AttributeError, not a RecursionError.
+    bare = LazyModule.__new__(LazyModule)
+    with pytest.raises(AttributeError):
+        _ = bare.weight
+
+
+# ---- release -------------------------------------------------------------------------------------
+
+def test_release_when_nothing_loaded_returns_false() -> None:
+    proxy, loader = make()
+    callbacks: list[str] = []
+    proxy.add_release_callback(lambda: callbacks.append("ran"))
+    assert proxy.release() is False
+    assert callbacks == []
+    assert loader.calls == 0
+
+
+def test_release_drops_and_frees_the_component() -> None:
+    proxy, loader = make()
+    proxy.materialize()
+    assert proxy.release() is True
+    assert proxy.is_materialized is False
+    assert loader.built[0]() is None  # gc ran and no reference survived
+    assert proxy.release() is False  # second release: nothing to drop
+
+
+def test_use_after_release_reloads_a_fresh_instance() -> None:
+    proxy, loader = make()
+    x = torch.randn(2, 4)
+    proxy(x)
+    proxy.release()
+    proxy(x)
+    assert loader.calls == 2
+    assert proxy.is_materialized is True
+
+
+def test_release_callbacks_run_each_release_in_order_after_the_drop() -> None:
+    proxy, _ = make()
+    seen: list[tuple[str, bool]] = []
+    proxy.add_release_callback(lambda: seen.append(("first", proxy.is_materialized)))
+    proxy.add_release_callback(lambda: seen.append(("second", proxy.is_materialized)))
+    proxy.materialize()
+    proxy.release()
+    proxy.materialize()
+    proxy.release()
+    assert seen == [("first", False), ("second", False)] * 2
+
+
+def test_release_without_cuda_skips_empty_cache_and_logs(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    def forbidden() -> None:
+        raise AssertionError("empty_cache called without CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    collected: list[int] = []
+    real_collect = gc.collect
+    monkeypatch.setattr(lazy_module_file.gc, "collect", lambda *a: collected.append(1) or real_collect(*a))
+    proxy, _ = make("vae")
+    proxy.materialize()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert proxy.release() is True
+    assert collected == [1]
+    assert [r.getMessage() for r in caplog.records] == ["Released deferred module vae"]
+
+
+class FakeCudaMemory:
+    """torch.cuda as a release sees it: allocated bytes, and empty_cache calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, allocated_gib: list[float]) -> None:
+        self.readings = list(allocated_gib)
+        self.empty_cache_calls = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", self.memory_allocated)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return int(self.readings.pop(0) * 1024**3)
+
+    def empty_cache(self) -> None:
+        self.empty_cache_calls += 1
+
+
+def test_load_with_cuda_logs_allocated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    FakeCudaMemory(monkeypatch, [1.5])
+    proxy, _ = make("dit")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        proxy.materialize()
+    assert [r.getMessage() for r in caplog.records] == [
+        "Loading deferred module dit", "Loaded deferred module dit, cuda allocated now 1.50 GiB"]
+
+
+def test_release_with_cuda_empties_cache_and_logs_freed(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    proxy, _ = make("dit")
+    proxy.materialize()
+    cuda = FakeCudaMemory(monkeypatch, [3.0, 1.25])
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert proxy.release() is True
+    assert cuda.empty_cache_calls == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "Released deferred module dit, cuda allocated 3.00 -> 1.25 GiB, freed 1.75 GiB"]
+
+
+# ---- materialize transforms ----------------------------------------------------------------------
+
+def tag(label: str, log: list[str]) -> Callable[[Any], Any]:
+    def transform(module: Any) -> Any:
+        log.append(label)
+        module.tags = [*getattr(module, "tags", []), label]
+        return module
+    transform.__name__ = f"tag_{label}"
+    return transform
+
+
+def test_transform_registration_does_not_load_and_applies_at_load() -> None:
+    proxy, loader = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("compile", applied))
+    assert loader.calls == 0
+    assert applied == []
+    assert proxy.tags == ["compile"]
+    assert applied == ["compile"]
+
+
+def test_transforms_chain_outer_over_inner_for_future_loads() -> None:
+    proxy, _ = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("inner", applied))
+    proxy.set_materialize_transform(tag("outer", applied))
+    assert proxy.tags == ["inner", "outer"]
+    proxy.release()
+    assert proxy.tags == ["inner", "outer"]  # the reloaded instance gets the same chain
+    assert applied == ["inner", "outer", "inner", "outer"]
+
+
+def test_new_transform_applies_only_itself_to_a_loaded_instance() -> None:
+    proxy, loader = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("inner", applied))
+    proxy.materialize()
+    assert applied == ["inner"]
+    proxy.set_materialize_transform(tag("outer", applied))
+    assert applied == ["inner", "outer"]  # inner not re-applied to the resident instance
+    assert proxy.tags == ["inner", "outer"]
+    assert loader.calls == 1
+
+
+def test_transform_on_loaded_instance_without_previous_transform() -> None:
+    proxy, _ = make()
+    proxy.materialize()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("only", applied))
+    assert applied == ["only"]
+    assert proxy.tags == ["only"]
+
+
+def test_transform_may_return_a_wrapper() -> None:
+    class Doubling(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * 2
+
+    proxy, _ = make()
+    proxy.set_materialize_transform(Doubling)
+    x = torch.randn(2, 4)
+    wrapper = proxy.materialize()
+    assert type(wrapper) is Doubling
+    assert isinstance(proxy, Doubling)
+    assert torch.equal(proxy(x), wrapper.inner(x) * 2)
+    # a wrapper added to an already-loaded instance replaces it, too
+    proxy.set_materialize_transform(Doubling)
+    assert type(proxy.materialize()) is Doubling and proxy.materialize().inner is wrapper
+
+
+def test_transform_returning_none_at_load_raises() -> None:
+    proxy, _ = make("vae")
+    proxy.set_materialize_transform(lambda module: None)
+    with pytest.raises(ValueError, match=r"Materialize transform for module vae returned None; a transform must"):
+        proxy.materialize()
+    assert proxy.is_materialized is False
+
+
+def test_transform_returning_none_on_loaded_instance_raises_and_changes_nothing() -> None:
+    proxy, loader = make("vae")
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("kept", applied))
+    resident = proxy.materialize()
+    with pytest.raises(ValueError, match=r"Materialize transform for module vae returned None"):
+        proxy.set_materialize_transform(lambda module: None)
+    assert proxy.materialize() is resident
+    proxy.release()
+    assert proxy.tags == ["kept"]  # the rejected transform was not stored
+    assert loader.calls == 2
+
+
+@pytest.mark.cuda
+def test_release_frees_cuda_memory_and_the_cache(caplog: pytest.LogCaptureFixture) -> None:
+    proxy = LazyModule("dit", lambda: nn.Linear(4096, 4096, bias=False, device="cuda"))  # 64 MiB of weight
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    proxy.materialize()
+    assert torch.cuda.memory_allocated() - baseline == 64 * 2**20
+    reserved_loaded = torch.cuda.memory_reserved()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert proxy.release() is True
+    assert torch.cuda.memory_allocated() == baseline
+    assert torch.cuda.memory_reserved() <= reserved_loaded - 64 * 2**20  # empty_cache handed the block back
+    message = caplog.records[-1].getMessage()
+    assert message.startswith("Released deferred module dit, cuda allocated ")
+    assert message.endswith("GiB, freed 0.06 GiB")
