@@ -92,15 +92,22 @@ void CopyEngine::copy_to_device(void* dst, const void* src, size_t nbytes, Event
   }
 #ifdef FASTOFFLOAD_WITH_CUDA
   cudaStream_t stream = as_stream(copy_stream_);
-  if (free_event.recorded_) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, as_event(free_event.handle_), 0));
+  if (capturing()) {
+    C10_CUDA_CHECK(cudaEventRecord(as_event(join_event_), as_stream(current_stream())));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, as_event(join_event_), 0));
+    forked_ = true;
+  }
+  if (free_event.recorded_ && free_event.epoch_ == capture_epoch_)
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, as_event(free_event.handle_), 0));
   if (nbytes > 0) C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, stream));
   C10_CUDA_CHECK(cudaEventRecord(as_event(ready_event.handle_), stream));
   ready_event.recorded_ = true;
+  ready_event.epoch_ = capture_epoch_;
 #endif
 }
 
 void CopyEngine::wait_on_current(Event& ready_event) {
-  if (is_host() || !ready_event.recorded_) return;
+  if (is_host() || !ready_event.recorded_ || ready_event.epoch_ != capture_epoch_) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
   C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(current_stream()), as_event(ready_event.handle_), 0));
 #endif
@@ -111,6 +118,7 @@ void CopyEngine::record_on_current(Event& event) {
 #ifdef FASTOFFLOAD_WITH_CUDA
   C10_CUDA_CHECK(cudaEventRecord(as_event(event.handle_), as_stream(current_stream())));
   event.recorded_ = true;
+  event.epoch_ = capture_epoch_;
 #endif
 }
 
@@ -121,23 +129,26 @@ void CopyEngine::synchronize_copies() {
 #endif
 }
 
-bool CopyEngine::current_stream_capturing() const {
-  if (is_host()) return false;
+void CopyEngine::begin_capture() {
+  TORCH_CHECK(!capturing(), "fastoffload: a capture is already in progress on this engine");
+  if (is_host()) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(as_stream(current_stream()), &status));
-  return status != cudaStreamCaptureStatusNone;
-#else
-  return false;
+  TORCH_CHECK(status == cudaStreamCaptureStatusActive,
+              "fastoffload: begin_capture() must be called while the current stream is capturing a CUDA graph "
+              "(inside torch.cuda.graph(...)); use fastoffload_ext.OffloadedCUDAGraph, which does this for you");
 #endif
+  capture_epoch_ = ++captures_;
+  forked_ = false;
 }
 
-void CopyEngine::join_copy_stream_to_current() {
-  if (is_host()) return;
-#ifdef FASTOFFLOAD_WITH_CUDA
-  C10_CUDA_CHECK(cudaEventRecord(as_event(join_event_), as_stream(current_stream())));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(copy_stream_), as_event(join_event_), 0));
-#endif
+void CopyEngine::end_capture() {
+  if (!capturing()) return;
+  // Join the copy stream back: a capture must end with every forked stream joined.
+  if (forked_) current_waits_for_copies();
+  capture_epoch_ = 0;
+  forked_ = false;
 }
 
 void CopyEngine::current_waits_for_copies() {

@@ -28,6 +28,7 @@ class Event {
   int device_index_;
   void* handle_ = nullptr;  // cudaEvent_t
   bool recorded_ = false;
+  uint64_t epoch_ = 0;  // the capture it was recorded in (0: outside any capture)
 };
 
 class CopyEngine {
@@ -48,10 +49,18 @@ class CopyEngine {
   void record_on_current(Event& event);
   // Host blocks until every copy issued so far has completed.
   void synchronize_copies();
-  // Whether the current stream of this device is capturing a CUDA graph.
-  bool current_stream_capturing() const;
-  // Fork the copy stream into a capture running on the current stream (the copy stream waits on it).
-  void join_copy_stream_to_current();
+  // CUDA-graph capture of an offloaded forward on the current stream. Inside a capture an event
+  // recorded before it cannot be waited on, so:
+  //   - each copy first makes the copy stream wait on the capturing stream (this forks the copy
+  //     stream into the capture and orders the copy after every kernel that used the slot before),
+  //     and waits on a slot's free event only if that event was recorded inside this capture;
+  //   - waiting on a ready event recorded before the capture is skipped: that copy was issued before
+  //     the capture (the previous step's wrap-around prefetch) and completes before the graph is
+  //     launched (torch.cuda.graph synchronizes on entry; each replay leaves it done for the next);
+  //   - end_capture() joins the copy stream back into the capturing stream.
+  void begin_capture();
+  void end_capture();
+  bool capturing() const { return capture_epoch_ != 0; }
   // The current stream waits on everything issued to the copy stream so far.
   void current_waits_for_copies();
 
@@ -63,6 +72,9 @@ class CopyEngine {
   int device_index_;
   void* copy_stream_ = nullptr;  // cudaStream_t
   void* join_event_ = nullptr;   // cudaEvent_t used for stream-to-stream joins
+  uint64_t capture_epoch_ = 0;   // non-zero while capturing
+  uint64_t captures_ = 0;
+  bool forked_ = false;  // the copy stream joined the current capture
   uint64_t copies_issued_ = 0;
   uint64_t bytes_copied_ = 0;
 };

@@ -104,6 +104,7 @@ void OffloadEngine::acquire(size_t block) {
   if (at::GradMode::is_enabled()) check_grad(block);
   ensure_slots();
   stats_.acquires += 1;
+  generation_ += 1;
   int64_t slot = ring_.slot_of(block);
   if (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse) {
     // The block is already running (re-entrant call): it is bound and its copy was waited for.
@@ -116,7 +117,7 @@ void OffloadEngine::acquire(size_t block) {
               "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
               "first.");
   if (slot < 0) {
-    slot = ring_.choose_slot();
+    slot = ring_.choose_slot(block);
     if (slot < 0) {
       std::string running;
       for (int64_t b : ring_.blocks_in_use()) running += " " + std::to_string(b);
@@ -143,7 +144,8 @@ bool OffloadEngine::prefetch(size_t block) {
   if (materialized_[block]) return false;
   ensure_slots();
   if (ring_.slot_of(block) >= 0) return false;
-  const int64_t slot = ring_.choose_slot();
+  generation_ += 1;
+  const int64_t slot = ring_.choose_slot(block);
   if (slot < 0) {
     stats_.skipped_prefetches += 1;
     return false;
@@ -157,6 +159,7 @@ bool OffloadEngine::release(size_t block) {
   if (block >= store_.size() || removed_[block] || materialized_[block]) return false;
   const int64_t slot = ring_.slot_of(block);
   if (slot < 0 || ring_.slot(slot).state != SlotState::kInUse) return false;
+  generation_ += 1;
   if (ring_.release(static_cast<size_t>(slot))) {
     binder_.bind_placeholders(block);
     copy_.record_on_current(*ring_.slot(slot).free);
@@ -239,6 +242,28 @@ void OffloadEngine::close() {
 }
 
 void OffloadEngine::synchronize() { copy_.synchronize_copies(); }
+
+void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, size_t num_slots) {
+  TORCH_CHECK(ring_.blocks_in_use().empty(), "fastoffload: the slot assignment cannot change while a block is running");
+  copy_.synchronize_copies();
+  if (num_slots != ring_.size()) ring_.resize(num_slots);
+  else ring_.forget_all();
+  ring_.set_assignment(assignment);
+  views_stale_ = true;
+  generation_ += 1;
+}
+
+void OffloadEngine::begin_capture() {
+  copy_.begin_capture();
+  generation_ += 1;
+}
+
+void OffloadEngine::end_capture() {
+  copy_.end_capture();
+  generation_ += 1;
+}
+
+void OffloadEngine::join_copies() { copy_.current_waits_for_copies(); }
 
 std::string OffloadEngine::slot_state(size_t slot) const {
   TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", slot, " is out of range (", ring_.size(), " slots)");

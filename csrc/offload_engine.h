@@ -57,6 +57,17 @@ class OffloadEngine {
   void close();
   void synchronize();
 
+  // CUDA-graph support (see CopyEngine::begin_capture). A fixed slot per block makes every step copy
+  // into the same addresses, which a captured graph needs; `num_slots` may grow for it.
+  void set_slot_assignment(const std::vector<int64_t>& assignment, size_t num_slots);
+  void begin_capture();
+  void end_capture();
+  // The current stream waits for every copy issued so far.
+  void join_copies();
+  // Bumped by every host-side acquire/prefetch/release: a captured graph is valid only while it is
+  // unchanged since the capture ended.
+  uint64_t generation() const { return generation_; }
+
   size_t num_blocks() const { return store_.size(); }
   size_t num_slots() const { return ring_.size(); }
   size_t slot_bytes() const { return ring_.slot_bytes(); }
@@ -88,6 +99,7 @@ class OffloadEngine {
   std::vector<uint8_t> materialized_;
   std::vector<uint8_t> removed_;
   bool views_stale_ = true;
+  uint64_t generation_ = 0;
   EngineStats stats_;
 };
 

@@ -5,14 +5,26 @@
 
 namespace fastoffload {
 
-SlotRing::SlotRing(at::Device device, size_t num_slots) : device_(device) {
+SlotRing::SlotRing(at::Device device, size_t num_slots) : device_(device) { resize(num_slots); }
+
+void SlotRing::resize(size_t num_slots) {
   TORCH_CHECK(num_slots >= 1, "fastoffload: a slot ring needs at least one slot, got ", num_slots);
-  const int index = device.is_cpu() ? -1 : device.index();
+  if (!slots_.empty()) clear();
+  const int index = device_.is_cpu() ? -1 : device_.index();
+  slots_.clear();
   slots_.resize(num_slots);
   for (auto& s : slots_) {
     s.ready = std::make_unique<Event>(index);
     s.free = std::make_unique<Event>(index);
   }
+  assignment_.clear();
+}
+
+void SlotRing::set_assignment(std::vector<int64_t> assignment) {
+  for (size_t b = 0; b < assignment.size(); ++b)
+    TORCH_CHECK(assignment[b] >= 0 && static_cast<size_t>(assignment[b]) < slots_.size(), "fastoffload: block ", b,
+                " is assigned slot ", assignment[b], " but the ring has ", slots_.size(), " slots");
+  assignment_ = std::move(assignment);
 }
 
 void SlotRing::allocate(size_t bytes) {
@@ -36,7 +48,11 @@ int64_t SlotRing::slot_of(size_t block) const {
   return block < block_slot_.size() ? block_slot_[block] : -1;
 }
 
-int64_t SlotRing::choose_slot() const {
+int64_t SlotRing::choose_slot(size_t block) const {
+  if (block < assignment_.size()) {
+    const int64_t fixed = assignment_[block];
+    return slots_[fixed].state == SlotState::kInUse ? -1 : fixed;
+  }
   int64_t best = -1;
   int best_rank = 3;
   uint64_t best_touched = 0;

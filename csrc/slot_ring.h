@@ -51,8 +51,15 @@ class SlotRing {
   size_t size() const { return slots_.size(); }
 
   int64_t slot_of(size_t block) const;
-  // The slot a new copy should go into, or -1 when every slot is in use.
-  int64_t choose_slot() const;
+  // The slot a copy of `block` should go into, or -1 when none may be used now. With a fixed
+  // assignment that is the block's own slot (unless it is in use); otherwise the best by state.
+  int64_t choose_slot(size_t block) const;
+  // Every block always goes into the same slot (CUDA-graph replay bakes the addresses in). Empty:
+  // back to assignment by state.
+  void set_assignment(std::vector<int64_t> assignment);
+  const std::vector<int64_t>& assignment() const { return assignment_; }
+  // Changes the number of slots; forgets what they held and drops their buffers.
+  void resize(size_t num_slots);
   void assign(size_t slot, size_t block);  // -> ready
   void acquire(size_t slot);               // -> in use (refcounted)
   bool release(size_t slot);               // -> cached when the last user releases; true then
@@ -67,6 +74,7 @@ class SlotRing {
   at::Device device_;
   std::vector<Slot> slots_;
   std::vector<int64_t> block_slot_;  // block -> slot or -1
+  std::vector<int64_t> assignment_;  // block -> fixed slot; empty: by state
   size_t slot_bytes_ = 0;
   bool allocated_ = false;
   uint64_t clock_ = 0;

@@ -1,0 +1,157 @@
+"""Capture a whole offloaded forward — copies, event waits and compute — in one CUDA graph.
+
+With the ``ext`` backend every block is copied into a static device slot, so the addresses a forward
+touches can be the same on every step. That is what CUDA-graph replay needs, and it removes the last
+host cost of offload: launching hundreds of small kernels and the per-block hook calls. On a model
+whose blocks have many small parameters (DESIGN.md's W3) an eager offloaded step is bound by the host;
+a replayed one runs at the PCIe floor.
+
+Usage::
+
+    enable_layerwise_offload(model, backend="ext")
+    graph = OffloadedCUDAGraph(model, example_input)   # warm-up + capture
+    out = graph(fresh_input)                           # copy into the static input, replay
+
+What capture needs, and how it is provided:
+- the same slot for a block on every step: :func:`cyclic_slot_assignment` gives each block a fixed
+  slot such that any ``prefetch_depth + 1`` consecutive blocks (wrapping around) use different slots.
+  With ``L`` blocks that takes ``ceil(L / floor(L / (depth + 1)))`` slots: depth + 1 when it divides
+  L, one more otherwise (an odd cycle cannot be two-coloured);
+- no wait on an event recorded before the capture: the engine forks its copy stream into the capture
+  and skips the first block's "ready" wait, whose copy the previous step's wrap-around prefetch issued
+  (see ``CopyEngine::begin_capture`` in csrc/copy_engine.h);
+- replays leave the state they started from: the last block prefetches the first into the same slot
+  it was captured from, and the copy stream is joined back before the capture ends.
+
+A replay is valid only while nothing else moves the engine's slots: running the model eagerly after
+the capture invalidates it, and the next replay raises (``recapture()`` makes a new one). The output
+of a replay is a static tensor that the next replay overwrites: clone it to keep it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.layerwise import LayerwiseOffloadGroup, get_offload_group
+
+logger = logging.getLogger(__name__)
+
+
+def cyclic_slot_assignment(n_blocks: int, prefetch_depth: int) -> tuple[list[int], int]:
+    """A fixed slot for each of ``n_blocks`` blocks and the number of slots.
+
+    Any ``prefetch_depth + 1`` cyclically consecutive blocks get different slots: the running block
+    and the ones being prefetched never share one. The cycle is cut into
+    ``groups = n_blocks // window`` runs of ``ceil(n_blocks / groups)`` or one fewer blocks, each run
+    numbered from 0, so every run is at least a window long and no window sees a slot twice.
+    """
+    if n_blocks < 1:
+        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+    window = prefetch_depth + 1
+    if n_blocks <= window:
+        return list(range(n_blocks)), n_blocks
+    groups = n_blocks // window
+    num_slots = -(-n_blocks // groups)
+    full = n_blocks - groups * (num_slots - 1)  # runs of num_slots blocks; the rest have one fewer
+    assignment: list[int] = []
+    for run in range(groups):
+        assignment.extend(range(num_slots if run < full else num_slots - 1))
+    return assignment, num_slots
+
+
+def _clone_inputs(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_inputs(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone_inputs(v) for k, v in value.items()}
+    return value
+
+
+def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
+    if isinstance(static, torch.Tensor):
+        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
+            got = (f"{tuple(fresh.shape)} {fresh.dtype}" if isinstance(fresh, torch.Tensor) else type(fresh).__name__)
+            raise ValueError(f"{where} must match the captured input, {tuple(static.shape)} {static.dtype}, got {got}; "
+                             "capture another OffloadedCUDAGraph for other shapes")
+        static.copy_(fresh)
+    elif isinstance(static, (list, tuple)):
+        for i, (s, f) in enumerate(zip(static, fresh, strict=True)):
+            _copy_inputs(s, f, f"{where}[{i}]")
+    elif isinstance(static, dict):
+        for key in static:
+            _copy_inputs(static[key], fresh[key], f"{where}[{key!r}]")
+    elif static != fresh:
+        raise ValueError(f"{where} is not a tensor and differs from the captured value ({static!r} vs {fresh!r}); "
+                         "capture another graph for it")
+
+
+class OffloadedCUDAGraph:
+    """One captured forward of a layerwise-offloaded model, replayed with fresh inputs."""
+
+    def __init__(self, model: nn.Module, *example_args: Any, warmup_steps: int = 2,
+                 pool: Any = None, **example_kwargs: Any) -> None:
+        group = get_offload_group(model)
+        if group is None:
+            raise ValueError("OffloadedCUDAGraph needs a model with layerwise offload enabled: call "
+                             "enable_layerwise_offload(model, backend='ext') first")
+        if group.backend != "ext" or group.engine is None:
+            raise ValueError(f"OffloadedCUDAGraph needs backend='ext' (static device slots), but this model uses "
+                             f"backend={group.backend!r}; the python backend allocates new device tensors every "
+                             "step, which a graph cannot replay")
+        if group.device.type != "cuda":
+            raise ValueError(f"OffloadedCUDAGraph needs a CUDA device, but offload runs on {group.device}")
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (the first step allocates slots), got {warmup_steps}")
+        self.model = model
+        self.group: LayerwiseOffloadGroup = group
+        self.engine = group.engine
+        self.static_args = _clone_inputs(example_args)
+        self.static_kwargs = _clone_inputs(example_kwargs)
+        self.warmup_steps = warmup_steps
+        self.pool = pool
+        assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
+        self.engine.set_slot_assignment(assignment, num_slots)
+        self.num_slots = num_slots
+        self.recapture()
+
+    def recapture(self) -> None:
+        """Warm up and capture again (after the model ran eagerly, or its weights changed)."""
+        side = torch.cuda.Stream(self.group.device)
+        side.wait_stream(torch.cuda.current_stream(self.group.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(self.warmup_steps):
+                self.model(*self.static_args, **self.static_kwargs)
+        torch.cuda.current_stream(self.group.device).wait_stream(side)
+        self.engine.join_copies()
+        torch.cuda.synchronize(self.group.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool), torch.no_grad():
+            self.engine.begin_capture()
+            try:
+                self.static_output = self.model(*self.static_args, **self.static_kwargs)
+            finally:
+                self.engine.end_capture()
+        self.generation = self.engine.generation
+        logger.info("Captured an offloaded forward: %d blocks in %d fixed slots", len(self.group.states),
+                    self.num_slots)
+
+    def replay(self) -> Any:
+        """Replay with whatever the static inputs hold now; returns the static output."""
+        if self.engine.generation != self.generation:
+            raise RuntimeError("the offloaded model ran eagerly (or was changed) since this graph was captured, so its "
+                               "slots no longer hold what the graph expects; call recapture() before replaying")
+        self.graph.replay()
+        return self.static_output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _copy_inputs(self.static_args, args)
+        _copy_inputs(self.static_kwargs, kwargs, "keyword input")
+        return self.replay()
+
+
+__all__ = ["OffloadedCUDAGraph", "cyclic_slot_assignment"]

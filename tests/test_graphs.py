@@ -1,0 +1,111 @@
+"""CUDA-graph capture of an offloaded forward: the fixed slot assignment (CPU) and replay (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastoffload_ext as fo
+from fastoffload_ext.graphs import OffloadedCUDAGraph, cyclic_slot_assignment
+
+from ._models import make_pair, params_equal, place_outside_blocks
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+@pytest.mark.parametrize("n_blocks", list(range(1, 20)) + [40, 41, 64])
+def test_cyclic_assignment_never_shares_a_slot_within_a_window(n_blocks: int, depth: int) -> None:
+    assignment, num_slots = cyclic_slot_assignment(n_blocks, depth)
+    assert len(assignment) == n_blocks and set(assignment) <= set(range(num_slots))
+    window = min(depth + 1, n_blocks)
+    for i in range(n_blocks):
+        slots = [assignment[(i + j) % n_blocks] for j in range(window)]
+        assert len(set(slots)) == window, (i, slots)
+    # The fewest slots a cyclic window colouring can use (chromatic number of the cycle's power).
+    if n_blocks <= depth + 1:
+        assert num_slots == n_blocks
+    else:
+        assert num_slots == -(-n_blocks // (n_blocks // (depth + 1)))
+        assert num_slots <= depth + 2 or n_blocks < (depth + 1) * (depth + 2)
+
+
+def test_cyclic_assignment_rejects_empty() -> None:
+    with pytest.raises(ValueError, match="n_blocks must be >= 1, got 0"):
+        cyclic_slot_assignment(0, 1)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("n_blocks", [1, 3, 5, 6])
+def test_fixed_assignment_is_the_same_every_step(n_blocks: int, depth: int) -> None:
+    model, reference = make_pair(n_blocks)
+    x = torch.randn(2, 4, 16)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", prefetch_depth=depth)
+    assignment, num_slots = cyclic_slot_assignment(n_blocks, depth)
+    group.engine.set_slot_assignment(assignment, num_slots)
+    seen: list[list[int]] = []
+    for block, state in zip(model.blocks, group.states):
+        # Inside the block's forward, after its hook acquired it.
+        block.qkv.register_forward_pre_hook(lambda m, a, s=state: seen[-1].append(group.engine.slot_of(s.handle)))
+    with torch.no_grad():
+        for _ in range(3):
+            seen.append([])
+            assert torch.equal(model(x), reference(x))
+    assert seen == [assignment] * 3
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_graph_refuses_what_it_cannot_capture() -> None:
+    model, _ = make_pair(2)
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="needs a model with layerwise offload enabled"):
+        OffloadedCUDAGraph(model, x)
+    fo.enable_layerwise_offload(model, device="cpu", backend="python")
+    with pytest.raises(ValueError, match="needs backend='ext' \\(static device slots\\)"):
+        OffloadedCUDAGraph(model, x)
+    fo.disable_layerwise_offload(model)
+    fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    with pytest.raises(ValueError, match="needs a CUDA device, but offload runs on cpu"):
+        OffloadedCUDAGraph(model, x)
+
+
+def test_begin_capture_outside_a_capture_is_refused() -> None:
+    if not torch.cuda.is_available():
+        # On the host device there is nothing to capture: the call is a no-op by design.
+        model, _ = make_pair(1)
+        group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+        group.engine.begin_capture()
+        assert group.engine.capturing is False
+        group.engine.end_capture()
+        return
+    model, _ = make_pair(1)
+    group = fo.enable_layerwise_offload(model, device="cuda", backend="ext")
+    with pytest.raises(RuntimeError, match="must be called while the current stream is capturing a CUDA graph"):
+        group.engine.begin_capture()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("n_blocks", [1, 3, 4, 7])
+def test_replay_is_bit_exact_with_fresh_inputs(n_blocks: int, depth: int) -> None:
+    model, reference = make_pair(n_blocks, torch.bfloat16, d=64)
+    reference.cuda()
+    place_outside_blocks(model, "cuda")
+    fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    example = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
+    graph = OffloadedCUDAGraph(model, example)
+    with torch.no_grad():
+        for step in range(20):
+            x = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
+            assert torch.equal(graph(x), reference(x)), step
+    # Running eagerly moves the slots: the old graph refuses to replay until recaptured.
+    with torch.no_grad():
+        assert torch.equal(model(example), reference(example))
+    with pytest.raises(RuntimeError, match="call recapture\\(\\) before replaying"):
+        graph(example)
+    graph.recapture()
+    with torch.no_grad():
+        assert torch.equal(graph(example), reference(example))
+    with pytest.raises(ValueError, match=r"input\[0\] must match the captured input"):
+        graph(torch.zeros(3, 8, 64, device="cuda").bfloat16())
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
