@@ -84,12 +84,47 @@ def choose_flavour() -> tuple[bool, str]:
     return True, f"CUDA toolkit at {home}"
 
 
+def _links_libstdcxx_statically(compiler: str) -> bool:
+    """Whether ``compiler`` is a wrapper script that adds -static-libstdc++.
+
+    An extension with its own static copy of libstdc++ cannot throw into torch: the C++ exception that
+    carries an error message crashes the process instead of becoming a Python exception (seen on a GPU
+    image whose CXX is such a wrapper). Only scripts are inspected: a real compiler binary contains the
+    option's name in its option table.
+    """
+    path = shutil.which(compiler)
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(65536)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"static-libstdc++" in head
+
+
+def choose_compiler() -> None:
+    cxx = os.environ.get("CXX")
+    if cxx and _links_libstdcxx_statically(cxx):
+        if Path("/usr/bin/g++").exists():
+            print(f"fastoffload_ext: CXX={cxx} links libstdc++ statically, which breaks C++ exceptions across "
+                  "torch; building with /usr/bin/g++ instead", file=sys.stderr)
+            os.environ["CXX"] = "/usr/bin/g++"
+            if Path("/usr/bin/gcc").exists():
+                os.environ["CC"] = "/usr/bin/gcc"
+        else:
+            print(f"fastoffload_ext: warning: CXX={cxx} links libstdc++ statically; errors raised by the "
+                  "extension may crash the process. Set CXX to a compiler that links it dynamically.",
+                  file=sys.stderr)
+
+
 def main() -> None:
+    choose_compiler()
     with_cuda, why = choose_flavour()
     from torch.utils import cpp_extension
 
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
-    cxx_flags = ["-O3", "-fvisibility=hidden", f"-DFASTOFFLOAD_TORCH_VERSION=\"{torch.__version__}\""]
+    cxx_flags = ["-O3", f"-DFASTOFFLOAD_TORCH_VERSION=\"{torch.__version__}\""]
     if with_cuda:
         cxx_flags.append("-DFASTOFFLOAD_WITH_CUDA=1")
         cxx_flags.append(f"-DFASTOFFLOAD_CUDA_VERSION=\"{torch.version.cuda}\"")
@@ -107,8 +142,15 @@ def main() -> None:
         "cxx_flags": cxx_flags,
         "python": sys.version.split()[0],
     }
-    (ROOT / PACKAGE / "_build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
-    print(f"fastoffload_ext: {'CUDA' if with_cuda else 'CPU-only'} build ({why})", file=sys.stderr)
+    base = cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+
+    class BuildWithRecord(base):  # type: ignore[misc, valid-type]
+        """Writes what _C is built against next to it, only when it is really built (not on metadata queries)."""
+
+        def run(self) -> None:
+            print(f"fastoffload_ext: {'CUDA' if with_cuda else 'CPU-only'} build ({why})", file=sys.stderr)
+            (ROOT / PACKAGE / "_build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
+            super().run()
 
     setup(
         name=PACKAGE,
@@ -116,7 +158,7 @@ def main() -> None:
         packages=[PACKAGE],
         package_data={PACKAGE: ["py.typed", "_build_info.json"]},
         ext_modules=[extension],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+        cmdclass={"build_ext": BuildWithRecord},
         python_requires=">=3.10",
         zip_safe=False,
     )

@@ -3,6 +3,7 @@
 // The per-step methods (acquire, prefetch, release) take an integer handle and keep the GIL: they
 // are a few microseconds of host work, and dropping and retaking the GIL would cost more than they
 // do. Methods that move whole blocks through host memory release it.
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
 #include "offload_engine.h"
@@ -29,12 +30,22 @@ py::dict pool_stats(const PinnedPool& pool) {
   return d;
 }
 
-at::Tensor pool_allocate(const std::shared_ptr<PinnedPool>& pool, size_t nbytes) {
-  std::shared_ptr<PoolAllocation> allocation;
-  {
+// Runs `work` without the GIL; warnings raised by C++ (TORCH_WARN, e.g. the pageable fallback)
+// reach Python as warnings once the GIL is back, instead of only being printed to stderr.
+template <typename Work>
+auto without_gil(Work&& work) -> decltype(work()) {
+  torch::PyWarningHandler warnings;
+  try {
     py::gil_scoped_release no_gil;
-    allocation = pool->allocate(nbytes);
+    return work();
+  } catch (...) {
+    warnings.set_in_exception();  // the handler must not raise while an exception is in flight
+    throw;
   }
+}
+
+at::Tensor pool_allocate(const std::shared_ptr<PinnedPool>& pool, size_t nbytes) {
+  std::shared_ptr<PoolAllocation> allocation = without_gil([&] { return pool->allocate(nbytes); });
   void* data = allocation->data();
   // The tensor owns the allocation: the memory stays valid however long Python keeps the tensor.
   return at::from_blob(
@@ -100,14 +111,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<OffloadEngine>(m, "OffloadEngine", "One offloaded block list on one device.")
       .def(py::init<at::Device, size_t, std::shared_ptr<PinnedPool>>(), py::arg("device"), py::arg("num_slots"),
            py::arg("pool"))
-      .def("add_block", &OffloadEngine::add_block, py::arg("names"), py::arg("params"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "add_block",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
+            return without_gil([&] { return e.add_block(names, params); });
+          },
+          py::arg("names"), py::arg("params"))
       .def("acquire", &OffloadEngine::acquire, py::arg("block"))
       .def("prefetch", &OffloadEngine::prefetch, py::arg("block"))
       .def("release", &OffloadEngine::release, py::arg("block"))
       .def("materialize", &OffloadEngine::materialize, py::arg("block"), py::call_guard<py::gil_scoped_release>())
-      .def("repack", &OffloadEngine::repack, py::arg("block"), py::arg("names"), py::arg("params"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "repack",
+          [](OffloadEngine& e, size_t block, const std::vector<std::string>& names,
+             const std::vector<at::Tensor>& params) { without_gil([&] { e.repack(block, names, params); }); },
+          py::arg("block"), py::arg("names"), py::arg("params"))
       .def("restore", &OffloadEngine::restore, py::arg("block"), py::arg("device"),
            py::call_guard<py::gil_scoped_release>())
       .def("close", &OffloadEngine::close, py::call_guard<py::gil_scoped_release>())

@@ -90,7 +90,7 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
 StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
-  block.host = pool_->allocate(block.bytes);
+  block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
   std::shared_ptr<PoolAllocation> keep_alive = block.host;
   block.host_bytes = at::from_blob(
       block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
@@ -102,6 +102,7 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
     block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
         .copy_(span_bytes(tensors[j], entry.nbytes));
   }
+  pool_->pin(*block.host);
   block.tensors = tensors;
   return block;
 }

@@ -103,8 +103,9 @@ PinnedPool::~PinnedPool() {
   for (auto& entry : slabs_) free_slab(entry.second);
 }
 
-std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes) {
+std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes, bool defer_pin) {
   const size_t size = round_up(std::max<size_t>(nbytes, 1), kAlignment);
+  defer_pin = defer_pin && pins() && backing_ == Backing::kRegister;
   std::lock_guard<std::mutex> lock(mutex_);
   size_t slab_id = 0;
   size_t offset = 0;
@@ -112,6 +113,8 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes) {
   // First fit over existing slabs: blocks are packed once, at attach, so fragmentation is not a
   // concern worth a smarter policy.
   for (auto& entry : slabs_) {
+    if (defer_pin) break;               // it gets a slab of its own
+    if (entry.second.exclusive) continue;
     for (auto& range : entry.second.free_ranges) {
       if (range.second >= size) {
         slab_id = entry.first;
@@ -123,7 +126,7 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes) {
     if (found) break;
   }
   if (!found) {
-    slab_id = add_slab(size);
+    slab_id = add_slab(size, defer_pin);
     offset = 0;
   }
   Slab& slab = slabs_.at(slab_id);
@@ -135,17 +138,23 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes) {
   stats_.in_use_bytes += size;
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
   stats_.allocation_count += 1;
-  const bool pinned = slab.backing != Backing::kPageable;
+  const bool pinned = slab.pinned;
   void* ptr = static_cast<char*>(slab.base) + offset;
   return std::make_shared<PoolAllocation>(shared_from_this(), slab_id, offset, size, ptr, pinned);
 }
 
-size_t PinnedPool::add_slab(size_t nbytes) {
-  const size_t size = round_up(std::max(nbytes, min_slab_bytes_), kPage);
+size_t PinnedPool::add_slab(size_t nbytes, bool defer_pin) {
+  const size_t size = round_up(defer_pin ? nbytes : std::max(nbytes, min_slab_bytes_), kPage);
   Slab slab;
   slab.size = size;
   const auto start = std::chrono::steady_clock::now();
-  if (pins()) {
+  if (defer_pin) {
+    slab.base = map_pages(size);
+    TORCH_CHECK(slab.base != nullptr, "fastoffload: could not map ", mib(size), " MiB of host memory (",
+                mib(stats_.reserved_bytes), " MiB already reserved by this pool); the host is out of memory");
+    slab.backing = Backing::kRegister;
+    slab.exclusive = true;
+  } else if (pins()) {
 #ifdef FASTOFFLOAD_WITH_CUDA
     std::string error;
     if (limit_bytes_ != 0 && stats_.pinned_bytes + size > limit_bytes_) {
@@ -156,6 +165,7 @@ size_t PinnedPool::add_slab(size_t nbytes) {
     }
     if (slab.base != nullptr) {
       slab.backing = backing_;
+      slab.pinned = true;
     } else {
       TORCH_CHECK(allow_pageable_fallback_, "fastoffload: pinning ", mib(size), " MiB of host memory (", backing_name(backing_),
                   ") failed: ", error, ". This pool already holds ", mib(stats_.pinned_bytes),
@@ -178,7 +188,7 @@ size_t PinnedPool::add_slab(size_t nbytes) {
   slab.free_ranges.emplace(0, size);
   stats_.reserved_bytes += size;
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
-  if (slab.backing != Backing::kPageable) stats_.pinned_bytes += size;
+  if (slab.pinned) stats_.pinned_bytes += size;
   stats_.slab_count += 1;
   const size_t id = next_slab_id_++;
   slabs_.emplace(id, std::move(slab));
@@ -194,7 +204,7 @@ void PinnedPool::free_slab(Slab& slab) {
     slab.base = nullptr;
     return;
   }
-  if (slab.backing == Backing::kRegister) {
+  if (slab.backing == Backing::kRegister && slab.pinned) {
     (void)cudaHostUnregister(slab.base);
     (void)cudaGetLastError();
   }
@@ -228,11 +238,49 @@ void PinnedPool::release(size_t slab_id, size_t offset, size_t size) {
   if (slab.used == 0) {
     // An empty slab goes back to the OS at once: after detach, host memory must actually drop.
     stats_.reserved_bytes -= slab.size;
-    if (slab.backing != Backing::kPageable) stats_.pinned_bytes -= slab.size;
+    if (slab.pinned) stats_.pinned_bytes -= slab.size;
     stats_.slab_count -= 1;
     free_slab(slab);
     slabs_.erase(it);
   }
+}
+
+void PinnedPool::pin(PoolAllocation& allocation) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = slabs_.find(allocation.slab_id_);
+  TORCH_CHECK(it != slabs_.end(), "fastoffload: internal error: pin() of an allocation whose slab is gone");
+  Slab& slab = it->second;
+  if (slab.pinned || !slab.exclusive) return;
+#ifdef FASTOFFLOAD_WITH_CUDA
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  if (limit_bytes_ != 0 && stats_.pinned_bytes + slab.size > limit_bytes_) {
+    error = "the pool's limit of " + mib(limit_bytes_) + " MiB would be exceeded";
+  } else {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+    const cudaError_t status = cudaHostRegister(slab.base, slab.size, cudaHostRegisterPortable);
+    if (status != cudaSuccess) {
+      error = cudaGetErrorString(status);
+      (void)cudaGetLastError();
+    }
+  }
+  stats_.pin_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (error.empty()) {
+    slab.pinned = true;
+    allocation.pinned_ = true;
+    stats_.pinned_bytes += slab.size;
+    return;
+  }
+  TORCH_CHECK(allow_pageable_fallback_, "fastoffload: pinning ", mib(slab.size), " MiB of host memory (register) failed: ",
+              error, ". This pool already holds ", mib(stats_.pinned_bytes),
+              " MiB pinned. Free host memory or raise the locked-memory limit (ulimit -l), or pass "
+              "allow_pageable_fallback=True to continue with pageable memory (host-to-device copies then run at "
+              "pageable speed, roughly 5-8 GB/s instead of ~50).");
+  TORCH_WARN("fastoffload: pinning ", mib(slab.size), " MiB failed (", error,
+             "); falling back to pageable memory, so copies from this slab run at pageable speed.");
+  slab.backing = Backing::kPageable;
+  stats_.fallback_slabs += 1;
+#endif
 }
 
 PoolStats PinnedPool::stats() const {

@@ -64,6 +64,7 @@ class PoolAllocation {
   bool pinned() const { return pinned_; }
 
  private:
+  friend class PinnedPool;
   std::shared_ptr<PinnedPool> pool_;
   size_t slab_id_;
   size_t offset_;
@@ -85,7 +86,14 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   PinnedPool& operator=(const PinnedPool&) = delete;
 
   // Thread-safe. Throws c10::Error with the sizes involved when memory cannot be obtained.
-  std::shared_ptr<PoolAllocation> allocate(size_t nbytes);
+  //
+  // defer_pin (register backing only): the allocation gets a slab of its own whose pages are not
+  // pinned yet; fill it, then call pin(). The fill faults the pages in with their final contents
+  // (torch's copy does so on many threads), so registering them skips a separate zero-fill pass.
+  std::shared_ptr<PoolAllocation> allocate(size_t nbytes, bool defer_pin = false);
+  // Pins the slab of an allocation made with defer_pin (no-op otherwise). On failure: the pool's
+  // error, or with allow_pageable_fallback a warning and the memory stays pageable.
+  void pin(PoolAllocation& allocation);
   PoolStats stats() const;
   int device_index() const { return device_index_; }
   Backing backing() const { return backing_; }
@@ -97,13 +105,15 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     void* base = nullptr;
     size_t size = 0;
     Backing backing = Backing::kPageable;
+    bool pinned = false;
+    bool exclusive = false;  // made for one deferred-pin allocation; never shared
     size_t used = 0;
     std::map<size_t, size_t> free_ranges;  // offset -> size, coalesced
   };
 
   void release(size_t slab_id, size_t offset, size_t size);
   // Called with mutex_ held.
-  size_t add_slab(size_t nbytes);
+  size_t add_slab(size_t nbytes, bool defer_pin);
   void free_slab(Slab& slab);
 
   const int device_index_;

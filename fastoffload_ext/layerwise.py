@@ -161,8 +161,12 @@ class LayerwiseOffloadGroup:
                           bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],
                           prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"])
         else:
-            pinned = self.device.type == "cuda"
-            result.update(pinned_bytes=result["host_bytes"] if pinned else 0, host_reserved_bytes=result["host_bytes"],
+            # torch's caching host allocator rounds every pinned tensor up to a power of two.
+            pinned = 0
+            if self.device.type == "cuda":
+                pinned = sum(1 << max(int(t.untyped_storage().nbytes()) - 1, 0).bit_length()
+                             for state in self.states for t in state.cpu_named_parameters.values())
+            result.update(pinned_bytes=pinned, host_reserved_bytes=max(pinned, result["host_bytes"]),
                           slot_bytes=0, num_slots=0)
         return result
 

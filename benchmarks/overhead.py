@@ -1,0 +1,146 @@
+"""Section 4, overhead: host-side cost per block per step vs parameters per block.
+
+What is timed is exactly the per-block work of one step, with no compute around it: for every block
+of an L-block model, ``hook.pre_forward(block)`` (acquire its weights, issue the prefetch of the next
+block) then ``hook.post_forward(block, None)`` (release). The loop is timed with
+``time.perf_counter_ns`` on the host; device work it queues is drained after each timed run, outside
+the clock, so the figure is what the Python thread pays — the cost that, on W3, decides whether the
+copy or the CPU sets the pace. DESIGN.md's target: <= 20 us + 0.3 us per parameter.
+
+Parameter counts 4, 16, 64, 136 (a W3 block: 4 Linears x 2 + 64 LayerNorms x 2) and 512
+(``--quick``: 4, 136, 512), each parameter a 128-byte bf16 tensor (the copy is not what is measured). On
+the host the engine runs with ``device="cpu"``; on a GPU machine the same rows run on CUDA too.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.utils import Column, Context, Table, hook_manager_class, median, offload_api
+
+TITLE = "overhead: host cost per block per step (acquire + prefetch issue + release)"
+
+TABLES = {
+    "overhead": Table(
+        title="Host cost per block per step, us (pre_forward + post_forward; median); target 20 us + 0.3 us/param",
+        columns=[
+            Column("device", "device"),
+            Column("backend", "backend"),
+            Column("params", "params", "d"),
+            Column("us_per_block", "us/block", ".2f"),
+            Column("us_per_param", "us/param", ".3f"),
+            Column("target_us", "target us", ".1f"),
+            Column("x_target", "x target", ".2f"),
+            Column("pass", "pass"),
+        ],
+    ),
+}
+
+PARAM_COUNTS = (4, 16, 64, 136, 512)
+QUICK_PARAM_COUNTS = (4, 136, 512)
+NUM_BLOCKS = 8
+# 128 bytes of bf16 each: with device="cpu" the engine's "copy" is a synchronous memcpy inside the
+# timed loop, so parameters are kept small enough that the figure is the per-block work, not memcpy.
+ELEMENTS_PER_PARAM = 64
+
+
+class ParamBlock(nn.Module):
+    def __init__(self, num_params: int) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(ELEMENTS_PER_PARAM, dtype=torch.bfloat16), requires_grad=False)
+            for _ in range(num_params))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class ParamStack(nn.Module):
+    def __init__(self, num_params: int, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ParamBlock(num_params) for _ in range(num_blocks))
+
+
+def target_us(params: int) -> float:
+    return 20.0 + 0.3 * params
+
+
+def run(ctx: Context) -> None:
+    try:
+        enable, disable = offload_api()
+        manager_class = hook_manager_class()
+    except ImportError as error:
+        ctx.note(str(error))
+        ctx.skip("overhead", {"device": "all", "backend": "all"}, str(error))
+        return
+    devices = [torch.device("cpu")]
+    if ctx.cuda:
+        devices.append(ctx.device)
+    else:
+        ctx.note("no CUDA device: host cost measured with device='cpu' only")
+    counts = QUICK_PARAM_COUNTS if ctx.quick else PARAM_COUNTS
+    ctx.progress.add(len(devices) * 2 * len(counts))
+    run_seconds = 0.02 if ctx.quick else 0.1
+    repeats = ctx.iters(7, quick=5)
+
+    for device in devices:
+        for backend in ("ext", "python"):
+            for params in counts:
+                labels = {"device": device.type, "backend": backend, "params": params}
+                holder: dict[str, Any] = {}
+
+                def row(device: torch.device = device, backend: str = backend, params: int = params,
+                        holder: dict[str, Any] = holder) -> dict[str, Any]:
+                    model = ParamStack(params, NUM_BLOCKS)
+                    holder["model"] = model
+                    group = enable(model, backend=backend, device=device, prefetch_depth=ctx.options.prefetch_depth)
+                    if group is None:
+                        raise RuntimeError("enable_layerwise_offload returned None")
+                    holder["group"] = group
+                    blocks = list(model.blocks)
+                    hooks = [manager_class.get_from(block).get_forward_hook("LayerwiseOffloadHook") for block in blocks]
+                    pairs = list(zip(blocks, hooks))
+
+                    def step() -> None:
+                        for block, hook in pairs:
+                            hook.pre_forward(block)
+                            hook.post_forward(block, None)
+
+                    def drain() -> None:
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+
+                    with torch.inference_mode():
+                        for _ in range(3):
+                            step()
+                        drain()
+                        # Calibrate: enough steps that one timed run lasts about run_seconds.
+                        started = time.perf_counter()
+                        step()
+                        one = max(time.perf_counter() - started, 1e-6)
+                        drain()
+                        steps = max(1, min(10_000, int(run_seconds / one)))
+                        per_block_ns = []
+                        for _ in range(repeats):
+                            started_ns = time.perf_counter_ns()
+                            for _ in range(steps):
+                                step()
+                            elapsed = time.perf_counter_ns() - started_ns
+                            drain()
+                            per_block_ns.append(elapsed / (steps * len(blocks)))
+                    us = median(per_block_ns) / 1e3
+                    target = target_us(params)
+                    stats = dict(group.stats())
+                    return {"us_per_block": us, "us_per_param": us / params, "target_us": target,
+                            "x_target": us / target, "pass": us <= target, "steps_per_run": steps,
+                            "runs_us": [v / 1e3 for v in per_block_ns], "stats": stats}
+
+                def cleanup(holder: dict[str, Any] = holder) -> None:
+                    model, group = holder.pop("model", None), holder.pop("group", None)
+                    if model is not None and group is not None:
+                        disable(model)
+
+                ctx.run_row("overhead", labels, row, cleanup=cleanup)

@@ -1,0 +1,611 @@
+"""Shared pieces of the benchmark suite: timing, the run context, the row journal, tables, memory probes.
+
+Timing rules (STYLE.md, Benchmarks): inputs are built before the timed region, there is a warm-up,
+GPU work is timed with CUDA events on the compute stream, and the figure reported is the median of at
+least ``MIN_ITERS`` timed repetitions. Forward passes are timed back to back with no host
+synchronisation between them: the layerwise engines end a forward with the wrap-around prefetch of
+block 0 still in flight on their copy stream, and a ``synchronize()`` between iterations would let that
+copy finish off the clock, reporting one block's transfer less than the steady state really pays.
+
+Every row runs inside :meth:`Context.run_row`, which catches the row's exception, records it as an
+error row and carries on, so one broken backend or one OOM never loses the rest of a section. Rows are
+appended to a JSON-lines journal as they finish; ``run.py`` runs each section in a child process and
+reads that journal back, so even a segfault or a lost CUDA context costs only the row in flight.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+GB = 1e9  # bandwidths are reported in decimal GB/s, as PCIe and DESIGN.md quote them
+
+MIN_ITERS = 5
+
+# Errors after which the CUDA context of this process is unusable: every later CUDA call fails too,
+# so the section stops and says why instead of printing one misleading error per remaining row.
+_FATAL_CUDA_MARKERS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+    "CUDA error: an illegal instruction",
+    "cudaErrorLaunchFailure",
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Optional imports
+# --------------------------------------------------------------------------------------------------
+
+def try_import(name: str) -> tuple[Any, str]:
+    """(module, "") or (None, why it could not be imported)."""
+    try:
+        return importlib.import_module(name), ""
+    except Exception as error:  # an optional dependency may fail in any way at import
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        return None, f"{name} is not importable ({type(error).__name__}: {first_line})"
+
+
+def offload_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(enable_layerwise_offload, disable_layerwise_offload)`` from the package, or ImportError with why."""
+    try:
+        from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+    except ImportError:
+        try:
+            from fastoffload_ext.layerwise import disable_layerwise_offload, enable_layerwise_offload
+        except ImportError as error:
+            raise ImportError(f"fastoffload_ext.layerwise is not importable yet: {error}") from error
+    return enable_layerwise_offload, disable_layerwise_offload
+
+
+def hook_manager_class() -> Any:
+    try:
+        from fastoffload_ext.hooks import ModuleHookManager
+    except ImportError as error:
+        raise ImportError(f"fastoffload_ext.hooks is not importable yet: {error}") from error
+    return ModuleHookManager
+
+
+def ext_available() -> tuple[bool, str]:
+    try:
+        import fastoffload_ext
+    except Exception as error:
+        return False, f"fastoffload_ext is not importable: {error}"
+    if not fastoffload_ext.ext_available():
+        return False, f"compiled core not loaded: {fastoffload_ext.backend_reason}"
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar on stderr: tqdm when importable, else one counter line per step."""
+
+    def __init__(self, desc: str, enabled: bool = True) -> None:
+        self.desc = desc
+        self.total = 0
+        self.done = 0
+        self.enabled = enabled
+        self._bar = None
+        # A bar redraws with carriage returns: right on a terminal, noise in a log. Off a terminal each
+        # row gets one plain line instead.
+        if enabled and sys.stderr.isatty():
+            tqdm_module, _ = try_import("tqdm")
+            if tqdm_module is not None:
+                self._bar = tqdm_module.tqdm(total=0, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                                             bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}")
+
+    def add(self, count: int) -> None:
+        self.total += count
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
+
+    def start(self, label: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(label[:60])
+        else:
+            position = f"{self.done + 1}/{max(self.total, self.done + 1)}"
+            print(f"  [{self.desc} {position}] {label}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Run context and journal
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Options:
+    """What a section needs to know about the run; travels to child processes as JSON."""
+
+    quick: bool = False
+    device: str = "auto"  # "auto" (cuda when available), "cuda" or "cpu": where models run
+    prefetch_depth: int = 1
+    resident_blocks: int | None = None
+    peak_h2d_gbps: float | None = None  # from the bandwidth section of the same run, if it ran
+    progress: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Options:
+        return cls(**json.loads(text))
+
+
+class Context:
+    """One section's run: options, the device, the journal, the progress bar, the row runner."""
+
+    def __init__(self, section: str, options: Options, journal_path: str) -> None:
+        self.section = section
+        self.options = options
+        self.quick = options.quick
+        self.cuda = options.device in ("auto", "cuda") and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self._journal = open(journal_path, "a", buffering=1)  # line-buffered: a crash loses at most the row in flight
+        self.progress = Progress(section, enabled=options.progress)
+        self.cuda_lost: str | None = None
+
+    # journal -----------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> None:
+        self._journal.write(json.dumps(sanitize(record)) + "\n")
+        self._journal.flush()
+
+    def note(self, text: str) -> None:
+        """A line printed under the section's tables and kept in the JSON (skips, caveats, sources)."""
+        self._write({"type": "note", "text": text})
+
+    def meta(self, key: str, value: Any) -> None:
+        """A section-level figure other sections or the summary use (e.g. the peak H2D bandwidth)."""
+        self._write({"type": "meta", "key": key, "value": value})
+
+    def skip(self, table: str, labels: dict[str, Any], reason: str) -> None:
+        self._write({"type": "row", "table": table, "row": {**labels, "skipped": reason}})
+
+    # rows --------------------------------------------------------------------------------------
+    def run_row(self, table: str, labels: dict[str, Any], fn: Callable[[], dict[str, Any]],
+                cleanup: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Run one row; its exception becomes an error row. Returns the row's figures or None."""
+        label = " ".join(str(v) for v in labels.values())
+        self.progress.start(label)
+        if self.cuda_lost is not None:
+            self.skip(table, labels, f"CUDA context lost earlier in this section ({self.cuda_lost})")
+            self.progress.finish()
+            return None
+        self._write({"type": "begin", "table": table, "labels": labels})
+        started = time.perf_counter()
+        try:
+            values = fn()
+            row = {**labels, **values}
+            result: dict[str, Any] | None = values
+        except Exception as error:  # a row must never take the section down with it
+            message = f"{type(error).__name__}: {error}".strip()
+            row = {**labels, "error": message.splitlines()[0][:400] if message else type(error).__name__,
+                   "traceback": traceback.format_exc(limit=8)}
+            if self.cuda and any(marker in message for marker in _FATAL_CUDA_MARKERS):
+                self.cuda_lost = message.splitlines()[0][:120]
+            result = None
+        finally:
+            if cleanup is not None:
+                try:
+                    cleanup()
+                except Exception:
+                    pass
+            free_memory()
+        row["row_wall_s"] = round(time.perf_counter() - started, 3)
+        self._write({"type": "row", "table": table, "row": row})
+        self.progress.finish()
+        return result
+
+    def close(self) -> None:
+        self.progress.close()
+        self._journal.close()
+
+    # timing ------------------------------------------------------------------------------------
+    def iters(self, full: int, quick: int | None = None) -> int:
+        return max(MIN_ITERS, quick if (self.quick and quick is not None) else full)
+
+    def time_ms(self, fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
+        timer = time_cuda_ms if self.cuda else time_host_ms
+        return timer(fn, warmup=warmup, iters=iters)
+
+
+def read_journal(path: str) -> list[dict[str, Any]]:
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path) as journal:
+        for line in journal:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a half-written last line from a killed child
+                pass
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+def time_cuda_ms(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
+    """Per-iteration milliseconds from CUDA events on the current stream, iterations back to back."""
+    iters = max(MIN_ITERS, iters)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def time_host_ms(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
+    """Per-iteration wall milliseconds (perf_counter_ns), for work that runs on the host."""
+    iters = max(MIN_ITERS, iters)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - started) / 1e6)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(times_ms: Sequence[float]) -> dict[str, Any]:
+    return {"ms": median(times_ms), "ms_min": float(min(times_ms)), "ms_max": float(max(times_ms)),
+            "n": len(times_ms)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+
+def empty_host_cache() -> None:
+    """Return the pinned blocks cached by torch's host allocator (the python backend's pins)."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        function = getattr(torch._C, name, None)
+        if function is not None:
+            try:
+                function()
+                return
+            except Exception:
+                pass
+
+
+def torch_host_pinned_bytes() -> dict[str, int] | None:
+    """Bytes held by torch's caching host allocator, or None when this torch does not report them."""
+    stats_fn = getattr(getattr(torch.cuda, "memory", None), "host_memory_stats", None)
+    if stats_fn is None or not torch.cuda.is_available():
+        return None
+    try:
+        stats = stats_fn()
+    except Exception:
+        return None
+    if not stats:
+        return {"reserved": 0, "allocated": 0}
+    # torch >= 2.9: "allocated_bytes" = pinned blocks the allocator owns (handed out + cached), at their
+    # power-of-two size, i.e. what is pinned; "active_bytes" = blocks handed out. Older releases named
+    # the owned bytes "reserved_bytes".
+    owned = stats.get("allocated_bytes.current", stats.get("reserved_bytes.current"))
+    active = stats.get("active_bytes.current")
+    if owned is None:
+        return None
+    return {"reserved": int(owned), "allocated": int(active if active is not None else owned)}
+
+
+def next_pow2(value: int) -> int:
+    return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
+
+
+def module_bytes(module: torch.nn.Module, *, buffers: bool = False) -> int:
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    if buffers:
+        total += sum(b.numel() * b.element_size() for b in module.buffers())
+    return total
+
+
+def read_proc_status() -> dict[str, int]:
+    """VmRSS / VmHWM of this process in bytes (Linux); empty elsewhere."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, amount = line.split(":", 1)
+                    values[key] = int(amount.split()[0]) * KiB
+    except OSError:
+        pass
+    return values
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0, ``clear_refs`` 5). False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RssSampler:
+    """Samples this process's RSS in a thread; ``peak`` is the largest sample (and VmHWM when resettable)."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.hwm_reset = False
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            rss = read_proc_status().get("VmRSS", 0)
+            self.peak = max(self.peak, rss)
+            self.samples += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.hwm_reset = reset_peak_rss()
+        self.peak = read_proc_status().get("VmRSS", 0)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        status = read_proc_status()
+        self.peak = max(self.peak, status.get("VmRSS", 0))
+        if self.hwm_reset:
+            self.peak = max(self.peak, status.get("VmHWM", 0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment header
+# --------------------------------------------------------------------------------------------------
+
+def _driver_version() -> str | None:
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20)
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip().splitlines()[0]
+    except Exception:
+        pass
+    pynvml, _ = try_import("pynvml")
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+            version = pynvml.nvmlSystemGetDriverVersion()
+            return version.decode() if isinstance(version, bytes) else str(version)
+        except Exception:
+            pass
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return None
+
+
+def environment() -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "ram_bytes": _mem_total(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        header.update({
+            "gpu": props.name,
+            "gpu_count": torch.cuda.device_count(),
+            "gpu_memory_bytes": props.total_memory,
+            "gpu_capability": f"{props.major}.{props.minor}",
+            "driver": _driver_version(),
+        })
+        try:
+            header["cuda_driver_api"] = torch._C._cuda_getDriverVersion()
+        except Exception:
+            pass
+    else:
+        header.update({"gpu": None, "driver": None})
+    try:
+        import fastoffload_ext
+        header["fastoffload_ext"] = getattr(fastoffload_ext, "__version__", None)
+        header["build_info"] = fastoffload_ext.build_info()
+        header["active_backend"] = fastoffload_ext.active_backend()
+        header["backend_reason"] = getattr(fastoffload_ext, "backend_reason", None)
+    except Exception as error:
+        header["fastoffload_ext"] = f"not importable: {error}"
+        header["active_backend"] = None
+    for name in ("transformers", "diffusers", "accelerate"):
+        module, _ = try_import(name)
+        header[name] = getattr(module, "__version__", None) if module is not None else None
+    return header
+
+
+def format_header(header: dict[str, Any]) -> str:
+    build = header.get("build_info") or {}
+    compiled = build.get("compiled", {}) if isinstance(build, dict) else {}
+    lines = [
+        "fastoffload_ext benchmarks",
+        f"  time        {header.get('time')}   host {header.get('host')}",
+        f"  gpu         {header.get('gpu') or 'none'}" + (f" x{header.get('gpu_count')}" if header.get("gpu") else "")
+        + (f"   driver {header.get('driver')}" if header.get("driver") else ""),
+        f"  cpu         {header.get('cpu')} ({header.get('cpu_count')} cores)   ram "
+        + (f"{header['ram_bytes'] / GiB:.0f} GiB" if header.get("ram_bytes") else "?"),
+        f"  torch       {header.get('torch')}   cuda {header.get('cuda_runtime')}   python {header.get('python')}",
+        f"  package     fastoffload_ext {header.get('fastoffload_ext')}   "
+        f"active backend: {header.get('active_backend')}"
+        + (f" ({header.get('backend_reason')})" if header.get("backend_reason") else ""),
+        "  build       " + (json.dumps(compiled or build, sort_keys=True) if (compiled or build)
+                             else "no build info (extension not built)"),
+        "  baselines   " + "  ".join(f"{name} {header.get(name) or 'missing'}"
+                                     for name in ("transformers", "diffusers", "accelerate")),
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and JSON
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Column:
+    key: str
+    header: str
+    fmt: str = ""  # format spec for numbers; callables for special cases
+
+    def render(self, value: Any) -> str:
+        if value is None:
+            return "—"
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+            return "—"
+        if self.fmt and isinstance(value, (int, float)):
+            return format(value, self.fmt)
+        return str(value)
+
+
+@dataclasses.dataclass
+class Table:
+    title: str
+    columns: list[Column]
+
+
+def render_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
+    """Fixed-width text table; error and skip reasons go to a last 'note' column."""
+    headers = [c.header for c in table.columns] + ["note"]
+    body = []
+    for row in rows:
+        cells = [c.render(row.get(c.key)) for c in table.columns]
+        note = ""
+        if row.get("error"):
+            note = "ERROR " + str(row["error"])
+        elif row.get("skipped"):
+            note = "skipped: " + str(row["skipped"])
+        elif row.get("note"):
+            note = str(row["note"])
+        cells.append(note[:160])
+        body.append(cells)
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+    widths[-1] = len(headers[-1])  # the note column is ragged; do not pad every row to the longest note
+    lines = [table.title, "  " + "  ".join(h.ljust(w) if i == 0 else h.rjust(w) if i < len(headers) - 1 else h
+                                          for i, (h, w) in enumerate(zip(headers, widths)))]
+    lines.append("  " + "  ".join("-" * w for w in widths))
+    for cells in body:
+        parts = []
+        for i, (cell, width) in enumerate(zip(cells, widths)):
+            if i == len(cells) - 1:
+                parts.append(cell)
+            elif i == 0 or not _numeric(cell):
+                parts.append(cell.ljust(width))
+            else:
+                parts.append(cell.rjust(width))
+        lines.append(("  " + "  ".join(parts)).rstrip())
+    return "\n".join(lines)
+
+
+def _numeric(cell: str) -> bool:
+    try:
+        float(cell.rstrip("x%"))
+        return True
+    except ValueError:
+        return cell == "—"
+
+
+def sanitize(value: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, tensors/devices/dtypes -> str, tuples -> lists."""
+    if isinstance(value, dict):
+        return {str(k): sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sanitize(v) for v in value]
+    if isinstance(value, float):
+        return None if (math.isnan(value) or math.isinf(value)) else value
+    if isinstance(value, (int, str, bool)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return sanitize(value.item())
+    return str(value)
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    if not ms or ms <= 0:
+        return None
+    return nbytes / (ms / 1e3) / GB
