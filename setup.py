@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,38 +85,40 @@ def choose_flavour() -> tuple[bool, str]:
     return True, f"CUDA toolkit at {home}"
 
 
-def _links_libstdcxx_statically(compiler: str) -> bool:
-    """Whether ``compiler`` is a wrapper script that adds -static-libstdc++.
+# Name the shared libstdc++ before the compiler driver adds its own: should a wrapper still add
+# -static-libstdc++, the archive is then never pulled in, and C++ exceptions stay shared with torch.
+LINK_ARGS = ["-Wl,--no-as-needed", "-lstdc++"]
 
-    An extension with its own static copy of libstdc++ cannot throw into torch: the C++ exception that
-    carries an error message crashes the process instead of becoming a Python exception (seen on a GPU
-    image whose CXX is such a wrapper). Only scripts are inspected: a real compiler binary contains the
-    option's name in its option table.
+
+def _has_shared_libstdcxx(compiler: str) -> bool:
+    """Whether ``compiler`` can link libstdc++ as a shared library.
+
+    An extension that carries its own static copy of libstdc++ shares no locale or exception state with
+    torch: seen on a GPU image whose default CXX had only the static library, every error message that
+    formats a number crashed the process instead of raising. ``-print-file-name`` answers the bare name
+    when the compiler has no such file.
     """
-    path = shutil.which(compiler)
-    if path is None:
-        return False
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(65536)
-    except OSError:
-        return False
-    return head.startswith(b"#!") and b"static-libstdc++" in head
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return True  # cannot tell: leave the user's choice alone
+    return os.path.isabs(found) and os.path.exists(found)
 
 
 def choose_compiler() -> None:
-    cxx = os.environ.get("CXX")
-    if cxx and _links_libstdcxx_statically(cxx):
-        if Path("/usr/bin/g++").exists():
-            print(f"fastoffload_ext: CXX={cxx} links libstdc++ statically, which breaks C++ exceptions across "
-                  "torch; building with /usr/bin/g++ instead", file=sys.stderr)
-            os.environ["CXX"] = "/usr/bin/g++"
-            if Path("/usr/bin/gcc").exists():
-                os.environ["CC"] = "/usr/bin/gcc"
-        else:
-            print(f"fastoffload_ext: warning: CXX={cxx} links libstdc++ statically; errors raised by the "
-                  "extension may crash the process. Set CXX to a compiler that links it dynamically.",
-                  file=sys.stderr)
+    cxx = os.environ.get("CXX", "c++")  # torch.utils.cpp_extension's default is c++ on PATH
+    if _has_shared_libstdcxx(cxx):
+        return
+    if Path("/usr/bin/g++").exists() and _has_shared_libstdcxx("/usr/bin/g++"):
+        print(f"fastoffload_ext: CXX={cxx} has no shared libstdc++ (a static copy breaks C++ errors across torch); "
+              "building with /usr/bin/g++ instead", file=sys.stderr)
+        os.environ["CXX"] = "/usr/bin/g++"
+        if Path("/usr/bin/gcc").exists():
+            os.environ["CC"] = "/usr/bin/gcc"
+    else:
+        print(f"fastoffload_ext: warning: CXX={cxx} has no shared libstdc++; errors raised by the extension may crash "
+              "the process. Set CXX to a compiler that links libstdc++ dynamically.", file=sys.stderr)
 
 
 def main() -> None:
@@ -128,9 +131,11 @@ def main() -> None:
     if with_cuda:
         cxx_flags.append("-DFASTOFFLOAD_WITH_CUDA=1")
         cxx_flags.append(f"-DFASTOFFLOAD_CUDA_VERSION=\"{torch.version.cuda}\"")
-        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags})
+        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},
+                                                 extra_link_args=LINK_ARGS)
     else:
-        extension = cpp_extension.CppExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags})
+        extension = cpp_extension.CppExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},
+                                               extra_link_args=LINK_ARGS)
 
     build_info = {
         "version": VERSION,

@@ -14,7 +14,7 @@ inline void rebind(const at::Tensor& param, const at::Tensor& data) {
 }  // namespace
 
 void Binder::set_block(size_t index, const StoredBlock& block) {
-  TORCH_CHECK(index <= blocks_.size(), "fastoffload: internal error: binder block ", index, " out of order");
+  TORCH_CHECK(index <= blocks_.size(), "fastoffload: internal error: binder block ", std::to_string(index), " out of order");
   if (index == blocks_.size()) blocks_.emplace_back();
   Bound& bound = blocks_[index];
   bound.tensors = block.tensors;
@@ -57,8 +57,8 @@ void Binder::bind_placeholders(size_t index) const {
 
 void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) const {
   const Bound& bound = blocks_.at(index);
-  TORCH_CHECK(values.size() == bound.tensors.size(), "fastoffload: internal error: ", values.size(),
-              " values for ", bound.tensors.size(), " parameters");
+  TORCH_CHECK(values.size() == bound.tensors.size(), "fastoffload: internal error: ", std::to_string(values.size()),
+              " values for ", std::to_string(bound.tensors.size()), " parameters");
   for (size_t j = 0; j < bound.tensors.size(); ++j) bound.tensors[j].set_data(values[j]);
 }
 

@@ -29,7 +29,7 @@ Event::Event(int device_index) : device_index_(device_index) {
   handle_ = event;
 #else
   TORCH_CHECK(false, "fastoffload: this build has no CUDA support; rebuild with a CUDA toolkit to use cuda:",
-              device_index);
+              std::to_string(device_index));
 #endif
 }
 
@@ -59,7 +59,7 @@ CopyEngine::CopyEngine(int device_index) : device_index_(device_index) {
   join_event_ = join;
 #else
   TORCH_CHECK(false, "fastoffload: this build has no CUDA support; rebuild with a CUDA toolkit to use cuda:",
-              device_index);
+              std::to_string(device_index));
 #endif
 }
 

@@ -32,7 +32,7 @@ at::Tensor span_bytes(const at::Tensor& t, size_t nbytes) {
 
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                       size_t* total_bytes) {
-  TORCH_CHECK(names.size() == tensors.size(), "fastoffload: got ", names.size(), " names for ", tensors.size(),
+  TORCH_CHECK(names.size() == tensors.size(), "fastoffload: got ", std::to_string(names.size()), " names for ", std::to_string(tensors.size()),
               " tensors");
   std::vector<TensorLayout> layout;
   layout.reserve(tensors.size());
@@ -113,28 +113,28 @@ size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<
 }
 
 void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", index);
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
   // Pack first: if packing fails the old copy stays intact.
   StoredBlock fresh = pack(names, tensors);
   blocks_[index] = std::move(fresh);
 }
 
 void LayerStore::remove(size_t index) {
-  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", index);
+  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", std::to_string(index));
   blocks_[index] = StoredBlock();
   blocks_[index].removed = true;
 }
 
 at::Tensor LayerStore::host_view(size_t index, size_t j) const {
   const StoredBlock& stored = block(index);
-  TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", index, " has no tensor ", j);
+  TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
   return view_of(stored.host_bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
 }
 
 const StoredBlock& LayerStore::block(size_t index) const {
-  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", index, " (the store holds ", blocks_.size(),
-              ")");
-  TORCH_CHECK(!blocks_[index].removed, "fastoffload: block ", index, " was removed from the store (detached)");
+  TORCH_CHECK(index < blocks_.size(), "fastoffload: no stored block ", std::to_string(index), " (the store holds ",
+              std::to_string(blocks_.size()), ")");
+  TORCH_CHECK(!blocks_[index].removed, "fastoffload: block ", std::to_string(index), " was removed from the store (detached)");
   return blocks_[index];
 }
 

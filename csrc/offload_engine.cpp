@@ -37,7 +37,7 @@ OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_pt
   const int index = device_index_of(device);
   const auto& pool_ = store_.pool();
   TORCH_CHECK(pool_->device_index() == index || !pool_->pins(), "fastoffload: the pinned pool belongs to device ",
-              pool_->device_index(), " but the engine offloads to ", device.str(),
+              std::to_string(pool_->device_index()), " but the engine offloads to ", device.str(),
               "; create one pool per device");
 }
 
@@ -50,9 +50,9 @@ OffloadEngine::~OffloadEngine() {
 }
 
 void OffloadEngine::check_block(size_t block) const {
-  TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", block, " is out of range (the engine holds ",
-              store_.size(), " blocks)");
-  TORCH_CHECK(!removed_[block], "fastoffload: block ", block,
+  TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", std::to_string(block),
+              " is out of range (the engine holds ", std::to_string(store_.size()), " blocks)");
+  TORCH_CHECK(!removed_[block], "fastoffload: block ", std::to_string(block),
               " was detached from the offload engine; re-enable offload to use it again");
 }
 
@@ -83,7 +83,7 @@ void OffloadEngine::ensure_slots() {
 void OffloadEngine::check_grad(size_t block) const {
   const StoredBlock& stored = store_.block(block);
   for (size_t j = 0; j < stored.tensors.size(); ++j) {
-    TORCH_CHECK(!stored.tensors[j].requires_grad(), "fastoffload: block ", block, " is offloaded, its parameter '",
+    TORCH_CHECK(!stored.tensors[j].requires_grad(), "fastoffload: block ", std::to_string(block), " is offloaded, its parameter '",
                 stored.layout[j].name,
                 "' requires grad, and grad mode is on. Offloaded weights live in device slots that later blocks "
                 "overwrite, so a backward pass would read the wrong bytes. Run the forward under torch.no_grad() or "
@@ -112,7 +112,7 @@ void OffloadEngine::acquire(size_t block) {
     return;
   }
   const int64_t foreign = binder_.first_foreign(block);
-  TORCH_CHECK(foreign < 0, "fastoffload: parameter '", store_.block(block).layout[foreign].name, "' of block ", block,
+  TORCH_CHECK(foreign < 0, "fastoffload: parameter '", store_.block(block).layout[foreign].name, "' of block ", std::to_string(block),
               " was replaced while it was offloaded, so its new value would be silently overwritten. Change a "
               "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
               "first.");
@@ -121,7 +121,7 @@ void OffloadEngine::acquire(size_t block) {
     if (slot < 0) {
       std::string running;
       for (int64_t b : ring_.blocks_in_use()) running += " " + std::to_string(b);
-      TORCH_CHECK(false, "fastoffload: cannot load block ", block, ": all ", ring_.size(),
+      TORCH_CHECK(false, "fastoffload: cannot load block ", std::to_string(block), ": all ", std::to_string(ring_.size()),
                   " slots hold running blocks (", running,
                   " ), acquired and not yet released. Release them first, or enable offload with a larger "
                   "prefetch_depth.");
@@ -171,7 +171,7 @@ void OffloadEngine::materialize(size_t block) {
   check_block(block);
   if (materialized_[block]) return;
   const int64_t slot = ring_.slot_of(block);
-  TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", block,
+  TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward; enter mutate_params_scope() between forwards, not inside one");
   ring_.forget_block(block);
   const StoredBlock& stored = store_.block(block);
@@ -189,7 +189,7 @@ void OffloadEngine::materialize(size_t block) {
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   check_block(block);
   const int64_t slot = ring_.slot_of(block);
-  TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", block,
+  TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward and cannot be repacked now");
   // A prefetch of this block may still be reading the host copy that is about to be freed.
   copy_.synchronize_copies();
@@ -266,12 +266,14 @@ void OffloadEngine::end_capture() {
 void OffloadEngine::join_copies() { copy_.current_waits_for_copies(); }
 
 std::string OffloadEngine::slot_state(size_t slot) const {
-  TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", slot, " is out of range (", ring_.size(), " slots)");
+  TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
+              " slots)");
   return state_name(ring_.slot(slot).state);
 }
 
 uint64_t OffloadEngine::slot_address(size_t slot) const {
-  TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", slot, " is out of range (", ring_.size(), " slots)");
+  TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
+              " slots)");
   const at::Tensor& buffer = ring_.slot(slot).buffer;
   return buffer.defined() ? reinterpret_cast<uint64_t>(buffer.data_ptr()) : 0;
 }
@@ -282,7 +284,7 @@ bool OffloadEngine::is_materialized(size_t block) const {
 }
 
 bool OffloadEngine::is_removed(size_t block) const {
-  TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", block, " is out of range");
+  TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", std::to_string(block), " is out of range");
   return removed_[block] != 0;
 }
 

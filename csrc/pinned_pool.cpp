@@ -93,7 +93,7 @@ PinnedPool::PinnedPool(int device_index, Backing backing, size_t limit_bytes, bo
       min_slab_bytes_(min_slab_bytes) {
 #ifndef FASTOFFLOAD_WITH_CUDA
   TORCH_CHECK(device_index < 0 || backing == Backing::kPageable,
-              "fastoffload: this build has no CUDA support, so it cannot pin memory for cuda:", device_index,
+              "fastoffload: this build has no CUDA support, so it cannot pin memory for cuda:", std::to_string(device_index),
               "; rebuild with a CUDA toolkit (FASTOFFLOAD_CUDA=1) or use the host device");
 #endif
   stats_.backing = backing_name(backing_);

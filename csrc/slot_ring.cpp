@@ -8,7 +8,7 @@ namespace fastoffload {
 SlotRing::SlotRing(at::Device device, size_t num_slots) : device_(device) { resize(num_slots); }
 
 void SlotRing::resize(size_t num_slots) {
-  TORCH_CHECK(num_slots >= 1, "fastoffload: a slot ring needs at least one slot, got ", num_slots);
+  TORCH_CHECK(num_slots >= 1, "fastoffload: a slot ring needs at least one slot, got ", std::to_string(num_slots));
   if (!slots_.empty()) clear();
   const int index = device_.is_cpu() ? -1 : device_.index();
   slots_.clear();
@@ -22,8 +22,9 @@ void SlotRing::resize(size_t num_slots) {
 
 void SlotRing::set_assignment(std::vector<int64_t> assignment) {
   for (size_t b = 0; b < assignment.size(); ++b)
-    TORCH_CHECK(assignment[b] >= 0 && static_cast<size_t>(assignment[b]) < slots_.size(), "fastoffload: block ", b,
-                " is assigned slot ", assignment[b], " but the ring has ", slots_.size(), " slots");
+    TORCH_CHECK(assignment[b] >= 0 && static_cast<size_t>(assignment[b]) < slots_.size(), "fastoffload: block ",
+                std::to_string(b), " is assigned slot ", std::to_string(assignment[b]), " but the ring has ",
+                std::to_string(slots_.size()), " slots");
   assignment_ = std::move(assignment);
 }
 
@@ -83,8 +84,8 @@ int64_t SlotRing::choose_slot(size_t block) const {
 
 void SlotRing::assign(size_t slot, size_t block) {
   Slot& s = slots_[slot];
-  TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: internal error: slot ", slot, " is in use by block ",
-              s.block);
+  TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: internal error: slot ", std::to_string(slot),
+              " is in use by block ", std::to_string(s.block));
   if (s.block >= 0) block_slot_[static_cast<size_t>(s.block)] = -1;
   if (block >= block_slot_.size()) block_slot_.resize(block + 1, -1);
   const int64_t previous = block_slot_[block];
@@ -119,7 +120,7 @@ void SlotRing::forget_block(size_t block) {
   const int64_t index = slot_of(block);
   if (index < 0) return;
   Slot& s = slots_[index];
-  TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: internal error: block ", block, " is in use");
+  TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: internal error: block ", std::to_string(block), " is in use");
   s.block = -1;
   s.state = SlotState::kEmpty;
   block_slot_[block] = -1;
@@ -127,7 +128,7 @@ void SlotRing::forget_block(size_t block) {
 
 void SlotRing::forget_all() {
   for (auto& s : slots_) {
-    TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: block ", s.block,
+    TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: block ", std::to_string(s.block),
                 " is running (acquired and not released); release it before the slots are reallocated");
     s.block = -1;
     s.state = SlotState::kEmpty;

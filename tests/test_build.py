@@ -460,3 +460,19 @@ def test_setup_fastoffload_cuda_0_forces_cpu_only(setup_sandbox: tuple[dict[str,
     monkeypatch.setenv("FASTOFFLOAD_CUDA", value)
     assert namespace["choose_flavour"]() == (False, "FASTOFFLOAD_CUDA=0 asked for a CPU-only build")
     assert "CUDA_HOME" not in os.environ
+
+
+def test_compiler_without_shared_libstdcxx_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A compiler that can only link libstdc++ statically gives an extension whose error paths crash
+    # (seen on a GPU image); setup.py must build with the system g++ instead, and say so.
+    fake = tmp_path / "static-only-g++"
+    fake.write_text("#!/bin/sh\necho libstdc++.so\n")
+    fake.chmod(0o755)
+    setup_functions = _load_setup_functions()
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv("CC", raising=False)
+    assert setup_functions["_has_shared_libstdcxx"](str(fake)) is False
+    if not Path("/usr/bin/g++").exists() or not setup_functions["_has_shared_libstdcxx"]("/usr/bin/g++"):
+        pytest.skip("no system g++ with a shared libstdc++ to switch to on this machine")
+    setup_functions["choose_compiler"]()
+    assert os.environ["CXX"] == "/usr/bin/g++"
