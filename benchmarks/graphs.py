@@ -31,7 +31,6 @@ TABLES = {
             Column("bit_equal", "bit-equal"),
             Column("target", "target"),
             Column("pass", "pass"),
-            Column("note", "note"),
         ],
     ),
 }

@@ -1,5 +1,9 @@
 #include "offload_engine.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -64,6 +68,11 @@ size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std
   // The original tensors are released here, block by block, so host memory peaks near the model plus
   // one block rather than twice the model.
   binder_.bind_values(index, binder_.placeholders(index));
+#if defined(__GLIBC__)
+  // glibc keeps freed heap memory (its mmap threshold grows as large tensors are freed), which would
+  // leave the released originals counted in RSS until the end; hand it back to the OS now.
+  malloc_trim(0);
+#endif
   views_stale_ = true;
   return index;
 }
