@@ -311,6 +311,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         return None
     if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead), got {prefetch_depth!r}")
+    if not isinstance(cyclic, bool):
+        raise ValueError(f"cyclic must be True or False, got {cyclic!r}")
+    if pinned_limit_bytes is not None and (isinstance(pinned_limit_bytes, bool) or not isinstance(pinned_limit_bytes, int)
+                                           or pinned_limit_bytes < 0):
+        raise ValueError(f"pinned_limit_bytes must be None or an integer >= 0 (bytes), got {pinned_limit_bytes!r}")
     if pin_backing is not None and pin_backing not in PIN_BACKINGS:
         raise ValueError(f"pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got {pin_backing!r}")
     found = _find_block_list(model)
@@ -336,7 +341,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                          "disable_layerwise_offload(model) first, or pass is_replace=True")
 
     offloaded = list(blocks)[n_resident:]
-    _check_devices(offloaded, n_resident, resolved)
+    # Resident blocks are moved to the device at the end: check them too, before anything changes.
+    _check_devices(list(blocks), 0, resolved)
     owner = _check_tied_parameters(model, list_name, blocks, n_resident)
 
     engine = None
@@ -351,6 +357,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
 
     attached: list[tuple[nn.Module, LayerwiseOffloadHook]] = []
+    block: nn.Module | None = None
     try:
         for block in offloaded:
             group.original_devices.append(next((p.device for p in block.parameters()), resolved))
@@ -371,6 +378,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                     if buffer is not None and buffer.device != resolved:
                         setattr(module, key, buffer.to(resolved))
     except BaseException:
+        # The block whose attach failed kept its parameters (attaching is all-or-nothing per block),
+        # but may have been given a hook manager: take it off again.
+        failed = ModuleHookManager.get_from(block) if block is not None else None
+        if failed is not None and not failed.forward_hooks and all(block is not b for b, _ in attached):
+            ModuleHookManager.remove_from_manager(block)
         for (block, hook), original in zip(attached, group.original_devices):
             hook.detach_device = original
             manager = ModuleHookManager.get_from(block)

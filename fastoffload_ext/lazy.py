@@ -96,7 +96,13 @@ class LazyModule:
 
         name = _state(self, "_lazy_name")
         logger.info("Loading deferred module %s", name)
-        component = _state(self, "_lazy_loader")()
+        try:
+            component = _state(self, "_lazy_loader")()
+        except Exception as error:
+            # Same exception, same type; the note says whose load failed (a pipeline has several).
+            if hasattr(error, "add_note"):
+                error.add_note(f"while loading deferred module {name}")
+            raise
         if component is None:
             raise ValueError(f"Deferred loader for module {name} returned None; the loader must return the "
                              "built component (check for a missing return statement)")

@@ -75,11 +75,18 @@ class LayerwiseOffloadState:
 
     @torch.compiler.disable
     def on_init(self, module: nn.Module) -> None:
+        # Copy everything first, then swap: a failure part-way (a meta or sparse parameter, host out of
+        # memory) must leave every parameter as it was.
+        named = [(name, param) for name, param in module.named_parameters() if self._will_offload(name)]
+        for name, param in named:
+            if param.layout != torch.strided:
+                raise RuntimeError(f"fastoffload: parameter '{name}' has layout {param.layout}; only dense (strided) "
+                                   "tensors can be offloaded. Convert it with .to_dense() first")
+        host = {name: self._host_copy(param.data) for name, param in named}
         self.module_ref = module
-        for name, param in module.named_parameters():
-            if self._will_offload(name):
-                self.cpu_named_parameters[name] = self._host_copy(param.data)
-                param.data = _tensor_placeholder(param.data, self.device)
+        self.cpu_named_parameters.update(host)
+        for _, param in named:
+            param.data = _tensor_placeholder(param.data, self.device)
 
     def _check_grad(self) -> None:
         for name, param in self.module_ref.named_parameters():

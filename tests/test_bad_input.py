@@ -1,0 +1,298 @@
+"""What users get wrong, and the exact message each one gets: one table, one parametrized test.
+
+Every row is a mistake (or a corner case that must simply work), the exception type, and the exact
+message (a full match). After a refusal the model must be exactly as it was: no offload group, no
+hook, every parameter its original self.
+
+Already covered elsewhere, so not repeated here:
+- tests/test_layerwise.py::test_bad_arguments: prefetch_depth -1 and 1.5, resident_blocks 5 and -1
+  (larger than the list / negative), backend 'cuda', device 'mps' and 'banana', pin_backing 'gpu';
+- tests/test_layerwise.py::test_seed_errors_and_enable_twice: a model with no ModuleList at all,
+  is_replace without hooks, enabling twice; ::test_tied_weights_are_refused_and_nothing_changes;
+  ::test_meta_parameters_are_refused (a whole meta model); ::test_grad_recording_forward_is_refused;
+- tests/test_lazy.py: a loader returning None; tests/test_resolution.py: a named step's unknown path.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fastoffload_ext as fo
+from fastoffload_ext import LazyModule
+from fastoffload_ext.resolution import DEFAULT_SCHEMA, UnknownPathError, resolve
+
+from ._models import make_pair, params_equal
+from ._trees import has_hooks, mismatches, snapshot
+
+N_BLOCKS = 3
+KNOWN_SETTINGS = ", ".join(sorted(DEFAULT_SCHEMA))
+DEVICE_HINT = ("layerwise offload moves weights between host memory and a CUDA device ('cpu' runs the same engine "
+               "with the host as its device, for tests)")
+NO_CUDA_HINT = ("was asked for but CUDA is not available; pass device='cpu' to run the offload engine on the host, "
+                "or None to skip offloading on machines without CUDA")
+
+
+class Env:
+    """A fresh 3-block model and its resident twin for each row."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.model, self.reference = make_pair(N_BLOCKS)
+        self.model.requires_grad_(False)
+        self.reference.requires_grad_(False)
+        self.x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(5))
+        self.monkeypatch = monkeypatch
+        self.untouched_check = True
+
+    def enable(self, **kwargs: Any) -> fo.LayerwiseOffloadGroup | None:
+        kwargs.setdefault("device", "cpu")
+        return fo.enable_layerwise_offload(self.model, **kwargs)
+
+    def without_cuda(self) -> None:
+        self.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def assert_runs_exactly(self, backend: str, check: Callable[[fo.LayerwiseOffloadGroup], None] | None = None,
+                            **kwargs: Any) -> fo.LayerwiseOffloadGroup:
+        """Enable, two exact steps, ``check(group)`` while offloaded, disable, originals back."""
+        with torch.no_grad():
+            want = self.reference(self.x)
+        group = self.enable(backend=backend, **kwargs)
+        assert group is not None
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(self.model(self.x), want)
+        if check is not None:
+            check(group)
+        fo.disable_layerwise_offload(self.model)
+        assert params_equal(self.model, self.reference)
+        assert not any(has_hooks(b) for b in self.model.blocks)
+        return group
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    run: Callable[[Env], Any]
+    raises: type[BaseException] | None = None
+    message: str | None = None  # a regex that must match the whole message (re.escape'd exact text mostly)
+
+    def param(self) -> Any:
+        return pytest.param(self, id=self.id)
+
+
+def exact(text: str) -> str:
+    return re.escape(text)
+
+
+# ---- rows that must work ------------------------------------------------------------------------
+
+class Doubler(nn.Module):
+    """A block with no parameters (and a buffer): a pure function between weighted blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("two", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.two
+
+
+def _block_without_parameters(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        env.model.blocks[1] = Doubler()
+        env.reference.blocks[1] = Doubler()
+        def check(group: fo.LayerwiseOffloadGroup) -> None:
+            assert len(group.states) == N_BLOCKS  # the parameter-less block is hooked like the others
+            if backend == "ext":
+                sizes = [group.engine.block_bytes(i) for i in range(N_BLOCKS)]
+                assert sizes[1] == 0 and sizes[0] == sizes[2] > 0
+            else:
+                assert group.states[1].cpu_named_parameters == {}
+
+        env.assert_runs_exactly(backend, check, prefetch_depth=2)
+
+    return run
+
+
+def _every_block_without_parameters(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        for m in (env.model, env.reference):
+            for i in range(N_BLOCKS):
+                m.blocks[i] = Doubler()
+        def check(group: fo.LayerwiseOffloadGroup) -> None:
+            assert group.stats()["weight_bytes"] == 0
+            if backend == "ext":
+                stats = group.engine.stats()
+                assert stats["bytes_copied"] == 0 and stats["packed_bytes"] == 0 and stats["slot_bytes"] == 0
+
+        env.assert_runs_exactly(backend, check)
+
+    return run
+
+
+def _empty_block_list(env: Env) -> None:
+    env.model.blocks = nn.ModuleList()
+    env.reference.blocks = nn.ModuleList()
+    group = env.assert_runs_exactly("ext")
+    assert group.states == [] and group.engine is None
+
+
+def _all_blocks_resident(env: Env) -> None:
+    group = env.assert_runs_exactly("ext", resident_blocks=N_BLOCKS)
+    assert group.states == [] and group.engine is None
+
+
+# ---- rows that must be refused ------------------------------------------------------------------
+
+def _meta_parameter_deep_in_a_block(env: Env) -> None:
+    env.model.blocks[2].norms[1].bias = nn.Parameter(torch.empty(16, device="meta"))
+    env.untouched_check = False  # a meta tensor has no bytes to snapshot; checked by hand below
+    before = snapshot(env.model.blocks[:2])
+    try:
+        env.enable()
+    finally:
+        assert fo.get_offload_group(env.model) is None and not any(has_hooks(b) for b in env.model.blocks)
+        assert mismatches(env.model.blocks[:2], before) == []
+
+
+def _sparse_parameter(env: Env) -> None:
+    env.model.blocks[0].o.weight = nn.Parameter(env.reference.blocks[0].o.weight.to_sparse(), requires_grad=False)
+    env.untouched_check = False  # block 0 keeps an empty hook manager (tests/test_faults.py, BUG)
+    try:
+        env.enable(backend="ext")
+    finally:
+        assert fo.get_offload_group(env.model) is None
+        assert all(p.numel() > 0 for p in env.model.parameters())
+
+
+def _lazy_model_whose_loader_raises(env: Env) -> None:
+    failure = OSError("checkpoint shard 3 of 4 is missing")
+
+    def loader() -> nn.Module:
+        raise failure
+
+    proxy = LazyModule("transformer", loader)
+    try:
+        fo.enable_layerwise_offload(proxy, device="cpu")
+    except OSError as error:
+        # The loader's own exception, unchanged (same object, no wrapping), and the proxy stays unloaded.
+        assert error is failure and error.__cause__ is None
+        assert getattr(error, "__notes__", []) == ["while loading deferred module transformer"]
+        assert proxy.is_materialized is False
+        raise
+
+
+def _resolution_lambda_step(env: Env) -> None:
+    resolve({}, [lambda view: {"engine.offload.vea": True}])
+
+
+def _setter(view: Any, value: bool) -> dict[str, bool]:
+    return {"engine.offload.dit_layerwse": value}
+
+
+def _resolution_partial_step(env: Env) -> None:
+    resolve({}, [functools.partial(_setter, value=True)])
+
+
+PARTIAL_NAME = r"functools\.partial\(<function _setter at 0x[0-9a-f]+>, value=True\)"
+
+CASES = [
+    # Must work.
+    Case("block_without_parameters-ext", _block_without_parameters("ext")),
+    Case("block_without_parameters-python", _block_without_parameters("python")),
+    Case("every_block_without_parameters-ext", _every_block_without_parameters("ext")),
+    Case("every_block_without_parameters-python", _every_block_without_parameters("python")),
+    Case("empty_block_list", _empty_block_list),
+    Case("all_blocks_resident", _all_blocks_resident),
+    # Where the block list is.
+    Case("model_is_the_block_list_itself", lambda env: fo.enable_layerwise_offload(env.model.blocks, device="cpu"),
+         ValueError, exact("No nn.ModuleList found in the model for layerwise offloading.")),
+    Case("block_list_one_level_down",
+         lambda env: fo.enable_layerwise_offload(nn.ModuleDict({"transformer": env.model}), device="cpu"),
+         ValueError, exact("No nn.ModuleList found in the model for layerwise offloading.")),
+    # What the blocks hold.
+    Case("meta_parameter_deep_in_block_2", _meta_parameter_deep_in_a_block, ValueError,
+         exact("parameter 2.norms.1.bias is on the meta device and has no values to offload; materialize the model "
+               "first (e.g. to_empty(device=...) then load_state_dict)")),
+    Case("sparse_parameter-ext", _sparse_parameter, RuntimeError,
+         exact("fastoffload: parameter 'o.weight' has layout Sparse; only dense (strided) tensors can be offloaded. "
+               "Convert it with .to_dense() first")),
+    # Devices.
+    Case("device_xla", lambda env: env.enable(device="xla"), ValueError,
+         exact(f"device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),
+    Case("device_cuda_without_cuda", lambda env: (env.without_cuda(), env.enable(device="cuda")), RuntimeError,
+         exact(f"device 'cuda' {NO_CUDA_HINT}")),
+    Case("device_cuda_99_without_cuda", lambda env: (env.without_cuda(), env.enable(device="cuda:99")), RuntimeError,
+         exact(f"device 'cuda:99' {NO_CUDA_HINT}")),
+    Case("device_index_0_without_cuda", lambda env: (env.without_cuda(), env.enable(device=0)), RuntimeError,
+         exact(f"device 'cuda:0' {NO_CUDA_HINT}")),
+    Case("device_cuda_99_with_2_gpus",
+         lambda env: (env.monkeypatch.setattr(torch.cuda, "is_available", lambda: True),
+                      env.monkeypatch.setattr(torch.cuda, "device_count", lambda: 2), env.enable(device="cuda:99")),
+         ValueError, exact("device 'cuda:99' does not exist: 2 CUDA device(s) visible")),
+    # Knobs of the wrong type or spelling.
+    Case("prefetch_depth_true", lambda env: env.enable(prefetch_depth=True), ValueError,
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got True")),
+    Case("prefetch_depth_string", lambda env: env.enable(prefetch_depth="2"), ValueError,
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got '2'")),
+    Case("resident_blocks_true", lambda env: env.enable(resident_blocks=True), ValueError,
+         exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got True")),
+    Case("backend_upper_case", lambda env: env.enable(backend="EXT"), ValueError,
+         exact("backend must be one of 'auto', 'ext', 'python', got 'EXT'")),
+    Case("pin_backing_capitalised", lambda env: env.enable(pin_backing="Register"), ValueError,
+         exact("pin_backing must be one of 'host_alloc', 'register', 'pageable', got 'Register'")),
+    Case("pinned_limit_bytes_negative-ext", lambda env: env.enable(backend="ext", pinned_limit_bytes=-1), ValueError,
+         exact("pinned_limit_bytes must be None or an integer >= 0 (bytes), got -1")),
+    # The string "false" is truthy: taken as True it would silently turn the wrap-around on.
+    Case("cyclic_as_a_string", lambda env: env.enable(cyclic="false"), ValueError,
+         exact("cyclic must be True or False, got 'false'")),
+    # Lazy components and resolution steps.
+    Case("lazy_model_whose_loader_raises", _lazy_model_whose_loader_raises, OSError,
+         exact("checkpoint shard 3 of 4 is missing")),
+    Case("resolution_lambda_step_unknown_path", _resolution_lambda_step, UnknownPathError,
+         exact(f"Resolution step <lambda> set 'engine.offload.vea', which is not a known setting; fix the path in "
+               f"<lambda> (known settings: {KNOWN_SETTINGS})")),
+    Case("resolution_partial_step_unknown_path", _resolution_partial_step, UnknownPathError,
+         f"Resolution step {PARTIAL_NAME} set 'engine\\.offload\\.dit_layerwse', which is not a known setting; fix "
+         f"the path in {PARTIAL_NAME} \\(known settings: {re.escape(KNOWN_SETTINGS)}\\)"),
+    # Undoing what was never done.
+    Case("disable_never_enabled", lambda env: fo.disable_layerwise_offload(env.model), ValueError,
+         exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),
+    Case("disable_on_a_plain_linear", lambda env: fo.disable_layerwise_offload(nn.Linear(2, 2)), ValueError,
+         exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),
+]
+
+
+@pytest.mark.parametrize("case", [case.param() for case in CASES])
+def test_bad_input(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = Env(monkeypatch)
+    if case.raises is None:
+        case.run(env)
+        return
+    before = snapshot(env.model)
+    with pytest.raises(case.raises) as raised:
+        case.run(env)
+    assert re.fullmatch(case.message, str(raised.value), flags=re.DOTALL), str(raised.value)
+    if env.untouched_check:
+        assert fo.get_offload_group(env.model) is None
+        assert not any(has_hooks(block) for block in env.model.blocks)
+        assert mismatches(env.model, before) == []
+
+
+def test_lazy_loader_failure_names_the_component() -> None:
+    """A pipeline with several deferred components must say whose load failed: the loader's own
+    exception (same type, same object) propagates with the module name in a note."""
+    def loader() -> nn.Module:
+        raise OSError("checkpoint shard 3 of 4 is missing")
+
+    proxy = LazyModule("transformer", loader)
+    with pytest.raises(OSError) as raised:
+        proxy.materialize()
+    text = " ".join([str(raised.value), *getattr(raised.value, "__notes__", [])])
+    assert "transformer" in text, text
