@@ -23,9 +23,14 @@ step() {  # step NAME LOG CMD...
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || true
 step build "$DEST/build.log" env MAX_JOBS=$(nproc) bash scripts/setup_env.sh || { cat "$DEST/build.log"; cat build.log 2>/dev/null | tail -50; exit 1; }
 python3 -m fastoffload_ext >> "$summary" 2>&1
+# Error paths first: a build whose C++ exceptions crash the process would kill the test run midway.
+python3 scripts/repro_errors.py >> "$summary" 2>&1
 step tests "$DEST/tests.log" python3 -m pytest -q -p no:cacheprovider -rs "$@"
 tests_rc=$?
-step bench "$DEST/bench.log" python3 -m benchmarks $QUICK --out "$DEST"
+# The device tool brings back at most 8 files: the suite's own results.txt holds its tables, so its
+# stdout stays on the machine (tail in the summary on failure).
+step bench /tmp/fastoffload_bench.log python3 -m benchmarks $QUICK --no-progress --out "$DEST"
 bench_rc=$?
+[ $bench_rc -eq 0 ] || tail -30 /tmp/fastoffload_bench.log >> "$summary"
 cat "$summary"
 exit $(( tests_rc != 0 || bench_rc != 0 ))
