@@ -87,7 +87,9 @@ def choose_flavour() -> tuple[bool, str]:
 
 # Name the shared libstdc++ before the compiler driver adds its own: should a wrapper still add
 # -static-libstdc++, the archive is then never pulled in, and C++ exceptions stay shared with torch.
-LINK_ARGS = ["-Wl,--no-as-needed", "-lstdc++"]
+# -lrt: shm_open/shm_unlink (shared host copies, csrc/shared_segment.cpp) live in librt before glibc 2.34;
+# from 2.34 on they are in libc and librt is an empty stub, so naming it is harmless.
+LINK_ARGS = ["-Wl,--no-as-needed", "-lstdc++", "-lrt"]
 
 
 def _has_shared_libstdcxx(compiler: str) -> bool:

@@ -8,6 +8,7 @@
 
 #include "offload_engine.h"
 #include "pinned_pool.h"
+#include "shared_segment.h"
 
 namespace py = pybind11;
 
@@ -25,6 +26,8 @@ py::dict pool_stats(const PinnedPool& pool) {
   d["slab_count"] = s.slab_count;
   d["allocation_count"] = s.allocation_count;
   d["fallback_slabs"] = s.fallback_slabs;
+  d["shared_bytes"] = s.shared_bytes;
+  d["shared_owned_bytes"] = s.shared_owned_bytes;
   d["pin_seconds"] = s.pin_seconds;
   d["backing"] = s.backing;
   return d;
@@ -92,6 +95,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
 
+  m.def("sweep_stale_segments", &sweep_stale_segments,
+        "Removes /dev/shm/fastoffload-<pid>-* left by owners that died before unlinking them; returns the count.");
+  m.def(
+      "unlink_shared_segment", [](const std::string& name) { return unlink_segment(name); }, py::arg("name"),
+      "Removes the shared segment name `name` if it exists (mappings stay valid); returns whether it did.");
+
   py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool",
                                                       "Page-locked host memory in slabs, sub-allocated at exact sizes.")
       .def(py::init([](int device_index, const std::string& backing, size_t limit_bytes, bool allow_pageable_fallback,
@@ -104,6 +113,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allocate", &pool_allocate, py::arg("nbytes"),
            "A uint8 CPU tensor of `nbytes` in pool memory; the memory returns to the pool when the tensor dies.")
       .def("stats", &pool_stats)
+      .def("unlink_shared", &PinnedPool::unlink_shared,
+           "Unlinks the names of the shared segments this pool created (their mappings stay valid).")
+      .def("linked_shared_names", &PinnedPool::linked_shared_names)
       .def_property_readonly("device_index", &PinnedPool::device_index)
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
@@ -117,6 +129,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return without_gil([&] { return e.add_block(names, params); });
           },
           py::arg("names"), py::arg("params"))
+      .def(
+          "add_block_shared",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+             const std::string& segment_name, bool owner) {
+            return without_gil([&] { return e.add_block_shared(names, params, segment_name, owner); });
+          },
+          py::arg("names"), py::arg("params"), py::arg("segment_name"), py::arg("owner"))
+      .def("is_shared", &OffloadEngine::is_shared, py::arg("block"))
       .def("acquire", &OffloadEngine::acquire, py::arg("block"))
       .def("prefetch", &OffloadEngine::prefetch, py::arg("block"))
       .def("release", &OffloadEngine::release, py::arg("block"))

@@ -87,16 +87,22 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
   TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
 }
 
-StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                             const std::string& segment_name, bool owner) {
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
-  block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
+  const bool shared = !segment_name.empty();
+  block.host = shared ? pool_->allocate_shared(segment_name, block.bytes, owner)
+                      : pool_->allocate(block.bytes, /*defer_pin=*/true);
+  block.shared = shared;
+  block.shared_owner = shared && owner;
   std::shared_ptr<PoolAllocation> keep_alive = block.host;
   block.host_bytes = at::from_blob(
       block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
   at::NoGradGuard no_grad;
-  for (size_t j = 0; j < tensors.size(); ++j) {
+  // A non-owner's segment already holds the owner's bytes, laid out as `block.layout` says.
+  for (size_t j = 0; j < tensors.size() && (!shared || owner); ++j) {
     const TensorLayout& entry = block.layout[j];
     if (entry.nbytes == 0) continue;
     block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
@@ -109,6 +115,13 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
 
 size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
   blocks_.push_back(pack(names, tensors));
+  return blocks_.size() - 1;
+}
+
+size_t LayerStore::add_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                              const std::string& segment_name, bool owner) {
+  TORCH_CHECK(!segment_name.empty(), "fastoffload: add_shared needs a segment name");
+  blocks_.push_back(pack(names, tensors, segment_name, owner));
   return blocks_.size() - 1;
 }
 

@@ -34,6 +34,8 @@ struct StoredBlock {
   at::Tensor host_bytes;  // uint8 CPU tensor over `host`; keeps it alive while viewed
   size_t bytes = 0;       // packed size, aligned
   bool removed = false;
+  bool shared = false;        // `host` lives in a shared segment (see add_shared)
+  bool shared_owner = false;  // ...which this process created and filled
 };
 
 // Layout of `tensors` packed back to back; throws a c10::Error naming the tensor when one cannot be
@@ -47,6 +49,13 @@ class LayerStore {
 
   // Packs the current values of `tensors` into a new region and returns the block's index.
   size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  // Like add(), with the region in the shared segment `segment_name` (see PinnedPool::allocate_shared).
+  // owner: creates the segment and packs into it. Otherwise the segment already holds the owner's packed
+  // copy: this process only plans the layout of its own `tensors` (which must equal the owner's: same
+  // names, dtypes, shapes and strides, so the same offsets), checks the segment's size against it and
+  // maps it; nothing is copied.
+  size_t add_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                    const std::string& segment_name, bool owner);
   // Replaces block `index` with the current values of `tensors` (which may be different objects,
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
   void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
@@ -63,7 +72,9 @@ class LayerStore {
   const std::shared_ptr<PinnedPool>& pool() const { return pool_; }
 
  private:
-  StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  // segment_name empty: private pool memory.
+  StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                   const std::string& segment_name = std::string(), bool owner = true);
 
   std::shared_ptr<PinnedPool> pool_;
   std::vector<StoredBlock> blocks_;

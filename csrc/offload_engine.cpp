@@ -62,6 +62,24 @@ void OffloadEngine::check_block(size_t block) const {
 
 size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   const size_t index = store_.add(names, params);
+  finish_add(index);
+  return index;
+}
+
+size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                       const std::string& segment_name, bool owner) {
+  const size_t index = store_.add_shared(names, params, segment_name, owner);
+  finish_add(index);
+  return index;
+}
+
+void OffloadEngine::check_not_shared(size_t block, const char* what) const {
+  TORCH_CHECK(!store_.block(block).shared, "fastoffload: block ", std::to_string(block), " cannot be ", what,
+              ": its host copy is shared with the other ranks of this host, whose weights would change under them. "
+              "Mutate before enabling offload, or enable with share_host_copy=False");
+}
+
+void OffloadEngine::finish_add(size_t index) {
   binder_.set_block(index, store_.block(index));
   materialized_.push_back(0);
   removed_.push_back(0);
@@ -74,7 +92,6 @@ size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std
   malloc_trim(0);
 #endif
   views_stale_ = true;
-  return index;
 }
 
 void OffloadEngine::ensure_slots() {
@@ -179,6 +196,7 @@ bool OffloadEngine::release(size_t block) {
 void OffloadEngine::materialize(size_t block) {
   check_block(block);
   if (materialized_[block]) return;
+  check_not_shared(block, "materialized for mutation");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward; enter mutate_params_scope() between forwards, not inside one");
@@ -197,6 +215,7 @@ void OffloadEngine::materialize(size_t block) {
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   check_block(block);
+  check_not_shared(block, "repacked");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward and cannot be repacked now");

@@ -41,6 +41,12 @@ class OffloadEngine {
 
   // Packs the current values of `params` and points them at placeholders. Returns the handle.
   size_t add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params);
+  // add_block with the host copy in the shared segment `segment_name` (LayerStore::add_shared): the owner
+  // packs into it, another rank of the host maps the owner's copy without copying. Either way the
+  // parameters become placeholders; slots, streams and events stay this process's own. A shared block
+  // cannot be materialized or repacked (its bytes are other processes' weights too).
+  size_t add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                          const std::string& segment_name, bool owner);
 
   void acquire(size_t block);
   bool prefetch(size_t block);
@@ -79,6 +85,7 @@ class OffloadEngine {
   uint64_t slot_address(size_t slot) const;
   bool is_materialized(size_t block) const;
   bool is_removed(size_t block) const;
+  bool is_shared(size_t block) const { return store_.block(block).shared; }
   at::Tensor host_view(size_t block, size_t j) const { return store_.host_view(block, j); }
   const EngineStats& stats() const { return stats_; }
   const CopyEngine& copy_engine() const { return copy_; }
@@ -87,6 +94,8 @@ class OffloadEngine {
 
  private:
   void check_block(size_t block) const;
+  void finish_add(size_t index);
+  void check_not_shared(size_t block, const char* what) const;
   void ensure_slots();
   void issue_copy(size_t block, size_t slot);
   void check_grad(size_t block) const;

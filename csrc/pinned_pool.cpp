@@ -129,6 +129,10 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes, bool defer_p
     slab_id = add_slab(size, defer_pin);
     offset = 0;
   }
+  return hand_out(slab_id, offset, size);
+}
+
+std::shared_ptr<PoolAllocation> PinnedPool::hand_out(size_t slab_id, size_t offset, size_t size) {
   Slab& slab = slabs_.at(slab_id);
   auto range = slab.free_ranges.find(offset);
   const size_t remaining = range->second - size;
@@ -141,6 +145,52 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes, bool defer_p
   const bool pinned = slab.pinned;
   void* ptr = static_cast<char*>(slab.base) + offset;
   return std::make_shared<PoolAllocation>(shared_from_this(), slab_id, offset, size, ptr, pinned);
+}
+
+std::shared_ptr<PoolAllocation> PinnedPool::allocate_shared(const std::string& name, size_t nbytes, bool owner) {
+  // Both sides must agree on the segment's size: the same rounding as allocate().
+  const size_t size = round_up(std::max<size_t>(nbytes, 1), kAlignment);
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<SharedSegment> segment = owner ? SharedSegment::create(name, size) : SharedSegment::open(name, size);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Slab slab;
+  slab.base = segment->data();
+  slab.size = size;
+  slab.backing = Backing::kRegister;
+  slab.exclusive = true;  // pin() registers it; no other allocation may land in it
+  slab.segment = std::move(segment);
+  slab.free_ranges.emplace(0, size);
+  stats_.pin_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.reserved_bytes += size;
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  stats_.shared_bytes += size;
+  if (owner) stats_.shared_owned_bytes += size;
+  stats_.slab_count += 1;
+  const size_t id = next_slab_id_++;
+  slabs_.emplace(id, std::move(slab));
+  return hand_out(id, 0, size);
+}
+
+size_t PinnedPool::unlink_shared() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t count = 0;
+  for (auto& entry : slabs_) {
+    SharedSegment* segment = entry.second.segment.get();
+    if (segment == nullptr || !segment->owner() || !segment->linked()) continue;
+    segment->unlink();
+    count += 1;
+  }
+  return count;
+}
+
+std::vector<std::string> PinnedPool::linked_shared_names() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& entry : slabs_) {
+    const SharedSegment* segment = entry.second.segment.get();
+    if (segment != nullptr && segment->owner() && segment->linked()) names.push_back(segment->name());
+  }
+  return names;
 }
 
 size_t PinnedPool::add_slab(size_t nbytes, bool defer_pin) {
@@ -197,6 +247,17 @@ size_t PinnedPool::add_slab(size_t nbytes, bool defer_pin) {
 
 void PinnedPool::free_slab(Slab& slab) {
   if (slab.base == nullptr) return;
+  if (slab.segment != nullptr) {
+#ifdef FASTOFFLOAD_WITH_CUDA
+    if (slab.pinned) {
+      (void)cudaHostUnregister(slab.base);
+      (void)cudaGetLastError();
+    }
+#endif
+    slab.segment.reset();  // munmap; an owner that still holds the name unlinks it
+    slab.base = nullptr;
+    return;
+  }
 #ifdef FASTOFFLOAD_WITH_CUDA
   if (slab.backing == Backing::kHostAlloc) {
     (void)cudaFreeHost(slab.base);
@@ -239,6 +300,10 @@ void PinnedPool::release(size_t slab_id, size_t offset, size_t size) {
     // An empty slab goes back to the OS at once: after detach, host memory must actually drop.
     stats_.reserved_bytes -= slab.size;
     if (slab.pinned) stats_.pinned_bytes -= slab.size;
+    if (slab.segment != nullptr) {
+      stats_.shared_bytes -= slab.size;
+      if (slab.segment->owner()) stats_.shared_owned_bytes -= slab.size;
+    }
     stats_.slab_count -= 1;
     free_slab(slab);
     slabs_.erase(it);
@@ -250,7 +315,8 @@ void PinnedPool::pin(PoolAllocation& allocation) {
   auto it = slabs_.find(allocation.slab_id_);
   TORCH_CHECK(it != slabs_.end(), "fastoffload: internal error: pin() of an allocation whose slab is gone");
   Slab& slab = it->second;
-  if (slab.pinned || !slab.exclusive) return;
+  // A shared slab is exclusive on every pool; only a pinning pool registers it.
+  if (slab.pinned || !slab.exclusive || !pins()) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
   std::string error;
   const auto start = std::chrono::steady_clock::now();

@@ -10,6 +10,12 @@
 // 55.4 GB/s at 1 GiB, 35.2 vs 38.5 at 1 MiB). The layerwise layer therefore defaults to kRegister;
 // both stay available, and kRegister is also the path that can pin pages shared between processes.
 //
+// Shared backing (issue 9): allocate_shared() gives a block a slab of its own inside a named POSIX
+// shared-memory segment (SharedSegment), created and filled by one process per host (the owner) and
+// mapped by the others; pin() then registers each process's mapping. The pool accounts those bytes
+// separately (shared_bytes; shared_owned_bytes for the ones this process created) so that a node's
+// host memory is the sum of the owners' figures, not of everyone's reserved_bytes.
+//
 // Without CUDA (a CPU-only build, or a pool for the host "device") the same pool hands out ordinary
 // page-aligned memory, so the sub-allocator and its accounting are tested on machines with no GPU.
 #pragma once
@@ -21,6 +27,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "shared_segment.h"
 
 namespace fastoffload {
 
@@ -43,6 +51,8 @@ struct PoolStats {
   size_t slab_count = 0;
   size_t allocation_count = 0;     // live allocations
   size_t fallback_slabs = 0;       // slabs that fell back to pageable memory
+  size_t shared_bytes = 0;         // of reserved_bytes: mapped from shared segments (see allocate_shared)
+  size_t shared_owned_bytes = 0;   // of shared_bytes: in segments this process created (the host's one copy)
   double pin_seconds = 0.0;        // wall time spent obtaining and pinning slabs
   std::string backing;
 };
@@ -94,6 +104,15 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // Pins the slab of an allocation made with defer_pin (no-op otherwise). On failure: the pool's
   // error, or with allow_pageable_fallback a warning and the memory stays pageable.
   void pin(PoolAllocation& allocation);
+  // A slab of its own in the shared segment `name`, exactly aligned(nbytes) long. owner: creates the
+  // segment (fill it, then pin()); otherwise: maps the existing one, which must have that size (its
+  // contents are the owner's). Either way, call pin() next; pinning registers this process's mapping.
+  std::shared_ptr<PoolAllocation> allocate_shared(const std::string& name, size_t nbytes, bool owner);
+  // Unlinks the names of every shared segment this pool created and still holds (their mappings stay
+  // valid). Call once every process that needs them has mapped them. Returns how many it unlinked.
+  size_t unlink_shared();
+  // Names of the segments this pool created whose names are still linked.
+  std::vector<std::string> linked_shared_names() const;
   PoolStats stats() const;
   int device_index() const { return device_index_; }
   Backing backing() const { return backing_; }
@@ -107,6 +126,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
     Backing backing = Backing::kPageable;
     bool pinned = false;
     bool exclusive = false;  // made for one deferred-pin allocation; never shared
+    std::unique_ptr<SharedSegment> segment;  // set: the slab is this mapping of a shared segment
     size_t used = 0;
     std::map<size_t, size_t> free_ranges;  // offset -> size, coalesced
   };
@@ -115,6 +135,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // Called with mutex_ held.
   size_t add_slab(size_t nbytes, bool defer_pin);
   void free_slab(Slab& slab);
+  // Called with mutex_ held: carves [offset, offset + size) out of the slab's free range at offset.
+  std::shared_ptr<PoolAllocation> hand_out(size_t slab_id, size_t offset, size_t size);
 
   const int device_index_;
   const Backing backing_;

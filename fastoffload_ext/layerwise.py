@@ -22,6 +22,12 @@ caller's business, as with FastVideo.
 Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
 (see ``offload_state.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
 
+Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
+is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
+share one host copy in shared memory instead of one each; ``enable_layerwise_offload`` is then a
+collective that every rank must call with the same model, and ``mutate_params_scope`` is refused (merge
+LoRA before enabling). See ``sharing.py``.
+
 Tied weights: a parameter shared between two offloaded blocks, or between an offloaded block and any
 other part of the model, is refused at enable with an error naming both places (offloading one side
 would silently turn the other into a placeholder).
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend
+from fastoffload_ext import _backend, sharing
 from fastoffload_ext.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
@@ -126,6 +132,7 @@ class LayerwiseOffloadGroup:
         self.resident_blocks = resident_blocks
         self.cyclic = cyclic
         self.engine = engine
+        self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
         self.states: list[LayerwiseOffloadState] = []
         self.original_devices: list[torch.device] = []
         self._owner: dict[int, str] = {}  # id(param) -> "list.i.name", for the tied-weight check
@@ -159,7 +166,10 @@ class LayerwiseOffloadGroup:
                           pin_seconds=pool_stats["pin_seconds"], slot_bytes=engine_stats["slot_bytes"],
                           num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],
                           bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],
-                          prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"])
+                          prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"],
+                          shared_bytes=pool_stats["shared_bytes"], shared_owned_bytes=pool_stats["shared_owned_bytes"],
+                          shared_by=self.share.shared_by if self.share is not None else 0,
+                          shared_owner=self.share is not None and self.share.owner)
         else:
             # torch's caching host allocator rounds every pinned tensor up to a power of two.
             pinned = 0
@@ -281,7 +291,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              cyclic: bool = True, prefetch_depth: int = 1, backend: str = "auto",
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
-                             pinned_limit_bytes: int | None = None) -> LayerwiseOffloadGroup | None:
+                             pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
+                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -300,6 +311,13 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         allow_pageable_fallback: ext only: when pinning fails, warn and use pageable memory instead of
             raising.
         pinned_limit_bytes: ext only: refuse (or fall back, see above) beyond this many pinned bytes.
+        share_host_copy: the ranks of one host share one host copy of the weights (sharing.py). "auto":
+            when torch.distributed is initialized, the backend is "ext" and several ranks of
+            ``process_group`` run on this host (and all built the same blocks); True: always, raising
+            when no process group is initialized or the ranks' blocks differ; False: one copy per
+            process. When sharing may happen this call is a collective: every rank of the group must
+            make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
+        process_group: the group whose ranks share (default: the default group).
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -327,6 +345,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         raise ValueError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
                          f"{list_name!r}, got {resident_blocks!r}")
     chosen = _choose_backend(backend, resolved)
+    sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
 
     existing = get_offload_group(model)
     if is_replace:
@@ -353,16 +372,27 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
     group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
     group._owner = owner
+    # Collective (when sharing may happen): every rank gets here with the same blocks.
+    share = sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, n_resident) if engine else None
+    if share is not None:
+        share.pool = engine.pool
+        group.share = share
     stream = torch.cuda.Stream(resolved) if (chosen == "python" and resolved.type == "cuda") else None
     was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
 
     attached: list[tuple[nn.Module, LayerwiseOffloadHook]] = []
     block: nn.Module | None = None
     try:
+        if share is not None:
+            share.before_attach()  # other ranks wait here for the owner's packed copy
         for block in offloaded:
             group.original_devices.append(next((p.device for p in block.parameters()), resolved))
             state = (ExtLayerwiseOffloadState(engine, resolved) if engine is not None
                      else LayerwiseOffloadState(stream, resolved))
+            if share is not None:
+                state.shared_segment = share.segment_name(len(group.states))
+                state.shared_owner = share.owner
+                state.shared_by = share.shared_by
             state._group = group  # type: ignore[attr-defined]
             hook = LayerwiseOffloadHook(state)
             manager = ModuleHookManager.get_from_or_default(block)
@@ -377,7 +407,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                 for key, buffer in module.named_buffers(recurse=False):
                     if buffer is not None and buffer.device != resolved:
                         setattr(module, key, buffer.to(resolved))
-    except BaseException:
+        if share is not None:
+            share.after_attach()  # every rank attached: the owner unlinks the names
+    except BaseException as error:
+        if share is not None:
+            share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
         # The block whose attach failed kept its parameters (attaching is all-or-nothing per block),
         # but may have been given a hook manager: take it off again.
         failed = ModuleHookManager.get_from(block) if block is not None else None

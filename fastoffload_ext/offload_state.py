@@ -16,6 +16,8 @@ Deliberate differences from the seed, each tested:
 - A grad-recording forward through an offloaded block whose parameters require grad raises: the
   device copy is dropped (python) or overwritten by a later block (ext) before backward could use it.
   Under ``torch.no_grad()``/``torch.inference_mode()`` the check costs one flag read.
+- Under ``share_host_copy`` (ext only, see sharing.py) ``mutate_params_scope`` is refused with
+  ``SHARED_MUTATION_ERROR``: the host copy belongs to every rank of the host.
 - With ``device="cpu"`` the state runs with the host as its "device" (no streams, no pinning), so the
   algorithm is testable without a GPU.
 """
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fastoffload_ext.sharing import SHARED_MUTATION_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +185,22 @@ class ExtLayerwiseOffloadState(LayerwiseOffloadState):
         self.engine = engine
         self.handle: int | None = None
         self.param_names: list[str] = []
+        # Set by enable_layerwise_offload when the ranks of this host share one host copy (sharing.py):
+        # the segment of this block, whether this process owns (packs) it, how many ranks map it.
+        self.shared_segment: str | None = None
+        self.shared_owner = False
+        self.shared_by = 0
 
     @torch.compiler.disable
     def on_init(self, module: nn.Module) -> None:
         self.module_ref = module
         named = list(module.named_parameters())
         self.param_names = [name for name, _ in named]
-        self.handle = self.engine.add_block(self.param_names, [p for _, p in named])
+        params = [p for _, p in named]
+        if self.shared_segment is not None:
+            self.handle = self.engine.add_block_shared(self.param_names, params, self.shared_segment, self.shared_owner)
+        else:
+            self.handle = self.engine.add_block(self.param_names, params)
 
     # The seed exposes these dicts; here they are computed on demand (never on the hot path).
     @property  # type: ignore[override]
@@ -222,6 +235,10 @@ class ExtLayerwiseOffloadState(LayerwiseOffloadState):
             self.engine.release(self.handle)
 
     def begin_mutation(self) -> None:
+        if self.shared_segment is not None:
+            # One rank's LoRA merge would change every rank's weights under them (or, repacked
+            # privately, silently diverge from them): refused, see sharing.py.
+            raise RuntimeError(SHARED_MUTATION_ERROR.format(n=self.shared_by))
         self.engine.materialize(self.handle)
 
     def end_mutation(self) -> None:

@@ -27,7 +27,8 @@ PAGE = 4096
 KiB = 1024
 MiB = 1024 * 1024
 STAT_KEYS = {"reserved_bytes", "pinned_bytes", "in_use_bytes", "peak_in_use_bytes", "peak_reserved_bytes",
-             "slab_count", "allocation_count", "fallback_slabs", "pin_seconds", "backing"}
+             "slab_count", "allocation_count", "fallback_slabs", "shared_bytes", "shared_owned_bytes", "pin_seconds",
+             "backing"}
 
 
 def aligned(nbytes: int) -> int:
