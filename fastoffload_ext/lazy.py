@@ -51,6 +51,15 @@ def _set_state(proxy: LazyModule, slot: str, value: Any) -> None:
     object.__setattr__(proxy, slot, value)
 
 
+def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str) -> Any:
+    """``transform(component)``, refusing None (a transform that forgot to return its module)."""
+    transformed = transform(component)
+    if transformed is None:
+        raise ValueError(f"Materialize transform for module {name} returned None; a transform must "
+                         "return the module it was given, or a wrapper of it")
+    return transformed
+
+
 class LazyModule:
     """Stands in for a pipeline component and loads it on first use.
 
@@ -109,10 +118,7 @@ class LazyModule:
 
         transform = _state(self, "_lazy_materialize_transform")
         if transform is not None:
-            component = transform(component)
-            if component is None:
-                raise ValueError(f"Materialize transform for module {name} returned None; a transform must "
-                                 "return the module it was given, or a wrapper of it")
+            component = _apply_transform(transform, component, name)
         _set_state(self, "_lazy_module", component)
 
         allocated = _cuda_allocated_gib()
@@ -142,10 +148,7 @@ class LazyModule:
                 return transform(previous(component))
 
         if loaded is not None:
-            transformed = transform(loaded)
-            if transformed is None:
-                raise ValueError(f"Materialize transform for module {self.lazy_name} returned None; a "
-                                 "transform must return the module it was given, or a wrapper of it")
+            transformed = _apply_transform(transform, loaded, self.lazy_name)
             _set_state(self, "_lazy_module", transformed)
         _set_state(self, "_lazy_materialize_transform", composed)
 
