@@ -27,16 +27,18 @@ import tempfile
 import time
 from typing import Any
 
-SECTIONS = ("bandwidth", "forward", "graphs", "startup", "overhead", "lazy")
+SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget.
 SECTION_TIMEOUTS = {
     "bandwidth": (120, 60),
     "forward": (420, 150),
     "graphs": (240, 120),
+    "compile": (600, 240),
     "startup": (300, 150),
     "overhead": (150, 60),
     "lazy": (120, 60),
+    "ranks": (600, 300),
 }
 
 

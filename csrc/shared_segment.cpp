@@ -59,6 +59,15 @@ std::unique_ptr<SharedSegment> SharedSegment::create(const std::string& name, si
                 " bytes: ", errno_text(error), ". /dev/shm may be too small (df -h /dev/shm; in Docker raise --shm-size), "
                 "or enable with share_host_copy=False");
   }
+  // Reserve the pages now: tmpfs grants ftruncate beyond its size and then kills the writer with SIGBUS.
+  const int reserved = posix_fallocate(fd, 0, static_cast<off_t>(nbytes));
+  if (reserved != 0 && reserved != EOPNOTSUPP && reserved != EINVAL) {
+    close(fd);
+    shm_unlink(name.c_str());
+    TORCH_CHECK(false, "fastoffload: could not reserve ", std::to_string(nbytes), " bytes for the shared segment '",
+                name, "': ", errno_text(reserved), ". /dev/shm is too small for the host copy (df -h /dev/shm; in "
+                "Docker raise --shm-size), or enable with share_host_copy=False");
+  }
   void* base = map_shared(fd, nbytes);
   const int error = errno;
   close(fd);  // the mapping keeps the object alive

@@ -85,7 +85,9 @@ def _fingerprint(tensor: torch.Tensor) -> str:
     count = flat.numel()
     if count == 0:
         return ""
-    index = torch.linspace(0, count - 1, steps=min(count, FINGERPRINT_SAMPLES), device=flat.device).long()
+    samples = min(count, FINGERPRINT_SAMPLES)
+    # Integer arithmetic: a float linspace rounds count - 1 up past the end once count exceeds 2**24.
+    index = torch.arange(samples, device=flat.device, dtype=torch.int64) * (count - 1) // max(samples - 1, 1)
     sample = flat[index].cpu().contiguous().view(torch.uint8)
     return hashlib.blake2b(sample.numpy().tobytes(), digest_size=8).hexdigest()
 
@@ -94,6 +96,20 @@ def block_signature(block: nn.Module) -> list[tuple[str, str, tuple[int, ...], t
     """(name, dtype, shape, stride, fingerprint) of each parameter: what the packed layout depends on."""
     return [(name, str(p.dtype), tuple(p.shape), tuple(p.stride()), _fingerprint(p))
             for name, p in block.named_parameters()]
+
+
+def _shm_free_bytes() -> int | None:
+    """Bytes an unprivileged process may still write to /dev/shm; None where it cannot be read."""
+    try:
+        info = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def _packed_bytes_bound(blocks: list[nn.Module]) -> int:
+    """An upper bound of the shared segments' size: every parameter, each padded to a page."""
+    return sum(p.numel() * p.element_size() + 4096 for block in blocks for p in block.parameters())
 
 
 def _first_difference(mine: list[Any], owners: list[Any], list_name: str, first_index: int, rank: int) -> str | None:
@@ -245,7 +261,8 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
     group = process_group
     rank = dist.get_rank()
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "token": secrets.token_hex(6),
-            "blocks": [block_signature(block) for block in blocks]}
+            "blocks": [block_signature(block) for block in blocks], "shm_free": _shm_free_bytes(),
+            "needed": _packed_bytes_bound(blocks)}
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
 
@@ -261,6 +278,19 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
         difference = _first_difference(info["blocks"], owner["blocks"], list_name, first_index, info["rank"])
         if difference is not None:
             differences[info["rank"]] = (difference, owner["rank"])
+    # /dev/shm must hold the whole host copy (a Docker default is 64 MiB): judged on each host's owner.
+    short = {host: owner for host, owner in owners.items()
+             if owner["shm_free"] is not None and owner["shm_free"] < owner["needed"]
+             and sum(info["host"] == host for info in everyone) > 1}
+    if short:
+        where = "; ".join(f"host {host}: {o['needed'] / 2**30:.2f} GiB needed, {o['shm_free'] / 2**30:.2f} GiB free"
+                          for host, o in sorted(short.items()))
+        if decided is None:
+            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy, /dev/shm is too small (%s); "
+                           "each rank pins its own copy", where)
+            return None
+        raise RuntimeError(f"fastoffload: cannot share the host copy: /dev/shm is too small ({where}). Enlarge it "
+                           "(in Docker: --shm-size; or remount the tmpfs larger), or enable with share_host_copy=False")
     local_ranks = sorted(info["rank"] for info in everyone if info["host"] == mine["host"])
     # "auto" shares only where some host runs several ranks, and only when every rank agrees: the
     # verdict must be the same on every rank, since the next steps are collectives too.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU claim comes from this script: build in place against the torch that is installed, run
-# every test including the CUDA ones, run the benchmark suite. Logs, JSON and plots go to $OUT when
+# every test including the CUDA ones, run the soak and the benchmark suite. Logs, JSON and plots go to $OUT when
 # it is set (the device tool), else to results/gpu_check.
 # Usage: bash scripts/gpu_check.sh [--quick] [extra pytest args...]
 set -uo pipefail
@@ -25,12 +25,18 @@ step build "$DEST/build.log" env MAX_JOBS=$(nproc) bash scripts/setup_env.sh || 
 python3 -m fastoffload_ext >> "$summary" 2>&1
 # Error paths first: a build whose C++ exceptions crash the process would kill the test run midway.
 python3 scripts/repro_errors.py >> "$summary" 2>&1
-step tests "$DEST/tests.log" python3 -m pytest -q -p no:cacheprovider -rs "$@"
+step tests /tmp/fastoffload_tests.log python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@"
 tests_rc=$?
+# The device tool brings back at most 8 files: failures and skips go into the summary.
+grep -E "^(FAILED|ERROR|SKIPPED)" /tmp/fastoffload_tests.log >> "$summary"
+[ $tests_rc -eq 0 ] || sed -n '/= FAILURES =/,/short test summary/p' /tmp/fastoffload_tests.log | tail -120 >> "$summary"
+# Soak (issue 7): two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
+step soak /tmp/fastoffload_soak.log python3 scripts/soak.py --steps 1000 --check-every 100 --out "$DEST"
+soak_rc=$?
 # The device tool brings back at most 8 files: the suite's own results.txt holds its tables, so its
 # stdout stays on the machine (tail in the summary on failure).
 step bench /tmp/fastoffload_bench.log python3 -m benchmarks $QUICK --no-progress --out "$DEST"
 bench_rc=$?
 [ $bench_rc -eq 0 ] || tail -30 /tmp/fastoffload_bench.log >> "$summary"
 cat "$summary"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+exit $(( tests_rc != 0 || soak_rc != 0 || bench_rc != 0 ))

@@ -122,7 +122,7 @@ def trees(min_blocks: int = 1, max_blocks: int = 7) -> st.SearchStrategy[TreeSpe
 def checksum(tensor: torch.Tensor) -> torch.Tensor:
     """A float64 scalar that changes with any element's value or position (exact for every dtype here)."""
     flat = tensor.detach().to(torch.float64).reshape(-1)
-    return (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()
+    return (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum()
 
 
 def _values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -272,7 +272,7 @@ class TreeModel(nn.Module):
         self.blocks = nn.ModuleList(SeqNode(block, gen) for block in spec.blocks)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = torch.zeros(x.shape[0], dtype=torch.float64)
+        acc = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         for block in self.blocks:
             x, acc = block(x, acc)
         return x, acc

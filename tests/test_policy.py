@@ -274,12 +274,13 @@ def test_real_platform_on_this_cpu_machine_changes_nothing(caplog: pytest.LogCap
 
 def test_unnameable_device_uses_platform_name_in_messages(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    # The real platform.device_name on this CPU machine answers "cpu"; a raising one falls back too.
+    # Messages name the device as the platform names it; a platform that cannot name it falls back to "cpu".
     monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", lambda device_id=0: True)
+    monkeypatch.setattr(fastoffload_ext.platform, "device_name", lambda device_id=0: "Grace Hopper")
     with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
         resolve({"engine": {"offload": {"vae": True}}}, DEVICE_POLICY_STEPS)
-    assert [r.getMessage() for r in caplog.records] == [unified_message("vae_cpu_offload", "cpu"),
-                                                         lazy_message("cpu")]
+    assert [r.getMessage() for r in caplog.records] == [unified_message("vae_cpu_offload", "Grace Hopper"),
+                                                         lazy_message("Grace Hopper")]
 
     def unnameable(device_id: int = 0) -> str:
         raise RuntimeError("MIG selector")
@@ -288,7 +289,7 @@ def test_unnameable_device_uses_platform_name_in_messages(monkeypatch: pytest.Mo
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
         resolve({"engine": {"offload": {"dit": True}}}, DEVICE_POLICY_STEPS)
-    assert caplog.records[0].getMessage() == unified_message("dit_cpu_offload", "cpu")
+    assert caplog.records[0].getMessage() == unified_message("dit_cpu_offload", fastoffload_ext.platform.platform_name())
 
 
 def test_mps_step_decides_even_unset_settings(device: dict[str, Any]) -> None:

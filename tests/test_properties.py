@@ -4,7 +4,7 @@ Hypothesis draws a model (tests/_trees.py: 1-7 blocks, each a random nesting of 
 channels_last Conv2d / bags of fp32, bf16, fp16, fp8 and int8 parameters, transposed, zero-size and
 scalar ones, int8 and bool buffers) and the offload settings (prefetch depth 0-3, resident blocks
 0..L, cyclic on/off, 1-4 steps). For both backends, on the CPU (the real C++ engine with the host as its
-device for "ext"):
+device for "ext") and, with the ``cuda`` marker, on the GPU against the resident model on that GPU:
 
 - every step's output equals the resident model's with ``torch.equal`` (the output folds an exact
   checksum of every parameter and buffer, so no byte can be wrong unnoticed);
@@ -37,6 +37,7 @@ from ._trees import TreeModel, TreeSpec, features, has_hooks, inputs, mismatches
 
 BACKENDS = ("ext", "python")
 EQUIVALENCE_EXAMPLES = 300
+CUDA_EQUIVALENCE_EXAMPLES = 100
 TIE_EXAMPLES = 60
 COUNTS_FILE = Path(tempfile.gettempdir()) / "fastoffload_property_counts.json"
 
@@ -81,13 +82,30 @@ def _assert_between_steps(model: TreeModel, group: fo.LayerwiseOffloadGroup, res
 def test_random_trees_are_bit_exact_and_restored(spec: TreeSpec, depth: int, cyclic: bool, steps: int,
                                                  data: st.DataObject) -> None:
     resident = data.draw(st.sampled_from(range(len(spec.blocks) + 1)), label="resident_blocks")
+    _check_equivalence(spec, depth, cyclic, steps, resident, "cpu", "equivalence")
+
+
+@pytest.mark.cuda
+@settings(max_examples=CUDA_EQUIVALENCE_EXAMPLES, **PROPERTY_SETTINGS)
+@given(spec=trees(), depth=st.sampled_from(range(4)), cyclic=st.booleans(), steps=st.sampled_from(range(1, 5)),
+       data=st.data())
+def test_random_trees_are_bit_exact_and_restored_on_cuda(spec: TreeSpec, depth: int, cyclic: bool, steps: int,
+                                                         data: st.DataObject) -> None:
+    """The same property with the GPU as the device: copies, events and slots for real; the reference is
+    the resident model on the same GPU."""
+    resident = data.draw(st.sampled_from(range(len(spec.blocks) + 1)), label="resident_blocks")
+    _check_equivalence(spec, depth, cyclic, steps, resident, "cuda", "equivalence_cuda")
+
+
+def _check_equivalence(spec: TreeSpec, depth: int, cyclic: bool, steps: int, resident: int, device: str,
+                       key: str) -> None:
     pristine = TreeModel(spec)
     original = snapshot(pristine)
-    xs = inputs(spec.seed, steps)
-    want = _run_steps(pristine, xs)
+    xs = [x.to(device) for x in inputs(spec.seed, steps)]
+    want = _run_steps(copy.deepcopy(pristine).to(device), xs)
     for backend in BACKENDS:
         model = copy.deepcopy(pristine)
-        group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=depth,
+        group = fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth,
                                             resident_blocks=resident, cyclic=cyclic)
         assert group is not None and group.backend == backend
         assert len(group.states) == len(spec.blocks) - resident
@@ -99,11 +117,11 @@ def test_random_trees_are_bit_exact_and_restored(spec: TreeSpec, depth: int, cyc
                 assert torch.equal(got_x, want_x), (backend, step, "activation")
                 _assert_between_steps(model, group, resident, original)
         pool = group.engine.pool if group.engine is not None else None
-        fo.disable_layerwise_offload(model)
+        fo.disable_layerwise_offload(model, device=device)
         assert fo.get_offload_group(model) is None
         assert not any(has_hooks(block) for block in model.blocks)
         assert mismatches(model, original) == [], backend
-        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert all(p.device.type == device for p in model.parameters())
         if pool is not None:
             stats = pool.stats()
             assert (stats["in_use_bytes"], stats["allocation_count"], stats["reserved_bytes"]) == (0, 0, 0), stats
@@ -113,13 +131,14 @@ def test_random_trees_are_bit_exact_and_restored(spec: TreeSpec, depth: int, cyc
         # The restored model is an ordinary model again.
         got_x, got_acc = _run_steps(model, xs[:1])[0]
         assert torch.equal(got_x, want[0][0]) and torch.equal(got_acc, want[0][1])
-        _count(f"equivalence.{backend}.cases")
-        _count(f"equivalence.{backend}.steps", steps)
-        _count(f"equivalence.{backend}.param_bytes_compared", snapshot_bytes(original, model))
-        _count(f"equivalence.{backend}.offloaded_blocks", len(group.states))
-    _count("equivalence.examples")
-    for feature in features(pristine, spec, depth=depth, resident=resident, cyclic=cyclic, steps=steps):
-        _count(f"equivalence.feature.{feature}")
+        _count(f"{key}.{backend}.cases")
+        _count(f"{key}.{backend}.steps", steps)
+        _count(f"{key}.{backend}.param_bytes_compared", snapshot_bytes(original, model))
+        _count(f"{key}.{backend}.offloaded_blocks", len(group.states))
+    _count(f"{key}.examples")
+    if device == "cpu":
+        for feature in features(pristine, spec, depth=depth, resident=resident, cyclic=cyclic, steps=steps):
+            _count(f"{key}.feature.{feature}")
 
 
 @settings(max_examples=TIE_EXAMPLES, **PROPERTY_SETTINGS)
@@ -186,6 +205,9 @@ def test_every_property_ran_all_its_examples() -> None:
             assert COUNTS[f"equivalence.{backend}.param_bytes_compared"] > 0
         missing = [f for f in REQUIRED_FEATURES if f"equivalence.feature.{f}" not in COUNTS]
         assert missing == [], f"the strategy never drew {missing}"
+    if "equivalence_cuda.examples" in COUNTS:
+        assert COUNTS["equivalence_cuda.examples"] == CUDA_EQUIVALENCE_EXAMPLES
+        assert all(COUNTS[f"equivalence_cuda.{backend}.param_bytes_compared"] > 0 for backend in BACKENDS)
     if "ties.examples" in COUNTS:
         assert COUNTS["ties.examples"] == TIE_EXAMPLES
         # The draw covers both outcomes.

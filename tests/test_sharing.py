@@ -40,12 +40,17 @@ def _segments(pid: int) -> list[str]:
     return sorted(entry for entry in os.listdir(SHM) if entry.startswith(f"fastoffload-{pid}-"))
 
 
-def _pss_shmem_bytes() -> int:
-    """This process's proportional share of shared-memory pages (a page mapped by 2 counts half)."""
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss_Shmem:"):
-            return int(line.split()[1]) * 1024
-    return -1
+def _pss_segments_bytes() -> int:
+    """This process's proportional share of the pages of its fastoffload segments (a page mapped by 2
+    counts half). Only those mappings: the CUDA driver maps shared memory of its own."""
+    total, ours = -1, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+            ours = any("/fastoffload-" in field for field in fields[5:])
+        elif ours and fields and fields[0] == "Pss:":
+            total = max(total, 0) + int(fields[1]) * 1024
+    return total
 
 
 def _init(rank: int, init_file: str) -> None:
@@ -83,7 +88,7 @@ def _scenario_main(rank: int, device: str, queue: Any, control: Path) -> None:
     import torch.distributed as dist
 
     dist.barrier()  # both ranks have touched every shared page: each is charged half of it
-    result["pss_shmem_bytes"] = _pss_shmem_bytes()
+    result["segment_pss_bytes"] = _pss_segments_bytes()
     try:
         with ModuleHookManager.get_from(model.blocks[0]).get_forward_hook(
                 LayerwiseOffloadHook.name()).mutate_params_scope():
@@ -148,7 +153,26 @@ def _scenario_failures(rank: int, device: str, queue: Any, control: Path) -> Non
     queue.put((rank, "done", result))
 
 
-SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures}
+def _scenario_small_shm(rank: int, device: str, queue: Any, control: Path) -> None:
+    """/dev/shm reports less free space than the host copy needs (Docker's default is 64 MiB)."""
+    from fastoffload_ext import sharing
+
+    sharing._shm_free_bytes = lambda: 1 << 20  # type: ignore[assignment]
+    result: dict[str, Any] = {}
+    model, reference, x, want = _model(device)
+    try:
+        fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
+        result["true"] = "enabled"
+    except RuntimeError as error:
+        result["true"] = str(error)
+    result["untouched"] = params_equal(model, reference) and fo.get_offload_group(model) is None
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext")  # "auto": falls back, one copy per rank
+    result["auto_shared"] = group.share is not None
+    result["auto_exact"] = _exact(model, x, want)
+    queue.put((rank, "done", result))
+
+
+SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm": _scenario_small_shm}
 
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
@@ -226,16 +250,16 @@ def _run_main(tmp_path: Path, device: str) -> None:
         assert s1["shared_owned_bytes"] == 0 and s1["shared_bytes"] == s0["shared_bytes"]
         owned_on_host = s0["shared_owned_bytes"] + s1["shared_owned_bytes"]
         assert owned_on_host <= 1.01 * packed + 4096 * N_BLOCKS
-        pss = enabled[0]["pss_shmem_bytes"] + enabled[1]["pss_shmem_bytes"]
-        if enabled[0]["pss_shmem_bytes"] >= 0:
-            # The kernel's count: each rank is charged half of every shared page, so the sum is ~1x.
-            assert pss < 1.5 * packed, (pss, packed)
+        pss = enabled[0]["segment_pss_bytes"] + enabled[1]["segment_pss_bytes"]
+        # The kernel's count: each rank is charged half of every shared page, so the sum is ~1x.
+        assert enabled[0]["segment_pss_bytes"] > 0 and enabled[1]["segment_pss_bytes"] > 0
+        assert pss < 1.5 * packed, (pss, packed)
         if device == "cuda":
             assert s0["pinned_bytes"] >= packed and s1["pinned_bytes"] >= packed  # each rank registered its mapping
         print(f"\nshared host copy, {device}: packed {packed} B; rank 0 {({k: s0[k] for k in _FIGURES})}; "
               f"rank 1 {({k: s1[k] for k in _FIGURES})}; owned on host {owned_on_host} B "
-              f"({owned_on_host / packed:.3f}x packed); Pss_Shmem rank 0 {enabled[0]['pss_shmem_bytes']} B + rank 1 "
-              f"{enabled[1]['pss_shmem_bytes']} B = {pss} B ({pss / packed:.3f}x packed)")
+              f"({owned_on_host / packed:.3f}x packed); segment PSS rank 0 {enabled[0]['segment_pss_bytes']} B + rank 1 "
+              f"{enabled[1]['segment_pss_bytes']} B = {pss} B ({pss / packed:.3f}x packed)")
         # (e) mutate_params_scope refused with the message, and offload still exact afterwards.
         for rank in range(WORLD):
             assert "the host copy is shared by 2 ranks of this host; mutate before enabling offload, or enable " \
@@ -278,6 +302,20 @@ def test_mismatch_and_attach_failure_fail_every_rank_and_leave_nothing(tmp_path:
     assert "injected attach failure" in done[0]["attach_failure"]
     assert done[0]["rolled_back"] and done[1]["rolled_back"]
     assert done[0]["third_enable_exact"] and done[1]["third_enable_exact"]
+    assert _segments(owner_pid) == []
+
+
+def test_small_dev_shm_refuses_true_and_auto_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with _Ranks(tmp_path, "small_shm") as ranks:
+        done = ranks.expect("done", range(WORLD))
+        owner_pid = ranks.processes[0].pid
+    for rank in range(WORLD):
+        message = done[rank]["true"]
+        assert message.startswith("fastoffload: cannot share the host copy: /dev/shm is too small (host "), message
+        assert "GiB needed, 0.00 GiB free). Enlarge it (in Docker: --shm-size" in message, message
+        assert message.endswith("or enable with share_host_copy=False"), message
+        assert done[rank]["untouched"]
+        assert done[rank]["auto_shared"] is False and done[rank]["auto_exact"]
     assert _segments(owner_pid) == []
 
 
@@ -369,3 +407,15 @@ def test_two_gpus_share_one_pinned_host_copy(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     _run_main(tmp_path, "cuda")
+
+
+def test_fingerprint_of_a_parameter_past_float32_exact_integers() -> None:
+    """28311552 = 3072 x 9216 elements: a float32 linspace over its indices rounds past the end."""
+    from fastoffload_ext.sharing import block_signature
+
+    block = nn.Module()
+    block.weight = nn.Parameter(torch.zeros(3072, 9216, dtype=torch.bfloat16), requires_grad=False)
+    first = block_signature(block)
+    block.weight.data[-1, -1] = 1.0  # the last element is sampled
+    assert block_signature(block)[0][4] != first[0][4]
+    assert first[0][:4] == ("weight", "torch.bfloat16", (3072, 9216), (9216, 1))
