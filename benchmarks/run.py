@@ -9,8 +9,8 @@ host). Rows reach the parent through JSON-lines journals the child appends to as
 prints one table per section as it completes, then writes ``results.json`` (every figure),
 ``results.txt`` (the tables) and PNG plots into ``--out``.
 
-Budget: the full run is sized for well under 8 minutes on one H200 host (16 cores, PCIe Gen5),
-``--quick`` for under 2; without a GPU the sections run scaled down on the host (``device="cpu"``) in
+Budget: the full run is sized for well under 10 minutes on one H200 host (16 cores, PCIe Gen5),
+``--quick`` for under 3; without a GPU the sections run scaled down on the host (``device="cpu"``) in
 a few minutes on 2 cores, and every row that cannot run says why.
 """
 from __future__ import annotations
@@ -46,8 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="fastoffload_ext benchmark suite: bandwidth, forward (W1-W4 + a transformers model vs "
-                    "floor), startup, host overhead, lazy pipeline. Tables on stdout, results.json + PNGs in --out.")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 2 min on an H200)")
+                    "floor), CUDA graphs, torch.compile, startup, host overhead, lazy pipeline, several ranks "
+                    "of one host. Tables on stdout, results.json + PNGs in --out.")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 3 min on an H200)")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT if set, else ./results)")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="K",
                         help="blocks copied ahead by the ext/python backends (default 1)")
