@@ -80,6 +80,15 @@ py::dict engine_stats(const OffloadEngine& engine) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastoffload;
   m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
+  // Device memory refused (the slot ring) reaches Python as torch.OutOfMemoryError, like torch's own.
+  py::register_local_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const c10::OutOfMemoryError& oom) {
+      py::object type = py::module_::import("torch").attr("OutOfMemoryError");
+      PyErr_SetString(type.ptr(), oom.what_without_backtrace());
+    }
+  });
 
   m.def("build_info", []() {
     py::dict d;

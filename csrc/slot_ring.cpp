@@ -32,8 +32,24 @@ void SlotRing::allocate(size_t bytes) {
   forget_all();
   // Free the old buffers before allocating the new ones, so growing never needs both at once.
   for (auto& s : slots_) s.buffer = at::Tensor();
+  slot_bytes_ = 0;
+  allocated_ = false;
   const auto options = at::TensorOptions().dtype(at::kByte).device(device_);
-  for (auto& s : slots_) s.buffer = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, options);
+  try {
+    for (auto& s : slots_) s.buffer = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, options);
+  } catch (const c10::OutOfMemoryError& error) {
+    // All or nothing: the ring stays unallocated and the next acquire tries again.
+    for (auto& s : slots_) s.buffer = at::Tensor();
+    const std::string cause = error.what_without_backtrace();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "fastoffload: could not allocate ", std::to_string(slots_.size()),
+                     " device slots of ", std::to_string((bytes + (1 << 20) - 1) >> 20), " MiB (the largest offloaded "
+                     "block, prefetch_depth + 1 slots) on ", device_.str(), ": ", cause.substr(0, cause.find('\n')),
+                     " Free device memory, lower prefetch_depth, or split the largest block; the weights are "
+                     "untouched and the next forward tries again.");
+  } catch (...) {
+    for (auto& s : slots_) s.buffer = at::Tensor();
+    throw;
+  }
   slot_bytes_ = bytes;
   allocated_ = true;
 }

@@ -103,29 +103,37 @@ class LayerwiseOffloadState:
         if self.async_copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.async_copy_stream)
         gpu = self.gpu_named_parameters
-        for name, param in self.module_ref.named_parameters():
-            if not self._will_offload(name):
-                continue
-            loaded = gpu.get(name)
-            if loaded is None:
-                # Nothing prefetched this block: load it now, on the current stream.
-                loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
-                gpu[name] = loaded
-            param.data = loaded
+        try:
+            for name, param in self.module_ref.named_parameters():
+                if not self._will_offload(name):
+                    continue
+                loaded = gpu.get(name)
+                if loaded is None:
+                    # Nothing prefetched this block: load it now, on the current stream.
+                    loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
+                    gpu[name] = loaded
+                param.data = loaded
+        except BaseException:
+            self._release()  # out of device memory half-way: no parameter stays bound, no copy stays held
+            raise
 
     def _prefetch(self) -> None:
         if self.gpu_named_parameters:
             return  # already loaded or prefetched
-        if self.async_copy_stream is None:
-            for name, host in self.cpu_named_parameters.items():
-                self.gpu_named_parameters[name] = host.to(self.device, copy=True)
-            return
-        compute_stream = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.async_copy_stream):
-            for name, host in self.cpu_named_parameters.items():
-                gpu_param = host.to(self.device, non_blocking=True)
-                gpu_param.record_stream(compute_stream)  # keep it alive until the compute stream used it
-                self.gpu_named_parameters[name] = gpu_param
+        try:
+            if self.async_copy_stream is None:
+                for name, host in self.cpu_named_parameters.items():
+                    self.gpu_named_parameters[name] = host.to(self.device, copy=True)
+                return
+            compute_stream = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.async_copy_stream):
+                for name, host in self.cpu_named_parameters.items():
+                    gpu_param = host.to(self.device, non_blocking=True)
+                    gpu_param.record_stream(compute_stream)  # keep it alive until the compute stream used it
+                    self.gpu_named_parameters[name] = gpu_param
+        except BaseException:
+            self.gpu_named_parameters.clear()  # a half prefetch is dropped; the block loads when it runs
+            raise
 
     def _release(self) -> None:
         if self.module_ref is None:

@@ -25,7 +25,7 @@ from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager, _backend
 from fastoffload_ext import layerwise as layerwise_module
 from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
-from ._models import Stack, make_pair, params_equal
+from ._models import Stack, make_pair, params_equal, place_outside_blocks
 from ._trees import has_hooks, mismatches, snapshot
 
 BACKENDS = ["ext", "python"]
@@ -252,6 +252,68 @@ def test_pool_limit_refuses_pinning_and_keeps_its_accounting(backing: str) -> No
     del memory
     stats = fallback.stats()
     assert (stats["in_use_bytes"], stats["reserved_bytes"], stats["slab_count"]) == (0, 0, 0)
+
+
+# ---- device memory refused -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("failing_call", [1, 2, 5, 9, 14])
+def test_device_copy_refused_mid_block_python_backend(failing_call: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The python backend copies parameter by parameter (``Tensor.to``): a refusal half-way through a
+    block's load or the next block's prefetch leaves no parameter bound and no copy held."""
+    model, reference, x, want = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="python")
+    real_to = torch.Tensor.to
+    calls = {"n": 0}
+
+    def refusing_to(self: torch.Tensor, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == failing_call:
+            raise torch.OutOfMemoryError("injected: out of device memory")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", refusing_to)
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError, match="injected"):
+        model(x)
+    monkeypatch.undo()
+    assert all(not state.gpu_named_parameters for state in group.states)
+    assert_idle(model, group)
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_out_of_memory_for_the_first_block_then_recovers(backend: str) -> None:
+    """CUDA out of memory when the first block needs device memory (ext: the slot ring, allocated on
+    first use; python: the block's copies). The error says what to do, the weights stay intact, and once
+    memory is free again the next step is exact."""
+    model, reference = make_pair(N_BLOCKS, d=512)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    reference.cuda()
+    place_outside_blocks(model, "cuda")
+    x = torch.randn(2, 4, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    with torch.no_grad():
+        want = reference(x)
+    reference.cpu()
+    group = fo.enable_layerwise_offload(model, backend=backend)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # The caching allocator refuses anything beyond what it holds now plus 4 MiB (small activations fit;
+    # a block of this model needs ~12.6 MB, its slots twice that).
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 4 * MiB) / total)
+    expected = "could not allocate 2 device slots of 13 MiB" if backend == "ext" else "out of memory"
+    try:
+        with torch.no_grad(), pytest.raises(torch.OutOfMemoryError, match=expected) as raised:
+            model(x)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    if backend == "ext":
+        assert "Free device memory, lower prefetch_depth" in str(raised.value)
+    assert_idle(model, group)
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
 
 
 # ---- failures while enabling ----------------------------------------------------------------------
