@@ -172,7 +172,43 @@ def _scenario_small_shm(rank: int, device: str, queue: Any, control: Path) -> No
     queue.put((rank, "done", result))
 
 
-SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm": _scenario_small_shm}
+def _scenario_interrupts(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Ctrl-C on one rank in the middle of enable: first on rank 1 while it attaches its third block (the
+    owner has packed all four), then on the owner while it packs its second block."""
+    import torch.distributed as dist
+
+    result: dict[str, Any] = {}
+    model, reference, x, want = _model(device)
+    original = offload_state.ExtLayerwiseOffloadState.on_init
+    for label, victim, at_block in (("attaching", 1, 2), ("packing", 0, 1)):
+        done_blocks = []
+
+        def interrupted_on_init(state: Any, module: nn.Module) -> None:
+            if rank == victim and len(done_blocks) == at_block:
+                raise KeyboardInterrupt
+            original(state, module)
+            done_blocks.append(module)
+
+        offload_state.ExtLayerwiseOffloadState.on_init = interrupted_on_init  # type: ignore[method-assign]
+        try:
+            fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
+            result[label] = "enabled"
+        except BaseException as error:  # KeyboardInterrupt is what this checks
+            result[label] = f"{type(error).__name__}: {error}"
+        finally:
+            offload_state.ExtLayerwiseOffloadState.on_init = original  # type: ignore[method-assign]
+        result[f"{label}_rolled_back"] = params_equal(model, reference) and fo.get_offload_group(model) is None
+        dist.barrier()
+        result[f"{label}_segments_after"] = [entry for entry in os.listdir(SHM) if entry.startswith("fastoffload-")]
+        dist.barrier()
+    fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
+    result["then_exact"] = _exact(model, x, want)
+    dist.barrier()
+    queue.put((rank, "done", result))
+
+
+SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
+             "interrupts": _scenario_interrupts}
 
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
@@ -302,6 +338,25 @@ def test_mismatch_and_attach_failure_fail_every_rank_and_leave_nothing(tmp_path:
     assert "injected attach failure" in done[0]["attach_failure"]
     assert done[0]["rolled_back"] and done[1]["rolled_back"]
     assert done[0]["third_enable_exact"] and done[1]["third_enable_exact"]
+    assert _segments(owner_pid) == []
+
+
+def test_keyboard_interrupt_during_enable_leaves_nothing_behind(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "interrupts") as ranks:
+        done = ranks.expect("done", range(WORLD))
+        owner_pid = ranks.processes[0].pid
+    # The interrupted rank sees its KeyboardInterrupt; the other rank is told which rank failed and how.
+    assert done[1]["attaching"] == "KeyboardInterrupt: "
+    assert done[0]["attaching"].startswith("RuntimeError: fastoffload: another rank of the group could not attach")
+    assert "rank 1: KeyboardInterrupt" in done[0]["attaching"]
+    assert done[0]["packing"] == "KeyboardInterrupt: "
+    assert done[1]["packing"].startswith("RuntimeError: fastoffload: sharing the host copy failed on another rank")
+    assert "rank 0: KeyboardInterrupt" in done[1]["packing"]
+    for rank in range(WORLD):
+        for label in ("attaching", "packing"):
+            assert done[rank][f"{label}_rolled_back"], (rank, label)
+            assert not any(entry.startswith(f"fastoffload-{owner_pid}-") for entry in done[rank][f"{label}_segments_after"])
+        assert done[rank]["then_exact"]
     assert _segments(owner_pid) == []
 
 
