@@ -2,13 +2,22 @@
 # Every GPU claim comes from this script: build in place against the torch that is installed, run
 # every test including the CUDA ones, run the soak and the benchmark suite. Logs, JSON and plots go to $OUT when
 # it is set (the device tool), else to results/gpu_check.
-# Usage: bash scripts/gpu_check.sh [--quick] [extra pytest args...]
+# Usage: bash scripts/gpu_check.sh [--quick] [--no-tests | --no-bench] [extra pytest args...]
+# (--no-tests / --no-bench split one check into two calls when a call's time limit is short.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-results/gpu_check}
 mkdir -p "$DEST"
-QUICK=""
-if [ "${1:-}" = "--quick" ]; then QUICK="--quick"; shift; fi
+QUICK="" TESTS=1 BENCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK="--quick" ;;
+    --no-tests) TESTS=0 ;;
+    --no-bench) BENCH=0 ;;
+    *) break ;;
+  esac
+  shift
+done
 export PYTHONUNBUFFERED=1
 summary="$DEST/summary.txt"
 : > "$summary"
@@ -25,18 +34,23 @@ step build "$DEST/build.log" env MAX_JOBS=$(nproc) bash scripts/setup_env.sh || 
 python3 -m fastoffload_ext >> "$summary" 2>&1
 # Error paths first: a build whose C++ exceptions crash the process would kill the test run midway.
 python3 scripts/repro_errors.py >> "$summary" 2>&1
-step tests /tmp/fastoffload_tests.log python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@"
-tests_rc=$?
-# The device tool brings back at most 8 files: failures and skips go into the summary.
-grep -E "^(FAILED|ERROR|SKIPPED)" /tmp/fastoffload_tests.log >> "$summary"
-[ $tests_rc -eq 0 ] || sed -n '/= FAILURES =/,/short test summary/p' /tmp/fastoffload_tests.log | tail -120 >> "$summary"
-# Soak (issue 7): two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
-step soak /tmp/fastoffload_soak.log python3 scripts/soak.py --steps 1000 --check-every 100 --out "$DEST"
-soak_rc=$?
-# The device tool brings back at most 8 files: the suite's own results.txt holds its tables, so its
-# stdout stays on the machine (tail in the summary on failure).
-step bench /tmp/fastoffload_bench.log python3 -m benchmarks $QUICK --no-progress --out "$DEST"
-bench_rc=$?
-[ $bench_rc -eq 0 ] || tail -30 /tmp/fastoffload_bench.log >> "$summary"
+tests_rc=0 soak_rc=0 bench_rc=0
+if [ $TESTS -eq 1 ]; then
+  step tests /tmp/fastoffload_tests.log python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@"
+  tests_rc=$?
+  # The device tool brings back at most 8 files: failures and skips go into the summary.
+  grep -E "^(FAILED|ERROR|SKIPPED)" /tmp/fastoffload_tests.log >> "$summary"
+  [ $tests_rc -eq 0 ] || sed -n '/= FAILURES =/,/short test summary/p' /tmp/fastoffload_tests.log | tail -120 >> "$summary"
+  # Soak (issue 7): two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
+  step soak /tmp/fastoffload_soak.log python3 scripts/soak.py --steps 1000 --check-every 100 --out "$DEST"
+  soak_rc=$?
+fi
+if [ $BENCH -eq 1 ]; then
+  # The device tool brings back at most 8 files: the suite's own results.txt holds its tables, so its
+  # stdout stays on the machine (tail in the summary on failure).
+  step bench /tmp/fastoffload_bench.log python3 -m benchmarks $QUICK --no-progress --out "$DEST"
+  bench_rc=$?
+  [ $bench_rc -eq 0 ] || tail -30 /tmp/fastoffload_bench.log >> "$summary"
+fi
 cat "$summary"
 exit $(( tests_rc != 0 || soak_rc != 0 || bench_rc != 0 ))
