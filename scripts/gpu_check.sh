@@ -36,10 +36,12 @@ python3 -m fastoffload_ext >> "$summary" 2>&1
 python3 scripts/repro_errors.py >> "$summary" 2>&1
 tests_rc=0 soak_rc=0 bench_rc=0
 if [ $TESTS -eq 1 ]; then
-  step tests /tmp/fastoffload_tests.log python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@"
+  step tests /tmp/fastoffload_tests.log python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=8 "$@"
   tests_rc=$?
   # The device tool brings back at most 8 files: failures and skips go into the summary.
   grep -E "^(FAILED|ERROR|SKIPPED)" /tmp/fastoffload_tests.log >> "$summary"
+  # The slowest tests, for whoever has to fit this script into a call's time limit.
+  sed -n '/slowest .*durations/,/^$/p' /tmp/fastoffload_tests.log >> "$summary"
   [ $tests_rc -eq 0 ] || sed -n '/= FAILURES =/,/short test summary/p' /tmp/fastoffload_tests.log | tail -120 >> "$summary"
   # Soak (issue 7): two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
   step soak /tmp/fastoffload_soak.log python3 scripts/soak.py --steps 1000 --check-every 100 --out "$DEST"
