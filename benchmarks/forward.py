@@ -5,8 +5,9 @@ Per workload (W1..W4 of DESIGN.md and a transformers Llama), the rows are:
 - ``resident``: the whole model on the GPU, no offload (and the reference output);
 - ``ext`` / ``python``: ``enable_layerwise_offload(backend=...)``, with ``--prefetch-depth`` and
   ``--resident-blocks``;
-- ``diffusers``: ``apply_group_offloading(block_level, num_blocks_per_group=1, use_stream=True)``
-  (``--quick``: W1, W3 and the Llama only);
+- ``diffusers``: ``apply_group_offloading(block_level, num_blocks_per_group=1, use_stream=True)``, the
+  like-for-like peer; ``diffusers leaf``: ``apply_group_offloading(leaf_level, use_stream=True)``, its
+  fastest setting on W3 (``--quick``: both on W1, W3 and the Llama only);
 - ``accelerate``: ``cpu_offload`` (slow: skipped under ``--quick``).
 
 Each offload row starts from a fresh host copy of the same weights (a deepcopy of one host master),
@@ -63,7 +64,9 @@ TABLES = {
     ),
 }
 
-BACKENDS = ("resident", "ext", "python", "diffusers", "accelerate")
+# diffusers' group offloading, by row name: offload_type (both with use_stream=True).
+DIFFUSERS_VARIANTS = {"diffusers": "block_level", "diffusers leaf": "leaf_level"}
+BACKENDS = ("resident", "ext", "python", *DIFFUSERS_VARIANTS, "accelerate")
 QUICK_SKIP_DIFFUSERS = ("W2", "W4")
 MEM_SLACK_BYTES = 64 * MiB
 
@@ -338,24 +341,29 @@ def _run_workload(ctx: Context, workload: Workload, enable: Any, disable: Any, a
 
         ctx.run_row("forward", labels(backend), offload_row, cleanup=offload_cleanup)
 
-    # diffusers group offloading ---------------------------------------------------------------
-    if not ctx.cuda:
-        ctx.skip("forward", labels("diffusers"), "needs a CUDA device")
-        ctx.progress.finish()
-    elif diffusers is None:
-        ctx.skip("forward", labels("diffusers"), diffusers_reason)
-        ctx.progress.finish()
-    elif ctx.quick and workload.name in QUICK_SKIP_DIFFUSERS:
-        ctx.skip("forward", labels("diffusers"), "skipped under --quick (W1 and W3 show the transfer-bound and "
-                 "host-bound cases)")
-        ctx.progress.finish()
-    else:
-        def diffusers_row() -> dict[str, Any]:
+    # diffusers group offloading: block level (the like-for-like peer) and leaf level (its best on W3) --
+    for backend, offload_type in DIFFUSERS_VARIANTS.items():
+        if not ctx.cuda:
+            ctx.skip("forward", labels(backend), "needs a CUDA device")
+            ctx.progress.finish()
+            continue
+        if diffusers is None:
+            ctx.skip("forward", labels(backend), diffusers_reason)
+            ctx.progress.finish()
+            continue
+        if ctx.quick and workload.name in QUICK_SKIP_DIFFUSERS:
+            ctx.skip("forward", labels(backend), "skipped under --quick (W1 and W3 show the transfer-bound and "
+                     "host-bound cases)")
+            ctx.progress.finish()
+            continue
+
+        def diffusers_row(offload_type: str = offload_type) -> dict[str, Any]:
             from diffusers.hooks import apply_group_offloading
             model = copy.deepcopy(master)
             started = time.perf_counter()
-            apply_group_offloading(model, onload_device=ctx.device, offload_type="block_level",
-                                   num_blocks_per_group=1, use_stream=True)
+            grouping = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+            apply_group_offloading(model, onload_device=ctx.device, offload_type=offload_type, use_stream=True,
+                                   **grouping)
             torch.cuda.synchronize()
             enable_s = time.perf_counter() - started
             try:
@@ -366,7 +374,7 @@ def _run_workload(ctx: Context, workload: Workload, enable: Any, disable: Any, a
             result["enable_s"] = enable_s
             return judge(result, shared["all_bytes"], engine_bound=False)
 
-        ctx.run_row("forward", labels("diffusers"), diffusers_row)
+        ctx.run_row("forward", labels(backend), diffusers_row)
 
     # accelerate cpu_offload -------------------------------------------------------------------
     if not ctx.cuda:
@@ -412,4 +420,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if row.get("backend") == "ext" and row.get("ms") and row["workload"] in python_rows:
             lines.append(f"{row['workload']}: python backend (FastVideo's algorithm) / ext = "
                          f"{python_rows[row['workload']]['ms'] / row['ms']:.2f}x")
+    # The fastest other offloader that ran on each workload, whatever its correctness: ext must beat it.
+    peers = ("python", *DIFFUSERS_VARIANTS, "accelerate")
+    for row in rows:
+        if row.get("backend") != "ext" or not row.get("ms"):
+            continue
+        others = [other for other in rows if other.get("workload") == row["workload"]
+                  and other.get("backend") in peers and other.get("ms")]
+        if others:
+            best = min(others, key=lambda other: other["ms"])
+            exact = "" if best.get("bit_equal") is not False else ", not bit-equal"
+            lines.append(f"{row['workload']}: fastest other offloader: {best['backend']} {best['ms']:.2f} ms{exact}; "
+                         f"it / ext = {best['ms'] / row['ms']:.2f}x")
     return lines

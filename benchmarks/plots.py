@@ -62,7 +62,7 @@ def plot_forward(section: dict[str, Any], out_dir: str) -> str | None:
     lines = (len(workloads) + columns - 1) // columns
     figure, axes = plt.subplots(lines, columns, figsize=(5 * columns, 3.8 * lines), squeeze=False)
     colors = {"resident": "#4c72b0", "ext": "#55a868", "python": "#c44e52", "diffusers": "#8172b2",
-              "accelerate": "#ccb974"}
+              "diffusers leaf": "#b3a2d9", "accelerate": "#ccb974"}
     for index, workload in enumerate(workloads):
         axis = axes[index // columns][index % columns]
         mine = [row for row in rows if row["workload"] == workload and row["backend"] != "floor"]
