@@ -186,22 +186,17 @@ def run(ctx: Context) -> None:
             row: dict[str, Any] = {"bytes": nbytes}
             errors = {}
             iters = _iters(ctx.quick, nbytes)
-            for key, _ in SOURCES:
-                source = sources.get(key)
-                if source is None:
-                    continue
-                try:
-                    ms = measure_copy_ms(device_buffer[:nbytes], source[:nbytes], warmup=2, iters=iters)
-                    row[key] = gbps(nbytes, ms)
-                    row[key + "_ms"] = ms
-                except Exception as error:
-                    errors[key] = f"{type(error).__name__}: {error}"
-            for key, source_key in (("d2h_torch_pinned", "torch_pinned"), ("d2h_pool_host_alloc", "pool_host_alloc")):
-                host = sources.get(source_key)
+            # (column, host buffer, H2D?): every source up, then two of them back down.
+            copies = [(key, key, True) for key, _ in SOURCES]
+            copies += [("d2h_torch_pinned", "torch_pinned", False), ("d2h_pool_host_alloc", "pool_host_alloc", False)]
+            for key, host_key, h2d in copies:
+                host = sources.get(host_key)
                 if host is None:
                     continue
+                device = device_buffer[:nbytes]
+                dst, src = (device, host[:nbytes]) if h2d else (host[:nbytes], device)
                 try:
-                    ms = measure_copy_ms(host[:nbytes], device_buffer[:nbytes], warmup=2, iters=iters)
+                    ms = measure_copy_ms(dst, src, warmup=2, iters=iters)
                     row[key] = gbps(nbytes, ms)
                     row[key + "_ms"] = ms
                 except Exception as error:

@@ -21,6 +21,14 @@ def _rows(section: dict[str, Any], table: str) -> list[dict[str, Any]]:
     return [row for row in section.get("tables", {}).get(table, []) if not row.get("error") and not row.get("skipped")]
 
 
+def _save(plt: Any, figure: Any, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_bandwidth(section: dict[str, Any], out_dir: str) -> str | None:
     from benchmarks.bandwidth import D2H, SOURCES
     rows = [row for row in _rows(section, "copy") if row.get("bytes")]
@@ -45,11 +53,7 @@ def plot_bandwidth(section: dict[str, Any], out_dir: str) -> str | None:
     axis.set_title("Host <-> device copy bandwidth")
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=8)
-    path = os.path.join(out_dir, "bandwidth.png")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, out_dir, "bandwidth.png")
 
 
 def plot_forward(section: dict[str, Any], out_dir: str) -> str | None:
@@ -86,11 +90,7 @@ def plot_forward(section: dict[str, Any], out_dir: str) -> str | None:
     for index in range(len(workloads), lines * columns):
         axes[index // columns][index % columns].axis("off")
     figure.suptitle("Forward time per workload and backend (bar label: x floor; x resident without a GPU)")
-    path = os.path.join(out_dir, "forward.png")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, out_dir, "forward.png")
 
 
 def plot_overhead(section: dict[str, Any], out_dir: str) -> str | None:
@@ -115,11 +115,7 @@ def plot_overhead(section: dict[str, Any], out_dir: str) -> str | None:
     axis.set_title("Host cost per block: acquire + prefetch issue + release")
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=8)
-    path = os.path.join(out_dir, "overhead.png")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, out_dir, "overhead.png")
 
 
 PLOTTERS = {"bandwidth": plot_bandwidth, "forward": plot_forward, "overhead": plot_overhead}
