@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "fastoffload_ext"
@@ -162,7 +162,7 @@ def main() -> None:
     setup(
         name=PACKAGE,
         version=VERSION,
-        packages=[PACKAGE],
+        packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
         package_data={PACKAGE: ["py.typed", "_build_info.json"]},
         ext_modules=[extension],
         cmdclass={"build_ext": BuildWithRecord},

@@ -1,4 +1,4 @@
-"""Section 7, compile: W1-W4 with every block compiled by inductor, offloaded vs eager (issue 8).
+"""Section 7, compile: W1-W4 with every block compiled by inductor, offloaded vs eager.
 
 Per workload: the resident model eager and with regional compile (``block.compile()`` on every block,
 the way FastVideo and diffusers compile DiTs), the floor (max of the compiled resident time and the

@@ -1,9 +1,9 @@
-"""Section 6, graphs: a whole offloaded forward captured in one CUDA graph and replayed (issue 8).
+"""Section 6, graphs: a whole offloaded forward captured in one CUDA graph and replayed.
 
 W3 (many small parameters, launch- and host-bound) is where replay matters: eager offload pays the
 per-block hook calls and ~700 kernel launches per step; a replay pays neither and should run at the
 PCIe floor. Rows: resident eager, the floor, ext eager, ext replayed through
-``fastoffload_ext.graphs.OffloadedCUDAGraph`` (checked bit for bit against resident on fresh inputs),
+``fastoffload_ext.engine.graphs.OffloadedCUDAGraph`` (checked bit for bit against resident on fresh inputs),
 and, in the full run, ext eager with every block compiled by inductor (regional compile) with its
 compile time. GPU only: without one every row says why it was skipped.
 """
@@ -43,7 +43,7 @@ def run(ctx: Context) -> None:
             ctx.skip("graphs", {"workload": "W3", "variant": variant}, "needs a CUDA GPU (graph capture)")
         return
     enable, disable = offload_api()
-    from fastoffload_ext.graphs import OffloadedCUDAGraph
+    from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
 
     ctx.progress.add(len(variants))
     workload = stack_workload("W3", cpu=False)

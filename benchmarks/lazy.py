@@ -3,7 +3,7 @@
 The pipeline is encode (text_encoder) -> denoise (transformer, a few steps) -> decode (vae), each
 component a BlockStack of its own size. Variants:
 - ``eager``: every component built before the first stage; peak = the sum of the components.
-- ``lazy``: every component a ``LazyModule``; ``ReleaseSchedule`` (fastoffload_ext.schedule) releases
+- ``lazy``: every component a ``LazyModule``; ``ReleaseSchedule`` (fastoffload_ext.pipeline.schedule) releases
   each one after the last stage that uses it; peak = the largest component (plus activations).
 - ``lazy + layerwise``: as ``lazy``, with the transformer's blocks offloaded layer by layer by its
   loader (``set_materialize_transform`` is not needed: the loader enables the offload itself).
@@ -59,13 +59,13 @@ DENOISE_STEPS = 4
 
 
 def run(ctx: Context) -> None:
-    lazy_module, reason = try_import("fastoffload_ext.lazy")
+    lazy_module, reason = try_import("fastoffload_ext.pipeline.lazy")
     if lazy_module is None:
         ctx.note(reason)
         ctx.skip("lazy", {"variant": "all"}, reason)
         return
     LazyModule = lazy_module.LazyModule
-    schedule_module, schedule_reason = try_import("fastoffload_ext.schedule")
+    schedule_module, schedule_reason = try_import("fastoffload_ext.pipeline.schedule")
     if schedule_module is None:
         ctx.note(f"{schedule_reason}: releasing by hand after each component's last stage")
     specs = COMPONENTS_GPU if ctx.cuda else COMPONENTS_CPU
@@ -175,7 +175,7 @@ def _releaser(schedule_module: Any, components: dict[str, Any]) -> Callable[[str
     if schedule_module is not None:
         schedule = schedule_module.ReleaseSchedule.from_stages(STAGES)
         return lambda stage: schedule.release_after(stage, components)
-    # Fallback while fastoffload_ext.schedule is missing: the last (only) user of each component.
+    # Fallback while fastoffload_ext.pipeline.schedule is missing: the last (only) user of each component.
     last_use = {component: stage for stage, uses in STAGES for component in uses}
 
     def release(stage: str) -> list[str]:

@@ -5,7 +5,7 @@ of an L-block model, ``hook.pre_forward(block)`` (acquire its weights, issue the
 block) then ``hook.post_forward(block, None)`` (release). The loop is timed with
 ``time.perf_counter_ns`` on the host; device work it queues is drained after each timed run, outside
 the clock, so the figure is what the Python thread pays — the cost that, on W3, decides whether the
-copy or the CPU sets the pace. DESIGN.md's target: <= 20 us + 0.3 us per parameter.
+copy or the CPU sets the pace. docs/DESIGN.md's target: <= 20 us + 0.3 us per parameter.
 
 Parameter counts 4, 16, 64, 136 (a W3 block: 4 Linears x 2 + 64 LayerNorms x 2) and 512
 (``--quick``: 4, 136, 512), each parameter a 128-byte bf16 tensor (the copy is not what is measured). On

@@ -1,7 +1,7 @@
 """Section 8, ranks: several ranks of one host offloading the same model, with and without a shared host copy.
 
 Configurations: 1 rank; 2 ranks each pinning its own copy (``share_host_copy=False``); 2 ranks sharing
-one copy (``share_host_copy=True``, issue 9). Each runs under ``torch.distributed.run`` (torchrun) in
+one copy (``share_host_copy=True``). Each runs under ``torch.distributed.run`` (torchrun) in
 fresh processes: NCCL and one GPU per rank when the host has enough GPUs, gloo and the host device
 (scaled-down workload) without a GPU; 2-rank rows on a 1-GPU host say why they were skipped.
 

@@ -8,7 +8,7 @@ RSS, build W1 on the host, then time ``enable_layerwise_offload`` (synchronised)
 samples VmRSS (and VmHWM, reset through ``/proc/self/clear_refs`` where allowed). ``--quick`` uses W3 instead
 of W1 (half the bytes to build and pin).
 
-Figures, against DESIGN.md's targets:
+Figures, against docs/DESIGN.md's targets:
 - enable wall time, ext <= 0.5 x python;
 - pinned host bytes / weight bytes <= 1.01 (python: torch's host allocator, which rounds every
   parameter up to a power of two; read from ``torch.cuda.memory.host_memory_stats()`` where this torch

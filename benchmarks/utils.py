@@ -1,6 +1,6 @@
 """Shared pieces of the benchmark suite: timing, the run context, the row journal, tables, memory probes.
 
-Timing rules (STYLE.md, Benchmarks): inputs are built before the timed region, there is a warm-up,
+Timing rules (docs/DESIGN.md, "Benchmarks"): inputs are built before the timed region, there is a warm-up,
 GPU work is timed with CUDA events on the compute stream, and the figure reported is the median of at
 least ``MIN_ITERS`` timed repetitions. Forward passes are timed back to back with no host
 synchronisation between them: the layerwise engines end a forward with the wrap-around prefetch of
@@ -35,7 +35,7 @@ import torch
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
-GB = 1e9  # bandwidths are reported in decimal GB/s, as PCIe and DESIGN.md quote them
+GB = 1e9  # bandwidths are reported in decimal GB/s, as PCIe and docs/DESIGN.md quote them
 
 MIN_ITERS = 5
 
@@ -70,17 +70,17 @@ def offload_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
         from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
     except ImportError:
         try:
-            from fastoffload_ext.layerwise import disable_layerwise_offload, enable_layerwise_offload
+            from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
         except ImportError as error:
-            raise ImportError(f"fastoffload_ext.layerwise is not importable yet: {error}") from error
+            raise ImportError(f"fastoffload_ext.engine.layerwise is not importable yet: {error}") from error
     return enable_layerwise_offload, disable_layerwise_offload
 
 
 def hook_manager_class() -> Any:
     try:
-        from fastoffload_ext.hooks import ModuleHookManager
+        from fastoffload_ext.engine.hooks import ModuleHookManager
     except ImportError as error:
-        raise ImportError(f"fastoffload_ext.hooks is not importable yet: {error}") from error
+        raise ImportError(f"fastoffload_ext.engine.hooks is not importable yet: {error}") from error
     return ModuleHookManager
 
 

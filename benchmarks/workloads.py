@@ -1,6 +1,6 @@
-"""The benchmark vocabulary of DESIGN.md section 4, and one third-party architecture.
+"""The benchmark vocabulary of docs/DESIGN.md section 4, and one third-party architecture.
 
-``Block(d, n_norms)`` and W1..W4 are exactly the table in DESIGN.md (bf16, batch 1); their weight
+``Block(d, n_norms)`` and W1..W4 are exactly the table in docs/DESIGN.md (bf16, batch 1); their weight
 sizes are checked against the table below (3.38 / 3.38 / 1.52 / 3.00 GiB). The third-party model is a
 ``transformers`` LlamaModel with a small random config (no download): its ``layers`` ModuleList is the
 first direct-child ModuleList, which is what ``enable_layerwise_offload`` hooks.
@@ -29,7 +29,7 @@ DTYPE = torch.bfloat16
 
 
 class Block(nn.Module):
-    """DESIGN.md's DiT-like block: attention-shaped and MLP-shaped Linears plus ``n_norms`` LayerNorms."""
+    """docs/DESIGN.md's DiT-like block: attention-shaped and MLP-shaped Linears plus ``n_norms`` LayerNorms."""
 
     def __init__(self, d: int, n_norms: int) -> None:
         super().__init__()
@@ -70,7 +70,7 @@ class StackSpec:
     tokens: int
     n_norms: int
     character: str
-    table_gib: float | None = None  # DESIGN.md's weight column, checked by tests of this module
+    table_gib: float | None = None  # docs/DESIGN.md's weight column, checked by tests of this module
 
     def weight_bytes(self, dtype: torch.dtype = DTYPE) -> int:
         d = self.d
@@ -81,7 +81,7 @@ class StackSpec:
         return 8 + 2 * self.n_norms
 
 
-# DESIGN.md section 4, exactly.
+# docs/DESIGN.md section 4, exactly.
 WORKLOADS: dict[str, StackSpec] = {
     "W1": StackSpec("W1", d=3072, blocks=16, tokens=256, n_norms=4, character="transfer-bound", table_gib=3.38),
     "W2": StackSpec("W2", d=3072, blocks=16, tokens=16384, n_norms=4, character="compute-bound", table_gib=3.38),
@@ -97,7 +97,7 @@ CPU_WORKLOADS: dict[str, StackSpec] = {
     "W4": StackSpec("W4-cpu", d=384, blocks=8, tokens=64, n_norms=4, character="large blocks (scaled)"),
 }
 
-# (reference, factor): the engine's forward must be <= factor x reference (DESIGN.md "Targets").
+# (reference, factor): the engine's forward must be <= factor x reference (docs/DESIGN.md "Targets").
 TARGETS: dict[str, tuple[str, float]] = {
     "W1": ("floor", 1.03),
     "W2": ("resident", 1.02),

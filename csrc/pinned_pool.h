@@ -10,7 +10,7 @@
 // 55.4 GB/s at 1 GiB, 35.2 vs 38.5 at 1 MiB). The layerwise layer therefore defaults to kRegister;
 // both stay available, and kRegister is also the path that can pin pages shared between processes.
 //
-// Shared backing (issue 9): allocate_shared() gives a block a slab of its own inside a named POSIX
+// Shared backing: allocate_shared() gives a block a slab of its own inside a named POSIX
 // shared-memory segment (SharedSegment), created and filled by one process per host (the owner) and
 // mapped by the others; pin() then registers each process's mapping. The pool accounts those bytes
 // separately (shared_bytes; shared_owned_bytes for the ones this process created) so that a node's

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from fastoffload_ext._backend import REASON as backend_reason
 from fastoffload_ext._backend import active_backend, build_info, ext_available
-from fastoffload_ext.configure import AppliedOffload, apply_offload_config
-from fastoffload_ext.hooks import ForwardHook, ModuleHookManager
-from fastoffload_ext.layerwise import (
+from fastoffload_ext.pipeline.configure import AppliedOffload, apply_offload_config
+from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
+from fastoffload_ext.engine.layerwise import (
     LayerwiseOffloadGroup,
     LayerwiseOffloadHook,
     disable_layerwise_offload,
     enable_layerwise_offload,
     get_offload_group,
 )
-from fastoffload_ext.lazy import LazyModule, is_lazy_module
-from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 from fastoffload_ext.policy import DEVICE_POLICY_STEPS, UNIFIED_MEMORY_OFFLOAD_PATHS, has_unified_memory
-from fastoffload_ext.resolution import ExecutionMode, Resolution, ResolutionView, resolve
-from fastoffload_ext.schedule import ReleaseSchedule, run_pipeline
+from fastoffload_ext.policy.resolution import ExecutionMode, Resolution, ResolutionView, resolve
+from fastoffload_ext.pipeline.schedule import ReleaseSchedule, run_pipeline
+from fastoffload_ext.errors import FastOffloadError, OffloadConfigError, OffloadStateError
+from fastoffload_ext import _moved
+
+_moved.install(__name__)
 
 __version__ = "0.1.0"
 
@@ -31,6 +35,9 @@ __all__ = [
     "AppliedOffload",
     "ExecutionMode",
     "ExtLayerwiseOffloadState",
+    "FastOffloadError",
+    "OffloadConfigError",
+    "OffloadStateError",
     "LazyModule",
     "ReleaseSchedule",
     "Resolution",

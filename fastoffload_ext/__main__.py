@@ -26,7 +26,7 @@ def _device_queries() -> tuple[Callable[[int], str], Callable[[int], bool]]:
     one helper module is missing or broken would hide the answers it exists to give.
     """
     try:
-        platform = importlib.import_module("fastoffload_ext.platform")
+        platform = importlib.import_module("fastoffload_ext.policy.platform")
         return platform.device_name, platform.has_unified_memory
     except (ImportError, AttributeError):
         return (lambda index: str(torch.cuda.get_device_properties(index).name),

@@ -43,7 +43,7 @@ if [ $TESTS -eq 1 ]; then
   # The slowest tests, for whoever has to fit this script into a call's time limit.
   sed -n '/slowest .*durations/,/^$/p' /tmp/fastoffload_tests.log >> "$summary"
   [ $tests_rc -eq 0 ] || sed -n '/= FAILURES =/,/short test summary/p' /tmp/fastoffload_tests.log | tail -120 >> "$summary"
-  # Soak (issue 7): two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
+  # Soak: two offloaded models alternating with a third GPU thread, 1000 steps, drift figures.
   step soak /tmp/fastoffload_soak.log python3 scripts/soak.py --steps 1000 --check-every 100 --out "$DEST"
   soak_rc=$?
 fi

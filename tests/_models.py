@@ -1,4 +1,4 @@
-"""Small models shared by the tests: the DESIGN.md DiT-like block, at toy sizes."""
+"""Small models shared by the tests: the docs/DESIGN.md DiT-like block, at toy sizes."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,7 @@ OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 class Block(nn.Module):
-    """DESIGN.md's block: qkv, o, up, down linears and a list of norms."""
+    """docs/DESIGN.md's block: qkv, o, up, down linears and a list of norms."""
 
     def __init__(self, d: int = 16, n_norms: int = 2) -> None:
         super().__init__()

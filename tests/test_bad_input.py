@@ -26,7 +26,7 @@ from torch import nn
 
 import fastoffload_ext as fo
 from fastoffload_ext import LazyModule
-from fastoffload_ext.resolution import DEFAULT_SCHEMA, UnknownPathError, resolve
+from fastoffload_ext.policy.resolution import DEFAULT_SCHEMA, UnknownPathError, resolve
 
 from ._models import make_pair, params_equal
 from ._trees import has_hooks, mismatches, snapshot

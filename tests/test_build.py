@@ -1,6 +1,6 @@
 """The build and the backend choice: what was compiled, whether it loads, and what happens when it does not.
 
-The package must import everywhere (DESIGN.md, "Build"): with the compiled core when it matches the
+The package must import everywhere (docs/DESIGN.md, "Build"): with the compiled core when it matches the
 installed torch, and otherwise with the pure-Python backend and one warning that says why and how to
 fix it. The fallback scenarios need a fresh interpreter (the backend is chosen once, at import), so
 they run in subprocesses that sabotage the import of ``fastoffload_ext._C`` before importing the
@@ -310,7 +310,7 @@ def test_report_without_compiled_core_names_python_backend_and_reason() -> None:
 
 @pytest.mark.cuda
 def test_report_lists_every_visible_gpu() -> None:
-    from fastoffload_ext import platform
+    from fastoffload_ext.policy import platform
 
     result = _run_python("", "-m", "fastoffload_ext")
     assert result.returncode == 0, result.stderr
@@ -419,7 +419,7 @@ def test_setup_finds_no_toolkit_in_an_empty_cuda_home(setup_sandbox: tuple[dict[
 
 def test_setup_skips_nvcc_wrapper_without_cudart(setup_sandbox: tuple[dict[str, Any], Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # DESIGN.md: nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
+    # docs/DESIGN.md: nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
     namespace, tmp_path = setup_sandbox
     wrapper_root = tmp_path / "usr_local"
     (wrapper_root / "bin").mkdir(parents=True)

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-import fastoffload_ext.layerwise
-import fastoffload_ext.platform
+import fastoffload_ext.engine.layerwise
+import fastoffload_ext.policy.platform
 from fastoffload_ext import policy
-from fastoffload_ext.configure import AppliedOffload, LayerwiseAction, apply_offload_config
-from fastoffload_ext.hooks import ModuleHookManager
-from fastoffload_ext.lazy import LazyModule, is_lazy_module
-from fastoffload_ext.resolution import ResolutionView, UnknownPathError
+from fastoffload_ext.pipeline.configure import AppliedOffload, LayerwiseAction, apply_offload_config
+from fastoffload_ext.engine.hooks import ModuleHookManager
+from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.policy.resolution import ResolutionView, UnknownPathError
 
 LAYERWISE_ON = {"engine": {"offload": {"dit_layerwise": True}}}
 
@@ -62,14 +62,14 @@ class RecordingEnable:
 @pytest.fixture
 def fake_enable(monkeypatch: pytest.MonkeyPatch) -> RecordingEnable:
     recorder = RecordingEnable()
-    monkeypatch.setattr(fastoffload_ext.layerwise, "enable_layerwise_offload", recorder)
+    monkeypatch.setattr(fastoffload_ext.engine.layerwise, "enable_layerwise_offload", recorder)
     return recorder
 
 
 @pytest.fixture
 def unified_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", lambda device_id=0: True)
-    monkeypatch.setattr(fastoffload_ext.platform, "device_name", lambda device_id=0: "Test iGPU")
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "has_unified_memory", lambda device_id=0: True)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "device_name", lambda device_id=0: "Test iGPU")
 
 
 class CountingLoaders:
@@ -114,7 +114,7 @@ def test_policy_turning_layerwise_off_is_explained(fake_enable: RecordingEnable,
 
 
 def test_layerwise_without_transformer_warns(fake_enable: RecordingEnable, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="fastoffload_ext.configure"):
+    with caplog.at_level(logging.WARNING, logger="fastoffload_ext.pipeline.configure"):
         applied = apply_offload_config(LAYERWISE_ON)
     assert applied.layerwise is LayerwiseAction.NO_TRANSFORMER
     assert fake_enable.calls == []
@@ -124,7 +124,7 @@ def test_layerwise_without_transformer_warns(fake_enable: RecordingEnable, caplo
 
 
 def test_engine_declining_is_reported_as_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastoffload_ext.layerwise, "enable_layerwise_offload", RecordingEnable(result=None))
+    monkeypatch.setattr(fastoffload_ext.engine.layerwise, "enable_layerwise_offload", RecordingEnable(result=None))
     applied = apply_offload_config(LAYERWISE_ON, transformer=tiny_dit())
     assert applied.layerwise is LayerwiseAction.SKIPPED
 
@@ -211,7 +211,7 @@ def test_already_loaded_lazy_transformer_is_offloaded_now(fake_enable: Recording
 def test_whole_module_offloads_are_reported_not_dropped(fake_enable: RecordingEnable,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     config = {"engine": {"use_fsdp_inference": True, "offload": {"vae": True, "text_encoder": True}}}
-    with caplog.at_level(logging.INFO, logger="fastoffload_ext.configure"):
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.pipeline.configure"):
         applied = apply_offload_config(config)
     assert applied.not_applied == ("engine.use_fsdp_inference", "engine.offload.text_encoder", "engine.offload.vae")
     assert ("Resolved on but not performed by fastoffload_ext, act on them in your pipeline: "
@@ -335,7 +335,7 @@ def test_real_engine_offloads_and_matches_the_resident_model() -> None:
         expected = resident(x)
     applied = apply_offload_config(LAYERWISE_ON, transformer=model, device="cpu")
     assert applied.layerwise is LayerwiseAction.APPLIED
-    assert applied.layerwise_result is fastoffload_ext.layerwise.get_offload_group(model)
+    assert applied.layerwise_result is fastoffload_ext.engine.layerwise.get_offload_group(model)
     assert _hooked_blocks(model) == [True, True, True]
     with torch.no_grad():
         for _ in range(3):  # repeated steps, with the wrap-around prefetch
@@ -357,14 +357,14 @@ def test_real_engine_on_a_lazy_transformer_survives_release() -> None:
     assert proxy.release() is True
     with torch.no_grad():
         assert torch.equal(proxy(x), expected)  # the reloaded instance is offloaded again
-    assert fastoffload_ext.layerwise.get_offload_group(proxy.materialize()) is not None
+    assert fastoffload_ext.engine.layerwise.get_offload_group(proxy.materialize()) is not None
 
 
 def test_real_engine_untouched_when_the_policy_says_no(unified_device: None) -> None:
     model = tiny_dit()
     applied = apply_offload_config(LAYERWISE_ON, transformer=model, device="cpu")
     assert applied.layerwise is LayerwiseAction.DISABLED
-    assert fastoffload_ext.layerwise.get_offload_group(model) is None
+    assert fastoffload_ext.engine.layerwise.get_offload_group(model) is None
     assert _hooked_blocks(model) == [False, False, False]
 
 
@@ -377,7 +377,7 @@ def test_layerwise_stand_in_matches_the_engine_signature() -> None:
     """The stand-in above is only valid while the engine accepts what apply_offload_config passes."""
     import inspect
 
-    parameters = inspect.signature(fastoffload_ext.layerwise.enable_layerwise_offload).parameters
+    parameters = inspect.signature(fastoffload_ext.engine.layerwise.enable_layerwise_offload).parameters
     assert list(parameters)[:2] == ["model", "is_replace"]
     for keyword in ("device", "resident_blocks", "cyclic", "prefetch_depth", "backend", "pin_backing"):
         assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY

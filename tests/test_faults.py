@@ -22,8 +22,8 @@ from torch import nn
 
 import fastoffload_ext as fo
 from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager, _backend
-from fastoffload_ext import layerwise as layerwise_module
-from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.engine import layerwise as layerwise_module
+from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
 from ._models import Stack, make_pair, params_equal, place_outside_blocks
 from ._trees import has_hooks, mismatches, snapshot

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastoffload_ext as fo
-from fastoffload_ext.graphs import OffloadedCUDAGraph, cyclic_slot_assignment
+from fastoffload_ext.engine.graphs import OffloadedCUDAGraph, cyclic_slot_assignment
 
 from ._models import make_pair, params_equal, place_outside_blocks
 

@@ -1,4 +1,4 @@
-"""The ForwardHook / ModuleHookManager contract (DESIGN.md §2), FastVideo's hook surface.
+"""The ForwardHook / ModuleHookManager contract (docs/DESIGN.md §2), FastVideo's hook surface.
 
 Every hook here is a :class:`RecordingHook` that appends what happened to it to one shared event log,
 so each test asserts the exact order of calls across hooks, not only that calls happened.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastoffload_ext.hooks import ForwardHook, ModuleHookManager
+from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 
 Event = tuple[Any, ...]
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from fastoffload_ext import lazy as lazy_module_file
-from fastoffload_ext.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.pipeline import lazy as lazy_module_file
+from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
 
-LOGGER = "fastoffload_ext.lazy"
+LOGGER = "fastoffload_ext.pipeline.lazy"
 
 
 class CountingLoader:

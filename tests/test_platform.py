@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fastoffload_ext import platform
+from fastoffload_ext.policy import platform
 
 
 def _fake_platform(monkeypatch: pytest.MonkeyPatch, *, cuda: bool, mps: bool) -> None:
@@ -70,7 +70,7 @@ def test_is_mps(monkeypatch: pytest.MonkeyPatch, cuda: bool, mps: bool, expected
 
 def test_is_mps_query_failure_answers_false(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(torch.backends.mps, "is_available", _raise)
-    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.platform"):
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy.platform"):
         assert platform.is_mps() is False
     assert "Treating the platform as not MPS: the MPS availability query failed (driver exploded)" in caplog.text
 
@@ -78,7 +78,7 @@ def test_is_mps_query_failure_answers_false(monkeypatch: pytest.MonkeyPatch, cap
 def test_cuda_probe_failure_is_not_cuda(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", _raise)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.platform"):
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy.platform"):
         assert platform.platform_name() == "cpu"
         assert platform.has_unified_memory() is False
     assert "Treating CUDA as unavailable: torch.cuda.is_available() raised (driver exploded)" in caplog.text
@@ -110,7 +110,7 @@ def test_has_unified_memory_failure_answers_false(monkeypatch: pytest.MonkeyPatc
                                                   caplog: pytest.LogCaptureFixture) -> None:
     _fake_platform(monkeypatch, cuda=True, mps=False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", _raise)
-    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.platform"):
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy.platform"):
         assert platform.has_unified_memory(1) is False
     assert "Treating device 1 as discrete: the unified-memory query failed (driver exploded)" in caplog.text
     assert all(record.levelno == logging.DEBUG for record in caplog.records)
@@ -135,7 +135,7 @@ def test_device_name_unnameable_cuda_falls_back(monkeypatch: pytest.MonkeyPatch,
     """NVML missing on Jetson, or MIG/UUID selectors in CUDA_VISIBLE_DEVICES: the name is 'cuda', no error."""
     _fake_platform(monkeypatch, cuda=True, mps=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", _raise)
-    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.platform"):
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy.platform"):
         assert platform.device_name(0) == "cuda"
     assert "Naming device 0 'cuda': its name could not be read (driver exploded)" in caplog.text
 

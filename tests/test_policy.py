@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import fastoffload_ext.platform
+import fastoffload_ext.policy.platform
 from fastoffload_ext import policy
 from fastoffload_ext.policy import (
     DEVICE_POLICY_STEPS,
@@ -23,7 +23,7 @@ from fastoffload_ext.policy import (
     fill_lazy_module_load,
     has_unified_memory,
 )
-from fastoffload_ext.resolution import ExecutionMode, ResolutionView, resolve
+from fastoffload_ext.policy.resolution import ExecutionMode, ResolutionView, resolve
 
 DEVICE = "Test iGPU"
 UNIFIED_STEP = "apply_unified_memory_offload_policy"
@@ -137,9 +137,9 @@ def device(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def device_name(device_id: int = 0) -> str:
         return DEVICE
 
-    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", has_unified)
-    monkeypatch.setattr(fastoffload_ext.platform, "is_mps", is_mps)
-    monkeypatch.setattr(fastoffload_ext.platform, "device_name", device_name)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "has_unified_memory", has_unified)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "is_mps", is_mps)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "device_name", device_name)
     return state
 
 
@@ -242,7 +242,7 @@ def test_apply_device_policy_is_read_at_call_time(device: dict[str, Any], monkey
 
 
 def test_has_unified_memory_delegates_to_platform_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", lambda device_id=0: device_id == 5)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "has_unified_memory", lambda device_id=0: device_id == 5)
     assert has_unified_memory(5) is True
     assert has_unified_memory(0) is False
     assert has_unified_memory() is False
@@ -253,7 +253,7 @@ def test_has_unified_memory_failure_means_discrete(monkeypatch: pytest.MonkeyPat
     def broken(device_id: int = 0) -> bool:
         raise RuntimeError("NVML not found")
 
-    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", broken)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "has_unified_memory", broken)
     with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy"):
         assert has_unified_memory(0) is False
         result = resolve({"engine": {"offload": {"vae": True}}}, DEVICE_POLICY_STEPS)
@@ -275,8 +275,8 @@ def test_real_platform_on_this_cpu_machine_changes_nothing(caplog: pytest.LogCap
 def test_unnameable_device_uses_platform_name_in_messages(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     # Messages name the device as the platform names it; a platform that cannot name it falls back to "cpu".
-    monkeypatch.setattr(fastoffload_ext.platform, "has_unified_memory", lambda device_id=0: True)
-    monkeypatch.setattr(fastoffload_ext.platform, "device_name", lambda device_id=0: "Grace Hopper")
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "has_unified_memory", lambda device_id=0: True)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "device_name", lambda device_id=0: "Grace Hopper")
     with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
         resolve({"engine": {"offload": {"vae": True}}}, DEVICE_POLICY_STEPS)
     assert [r.getMessage() for r in caplog.records] == [unified_message("vae_cpu_offload", "Grace Hopper"),
@@ -285,11 +285,11 @@ def test_unnameable_device_uses_platform_name_in_messages(monkeypatch: pytest.Mo
     def unnameable(device_id: int = 0) -> str:
         raise RuntimeError("MIG selector")
 
-    monkeypatch.setattr(fastoffload_ext.platform, "device_name", unnameable)
+    monkeypatch.setattr(fastoffload_ext.policy.platform, "device_name", unnameable)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
         resolve({"engine": {"offload": {"dit": True}}}, DEVICE_POLICY_STEPS)
-    assert caplog.records[0].getMessage() == unified_message("dit_cpu_offload", fastoffload_ext.platform.platform_name())
+    assert caplog.records[0].getMessage() == unified_message("dit_cpu_offload", fastoffload_ext.policy.platform.platform_name())
 
 
 def test_mps_step_decides_even_unset_settings(device: dict[str, Any]) -> None:

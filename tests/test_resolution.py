@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fastoffload_ext.resolution import (
+from fastoffload_ext.policy.resolution import (
     DEFAULT_SCHEMA,
     Decision,
     ExecutionMode,
@@ -366,7 +366,7 @@ def test_provenance_covers_exactly_the_paths_steps_set() -> None:
 
 
 def test_resolve_logs_each_decision_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.resolution"):
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy.resolution"):
         resolve({}, [turn_on_layerwise])
     assert [r.getMessage() for r in caplog.records] == [
         "Resolution step turn_on_layerwise set engine.offload.dit_layerwise = True"]

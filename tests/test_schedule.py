@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fastoffload_ext.lazy import LazyModule
-from fastoffload_ext.schedule import ReleaseSchedule, Stage, run_pipeline
+from fastoffload_ext.pipeline.lazy import LazyModule
+from fastoffload_ext.pipeline.schedule import ReleaseSchedule, Stage, run_pipeline
 
 T2V_STAGES = [
     ("encode_prompt", ["text_encoder"]),

@@ -1,4 +1,4 @@
-"""Ranks of one host share one host copy (issue 9), with real processes.
+"""Ranks of one host share one host copy, with real processes.
 
 Two processes (``torch.multiprocessing``, spawn) form a gloo group through a file in ``tmp_path`` and
 enable offload with ``device="cpu"``, ``backend="ext"``, ``share_host_copy=True``: the owner (rank 0)
@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastoffload_ext as fo
-from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager, offload_state
+from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager
+from fastoffload_ext.engine import offload_state
 
 from ._models import make_pair, params_equal, place_outside_blocks
 
@@ -155,7 +156,7 @@ def _scenario_failures(rank: int, device: str, queue: Any, control: Path) -> Non
 
 def _scenario_small_shm(rank: int, device: str, queue: Any, control: Path) -> None:
     """/dev/shm reports less free space than the host copy needs (Docker's default is 64 MiB)."""
-    from fastoffload_ext import sharing
+    from fastoffload_ext.engine import sharing
 
     sharing._shm_free_bytes = lambda: 1 << 20  # type: ignore[assignment]
     result: dict[str, Any] = {}
@@ -466,7 +467,7 @@ def test_two_gpus_share_one_pinned_host_copy(tmp_path: Path) -> None:
 
 def test_fingerprint_of_a_parameter_past_float32_exact_integers() -> None:
     """28311552 = 3072 x 9216 elements: a float32 linspace over its indices rounds past the end."""
-    from fastoffload_ext.sharing import block_signature
+    from fastoffload_ext.engine.sharing import block_signature
 
     block = nn.Module()
     block.weight = nn.Parameter(torch.zeros(3072, 9216, dtype=torch.bfloat16), requires_grad=False)

@@ -1,4 +1,4 @@
-"""Ranks of one host share one host copy of the offloaded weights (issue 9).
+"""Ranks of one host share one host copy of the offloaded weights.
 
 Why: under ``torchrun`` every rank holds the whole transformer and offloads it layerwise, and each rank
 used to pin its own full copy: an 8-GPU node with a 60 GiB DiT needed 480 GiB of locked RAM. With

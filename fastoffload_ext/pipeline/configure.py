@@ -17,14 +17,14 @@ What it does, in order:
 
 1. Checks every argument, so a mistake fails before anything is loaded or hooked.
 2. Resolves ``config`` through ``steps`` (default :data:`~fastoffload_ext.policy.DEVICE_POLICY_STEPS`)
-   with :func:`~fastoffload_ext.resolution.resolve`. The caller's config is not mutated.
+   with :func:`~fastoffload_ext.policy.resolution.resolve`. The caller's config is not mutated.
 3. Components: when ``engine.offload.lazy_module_load`` resolved to True, each loader is wrapped in a
-   :class:`~fastoffload_ext.lazy.LazyModule` (nothing loads now); otherwise every loader runs now and
+   :class:`~fastoffload_ext.pipeline.lazy.LazyModule` (nothing loads now); otherwise every loader runs now and
    the loaded module is returned. Either way ``AppliedOffload.components`` maps each name to something
    usable as the module. Loaders are required, not modules: lazy loading can only save memory for a
    component that has not been loaded yet.
 4. Layerwise offload: when ``engine.offload.dit_layerwise`` resolved to True, the transformer gets
-   ``fastoffload_ext.layerwise.enable_layerwise_offload(transformer, device=device, **layerwise_options)``.
+   ``fastoffload_ext.engine.layerwise.enable_layerwise_offload(transformer, device=device, **layerwise_options)``.
    A lazy transformer (a ``LazyModule``, or a component name while lazy loading is on) is *not* loaded
    for this: offload is registered as its materialize transform, so it applies to the instance loaded
    now (if any) and to every instance reloaded after a release. Without a transformer, nothing is
@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
 from fastoffload_ext.policy import DEVICE_POLICY_STEPS
-from fastoffload_ext.resolution import Resolution, ResolutionStep, resolve
+from fastoffload_ext.policy.resolution import Resolution, ResolutionStep, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def apply_offload_config(
 
     Args:
         config: the offload config as nested mappings (schema:
-            :data:`~fastoffload_ext.resolution.DEFAULT_SCHEMA`); not mutated.
+            :data:`~fastoffload_ext.policy.resolution.DEFAULT_SCHEMA`); not mutated.
         transformer: the DiT to offload layerwise: an ``nn.Module``, a ``LazyModule``, or the name of
             its loader in ``components``. May be None.
         components: name → zero-argument loader returning the module.
@@ -215,7 +215,7 @@ def apply_offload_config(
         TypeError: a component is not a loader, or ``transformer`` is of the wrong kind.
         ValueError: ``transformer`` names no component, ``layerwise_options`` holds ``model`` or
             ``device``, or a loader returned None; resolution errors
-            (:class:`~fastoffload_ext.resolution.ResolutionError`) and errors of
+            (:class:`~fastoffload_ext.policy.resolution.ResolutionError`) and errors of
             ``enable_layerwise_offload`` propagate.
     """
     loaders = _check_components(components)
@@ -243,7 +243,7 @@ def apply_offload_config(
                        "pass transformer= to apply_offload_config")
     else:
         # Imported here: the engine module is heavier and this module must stay importable without it.
-        from fastoffload_ext.layerwise import enable_layerwise_offload
+        from fastoffload_ext.engine.layerwise import enable_layerwise_offload
 
         if is_lazy_module(target):
             def offload_on_load(module: Any) -> Any:

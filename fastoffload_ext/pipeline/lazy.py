@@ -7,7 +7,7 @@ the activations come from, and a model whose parts each fit can still fail to lo
 
 ``LazyModule`` turns the sum into a *maximum*: it stands in for a component, loads it the first time
 anything touches it, and drops it when told to. Whoever runs the stages decides when to release
-(FastVideo's pipeline does; ``fastoffload_ext.schedule`` does it for everyone else); this module only
+(FastVideo's pipeline does; ``fastoffload_ext.pipeline.schedule`` does it for everyone else); this module only
 owns the proxying and the load/free mechanics.
 
 The proxy is deliberately transparent: attribute access, calls and ``isinstance`` all reach the real

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.sharing import SHARED_MUTATION_ERROR
+from fastoffload_ext.engine.sharing import SHARED_MUTATION_ERROR
 
 logger = logging.getLogger(__name__)
 

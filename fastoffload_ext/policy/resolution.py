@@ -132,7 +132,7 @@ DEFAULT_SCHEMA: Mapping[str, SchemaField] = MappingProxyType({
     "mode": SchemaField(default=ExecutionMode.INFERENCE, normalize=_normalize_mode,
                         doc="what the run is for; training modes never load lazily"),
     "engine.use_fsdp_inference": _flag("shard the DiT with FSDP for inference"),
-    "engine.offload.dit_layerwise": _flag("layerwise offload of the DiT's blocks (fastoffload_ext.layerwise)"),
+    "engine.offload.dit_layerwise": _flag("layerwise offload of the DiT's blocks (fastoffload_ext.engine.layerwise)"),
     "engine.offload.dit": _flag("whole-DiT CPU offload"),
     "engine.offload.text_encoder": _flag("text encoder CPU offload"),
     "engine.offload.image_encoder": _flag("image encoder CPU offload"),

@@ -1,6 +1,6 @@
 """Release each lazy component right after the last stage that uses it.
 
-:class:`~fastoffload_ext.lazy.LazyModule` loads a component on first use but never decides when to drop
+:class:`~fastoffload_ext.pipeline.lazy.LazyModule` loads a component on first use but never decides when to drop
 it; FastVideo's pipeline does that from its stage list. This module gives the same to pipelines that
 are not FastVideo's: describe the stages in order and the components each one uses, and the schedule
 works out after which stage each component is used for the last time and releases it there. With
@@ -32,7 +32,7 @@ or let :func:`run_pipeline` drive it: each :class:`Stage` carries its function, 
 Rules, and why:
 
 * Computing the schedule never loads anything: it works on names only, and deciding whether a
-  component can be released uses :func:`~fastoffload_ext.lazy.is_lazy_module` (``isinstance`` on a
+  component can be released uses :func:`~fastoffload_ext.pipeline.lazy.is_lazy_module` (``isinstance`` on a
   proxy would load it).
 * Only lazy components are released. A plain module is a strong reference the caller holds; there is
   nothing this module could free, so it is left alone.
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from fastoffload_ext.lazy import is_lazy_module
+from fastoffload_ext.pipeline.lazy import is_lazy_module
 
 logger = logging.getLogger(__name__)
 

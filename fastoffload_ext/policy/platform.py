@@ -19,7 +19,7 @@ Why every function here is defensive:
   returned instead of an exception.
 
 The policy looks these functions up on this module at call time, so a test can substitute a
-unified-memory or MPS device with ``monkeypatch.setattr(fastoffload_ext.platform, "is_mps", ...)``.
+unified-memory or MPS device with ``monkeypatch.setattr(fastoffload_ext.policy.platform, "is_mps", ...)``.
 """
 from __future__ import annotations
 

@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend, sharing
-from fastoffload_ext.hooks import ForwardHook, ModuleHookManager
-from fastoffload_ext.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext import _backend
+from fastoffload_ext.engine import sharing
+from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
+from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Offload decisions that depend on the local device's memory class, written as resolution steps.
 
-These steps decide *whether* to offload; the engine (``fastoffload_ext.layerwise``) never second-guesses
+These steps decide *whether* to offload; the engine (``fastoffload_ext.engine.layerwise``) never second-guesses
 them. They run once, in the process that resolves the config, so every worker starts from settings that
 are final. The rules, in the order :data:`DEVICE_POLICY_STEPS` applies them:
 
@@ -16,9 +16,9 @@ are final. The rules, in the order :data:`DEVICE_POLICY_STEPS` applies them:
    CPU offload turn off (each would fight the layerwise engine for the same weights).
 
 Every step asks about ``LOCAL_DEVICE_ID`` (device 0 of this process) and assumes the node does not mix
-unified-memory and discrete devices. The platform is queried through ``fastoffload_ext.platform`` at
+unified-memory and discrete devices. The platform is queried through ``fastoffload_ext.policy.platform`` at
 call time, never at import, so importing this module initialises no device, and a test can stand in
-a unified-memory or MPS device with ``monkeypatch.setattr(fastoffload_ext.platform, ...)``. When the
+a unified-memory or MPS device with ``monkeypatch.setattr(fastoffload_ext.policy.platform, ...)``. When the
 platform cannot answer, the answer is "not unified", which leaves the user's settings as written.
 
 ``APPLY_DEVICE_POLICY`` switches every step off (they then decide nothing and the settings keep their
@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastoffload_ext import platform as _platform
-from fastoffload_ext.resolution import ExecutionMode, ResolutionStep, ResolutionView
+from fastoffload_ext.policy import platform as _platform
+from fastoffload_ext.policy.resolution import ExecutionMode, ResolutionStep, ResolutionView
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,21 @@
+"""The package's exception types: one base class, so callers can catch everything this library raises.
+
+Each concrete type also derives from the builtin that callers (and FastVideo's own code) already
+catch, so ``except ValueError`` keeps working where it did. Every message starts with ``fastoffload:``
+and says what to do.
+"""
+from __future__ import annotations
+
+__all__ = ["FastOffloadError", "OffloadConfigError", "OffloadStateError"]
+
+
+class FastOffloadError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class OffloadConfigError(FastOffloadError, ValueError):
+    """An argument or a model that offload cannot accept (raised before anything changes)."""
+
+
+class OffloadStateError(FastOffloadError, RuntimeError):
+    """An operation that the current offload state does not allow (raised with nothing lost)."""
