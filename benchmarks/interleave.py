@@ -1,0 +1,63 @@
+"""Compare configurations in interleaved rounds, in one process.
+
+Host speed on the benchmark machines drifts by tens of percent between processes and over minutes, so
+two configurations timed one after the other can differ by more than anything the configurations do.
+Here every configuration is alive at once and each round times every configuration once, in an order
+that rotates from round to round (A B C, B C A, C A B, ...). A ratio is then taken *within* each round,
+where the host speed was nearly the same for both sides, and the figure reported is the median of
+those per-round ratios with their spread beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+# One round's measurement of one configuration: a list of per-iteration milliseconds.
+Timer = Callable[[], Sequence[float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+    """Per-configuration round medians (ms), in the order the rounds ran."""
+
+    rounds: dict[str, list[float]]
+
+    def median_ms(self, name: str) -> float:
+        return float(statistics.median(self.rounds[name]))
+
+    def spread(self, name: str) -> float:
+        """(slowest round - fastest round) / median round, for ``name``."""
+        values = self.rounds[name]
+        return (max(values) - min(values)) / statistics.median(values)
+
+    def ratios(self, name: str, reference: str) -> list[float]:
+        """``name`` over ``reference``, round by round."""
+        return [a / b for a, b in zip(self.rounds[name], self.rounds[reference])]
+
+    def ratio(self, name: str, reference: str) -> float:
+        """Median of the per-round ratios of ``name`` to ``reference``."""
+        return float(statistics.median(self.ratios(name, reference)))
+
+    def ratio_spread(self, name: str, reference: str) -> tuple[float, float]:
+        """(lowest, highest) per-round ratio of ``name`` to ``reference``."""
+        values = self.ratios(name, reference)
+        return float(min(values)), float(max(values))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: {"ms": self.median_ms(name), "spread": self.spread(name), "rounds_ms": list(values)}
+                for name, values in self.rounds.items()}
+
+
+def run_interleaved(timers: Mapping[str, Timer], rounds: int) -> Interleaved:
+    """Runs every timer once per round, rotating the order; keeps each round's median per timer."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(timers)
+    result: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        shift = index % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            result[name].append(float(statistics.median(timers[name]())))
+    return Interleaved(result)
