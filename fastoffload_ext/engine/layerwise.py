@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend
+from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
@@ -134,6 +134,7 @@ class LayerwiseOffloadGroup:
         self.cyclic = cyclic
         self.engine = engine
         self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
+        self.compress_mode = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
         self.states: list[LayerwiseOffloadState] = []
         self.original_devices: list[torch.device] = []
         self._owner: dict[int, str] = {}  # id(param) -> "list.i.name", for the tied-weight check
@@ -171,6 +172,8 @@ class LayerwiseOffloadGroup:
                           shared_bytes=pool_stats["shared_bytes"], shared_owned_bytes=pool_stats["shared_owned_bytes"],
                           shared_by=self.share.shared_by if self.share is not None else 0,
                           shared_owner=self.share is not None and self.share.owner)
+            handles = [getattr(state, "handle", None) for state in self.states]
+            result.update(codec.summarize(codec.block_stats(self.engine, handles), self.compress_mode))
         else:
             # torch's caching host allocator rounds every pinned tensor up to a power of two.
             pinned = 0
@@ -190,7 +193,7 @@ def _weight_bytes(state: LayerwiseOffloadState) -> int:
     if isinstance(state, ExtLayerwiseOffloadState):
         if state.handle is None or state.engine.is_removed(state.handle):
             return 0
-        return sum(v.numel() * v.element_size() for v in state.cpu_named_parameters.values())
+        return int(state.engine.weight_bytes(state.handle))  # from the layout: no decode of a compressed copy
     return sum(v.numel() * v.element_size() for v in state.cpu_named_parameters.values())
 
 
@@ -293,7 +296,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None, compress: bool | str = False) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -319,6 +322,12 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
+            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
+            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
+            decided from the first steps' copy and compute times; False: raw copies. True is refused with
+            a host copy shared across ranks (share_host_copy=True); with share_host_copy="auto" it turns
+            sharing off.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -346,7 +355,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         raise ValueError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
                          f"{list_name!r}, got {resident_blocks!r}")
     chosen = _choose_backend(backend, resolved)
-    sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
+    if compress is True and share_host_copy == "auto":
+        share_host_copy = False  # an explicit compress=True wins over sharing by default
+    sharing_now = sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
+    compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
 
     existing = get_offload_group(model)
     if is_replace:
@@ -371,7 +383,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         index = -1 if resolved.type == "cpu" else resolved.index
         pool = core.PinnedPool(index, pin_backing or DEFAULT_PIN_BACKING, pinned_limit_bytes or 0, allow_pageable_fallback, 0)
         engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
+        if compress_mode != "off":
+            codec.configure_engine(engine, compress_mode)
     group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
+    group.compress_mode = compress_mode if engine is not None else "off"
     group._owner = owner
     # Collective (when sharing may happen): every rank gets here with the same blocks.
     share = sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, n_resident) if engine else None

@@ -215,7 +215,8 @@ class ExtLayerwiseOffloadState(LayerwiseOffloadState):
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
         if self.handle is None or self.engine.is_removed(self.handle):
             return {}
-        return {name: self.engine.host_view(self.handle, j) for j, name in enumerate(self.param_names)}
+        # One decode for the whole block when its host copy is compressed.
+        return dict(zip(self.param_names, self.engine.host_views(self.handle)))
 
     @cpu_named_parameters.setter
     def cpu_named_parameters(self, value: dict[str, torch.Tensor]) -> None:
@@ -262,7 +263,7 @@ class ExtLayerwiseOffloadState(LayerwiseOffloadState):
     def host_bytes(self) -> int:
         if self.handle is None or self.engine.is_removed(self.handle):
             return 0
-        return int(self.engine.block_bytes(self.handle))
+        return int(self.engine.codec_info(self.handle)["host_bytes"])  # raw and/or compressed copy
 
 
 __all__ = ["ExtLayerwiseOffloadState", "LayerwiseOffloadState"]
