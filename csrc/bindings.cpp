@@ -184,7 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          size_t min_bytes, unsigned threads) {
         return without_gil([&] { return codec_encode(raw, spans, max_ratio, min_bytes, threads); });
       },
-      py::arg("raw"), py::arg("spans"), py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 64 * 1024,
+      py::arg("raw"), py::arg("spans"), py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 4096,
       py::arg("threads") = 0,
       "Compressed form (uint8 CPU tensor) of the packed bytes `raw`; spans: (offset, nbytes, is_bf16) per tensor.");
   m.def(
@@ -245,7 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              unsigned threads) {
             e.set_compression(parse_compress_mode(mode), verify, encode_options(max_ratio, min_bytes, threads));
           },
-          py::arg("mode"), py::arg("verify") = false, py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 64 * 1024,
+          py::arg("mode"), py::arg("verify") = false, py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 4096,
           py::arg("threads") = 0)
       .def("choose_travel", &OffloadEngine::choose_travel, py::arg("block"), py::arg("compressed"),
            py::call_guard<py::gil_scoped_release>())

@@ -1,7 +1,7 @@
 """Offload with compressed host copies, against the resident model bit for bit.
 
-bf16 blocks at d=128 have Linear weights above the codec's 64 KiB minimum (qkv, up, down) and below it
-(o, biases, norms), so every block mixes coded and raw segments. On the CPU the engine decodes with the
+bf16 blocks at d=128 have Linear weights above the codec's 4 KiB minimum (coded) and biases and norms
+below it (raw), so every block mixes coded and raw segments. On the CPU the engine decodes with the
 host decoder each step (the same format the GPU kernel decodes); the ``cuda`` tests run the kernel.
 """
 from __future__ import annotations
