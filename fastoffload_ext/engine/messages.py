@@ -8,7 +8,7 @@ from __future__ import annotations
 __all__ = ["GRAD_ERROR", "SHARED_MUTATION_ERROR"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
-# tests/test_messages.py keeps the two texts identical.
+# tests/test_binding_surface.py keeps the two texts identical.
 GRAD_ERROR = ("fastoffload: {where} is offloaded, its parameter '{name}' requires grad, and grad mode is on. "
               "Offloaded weights live in device slots that later blocks overwrite, so a backward pass would read "
               "the wrong bytes. Run the forward under torch.no_grad() or torch.inference_mode(), or call "
