@@ -1,6 +1,6 @@
 """Section 2, forward: one offloaded forward per workload and backend, against the floor.
 
-Per workload (W1..W4 of docs/DESIGN.md and a transformers Llama), the rows are:
+Per workload (W1..W4 of docs/DESIGN.md, "Workloads and targets", and a transformers Llama), the rows are:
 - ``floor``: max(resident forward, offloaded weight bytes / peak pinned H2D), both from this run;
 - ``resident``: the whole model on the GPU, no offload (and the reference output);
 - ``ext`` / ``python``: ``enable_layerwise_offload(backend=...)``, with ``--prefetch-depth`` and

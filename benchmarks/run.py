@@ -339,7 +339,7 @@ def render_section(name: str, section: dict[str, Any]) -> str:
 
 
 def targets_summary(results: dict[str, Any]) -> list[str]:
-    """One line per docs/DESIGN.md target the run measured, for the ext backend."""
+    """One line per target of docs/DESIGN.md ("Workloads and targets") the run measured, for the ext backend."""
     sections = results["sections"]
     lines: list[str] = []
 
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a summary must not cost the results file
         results["targets"] = [f"summary failed: {type(error).__name__}: {error}"]
     if results["targets"]:
-        text = "== summary vs docs/DESIGN.md targets (ext backend) " + "=" * 52 + "\n" + "\n".join(
+        text = "== summary vs docs/DESIGN.md targets (\"Workloads and targets\", ext backend) " + "=" * 26 + "\n" + "\n".join(
             "  " + line for line in results["targets"])
         print(text + "\n", flush=True)
         texts.append(text + "\n")

@@ -419,7 +419,7 @@ def test_setup_finds_no_toolkit_in_an_empty_cuda_home(setup_sandbox: tuple[dict[
 
 def test_setup_skips_nvcc_wrapper_without_cudart(setup_sandbox: tuple[dict[str, Any], Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/DESIGN.md: nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
+    # docs/DESIGN.md, "Build": nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
     namespace, tmp_path = setup_sandbox
     wrapper_root = tmp_path / "usr_local"
     (wrapper_root / "bin").mkdir(parents=True)
