@@ -561,14 +561,38 @@ def _note(row: dict[str, Any]) -> str:
     return str(row.get("note") or "")
 
 
-def render_table(table: Table, rows: Iterable[dict[str, Any]], tablefmt: str = "simple") -> str:
-    """The table's title, then the rows through ``tabulate``; error and skip reasons go to a last 'note' column."""
+def _cells(table: Table, rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = [c.header for c in table.columns] + ["note"]
-    body = [[c.render(row.get(c.key)) for c in table.columns] + [_note(row)[:160]] for row in rows]
-    # Cells are already formatted strings: tabulate must not re-parse "1.000" as a number.
-    text = tabulate.tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True,
-                             colalign=["left"] + ["right"] * (len(headers) - 2) + ["left"])
+    return headers, [[c.render(row.get(c.key)) for c in table.columns] + [_note(row)[:160]] for row in rows]
+
+
+def _numeric(cell: str) -> bool:
+    try:
+        float(cell.rstrip("x%"))
+        return True
+    except ValueError:
+        return cell in ("—", "")
+
+
+def _tabulate(headers: list[str], body: list[list[str]], tablefmt: str) -> str:
+    # Figures right-aligned, labels and the note left; cells are already formatted strings, so tabulate
+    # must not re-parse "1.000" as a number.
+    align = ["right" if i > 0 and i < len(headers) - 1 and all(_numeric(cells[i]) for cells in body) else "left"
+             for i in range(len(headers))]
+    return tabulate.tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True, colalign=align)
+
+
+def render_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
+    """The table's title, then the rows through ``tabulate``; error and skip reasons go to a last 'note' column."""
+    text = _tabulate(*_cells(table, rows), tablefmt="simple")
     return table.title + "\n" + "\n".join(("  " + line).rstrip() for line in text.splitlines())
+
+
+def render_markdown_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
+    """The rows as a GitHub Markdown table (no title); a '|' inside a cell is escaped."""
+    headers, body = _cells(table, rows)
+    body = [[cell.replace("|", "\\|") for cell in cells] for cells in body]
+    return _tabulate(headers, body, tablefmt="github")
 
 
 def sanitize(value: Any) -> Any:
