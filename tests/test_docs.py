@@ -19,7 +19,8 @@ def _tracked() -> list[str]:
         listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the tracked files cannot be listed")
-    return [name for name in listed.stdout.splitlines() if (ROOT / name).is_file()]
+    this_file = Path(__file__).resolve().relative_to(ROOT).as_posix()  # it spells out the patterns it looks for
+    return [name for name in listed.stdout.splitlines() if (ROOT / name).is_file() and name != this_file]
 
 
 def _sections() -> set[str]:
@@ -48,7 +49,7 @@ def test_every_design_citation_names_a_section() -> None:
 
 
 def test_nothing_points_outside_the_repository() -> None:
-    outside = re.compile(r"\.\./shared|/wor[k]/|STYLE\.md|\bissues? [0-9]+", re.IGNORECASE)
+    outside = re.compile(r"\.\./shared|/work/|STYLE\.md|\bissues? [0-9]+", re.IGNORECASE)
     hits = [f"{name}: {match.group(0)}" for name in _tracked()
             for match in outside.finditer((ROOT / name).read_text(errors="ignore"))]
     assert not hits
