@@ -162,3 +162,23 @@ def run(ctx: Context) -> None:
 def _releaser(components: dict[str, Any]) -> Callable[[str], list[str]]:
     schedule = ReleaseSchedule.from_stages(STAGES)
     return lambda stage: schedule.release_after(stage, components)
+
+
+def _inputs(specs: dict[str, StackSpec], device: torch.device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(5)
+    return {name: torch.randn(1, spec.tokens, spec.d, device=device, dtype=DTYPE, generator=generator)
+            for name, spec in specs.items()}
+
+
+def _run_stage(stage: str, components: dict[str, Any], inputs: dict[str, torch.Tensor], state: Any) -> torch.Tensor:
+    if stage == "encode":
+        return components["text_encoder"](inputs["text_encoder"])
+    if stage == "denoise":
+        latents = inputs["transformer"] + state.float().mean().to(DTYPE)
+        for _ in range(DENOISE_STEPS):
+            latents = components["transformer"](latents)
+        return latents
+    if stage == "decode":
+        return components["vae"](inputs["vae"] + state.float().mean().to(DTYPE))
+    raise ValueError(stage)
