@@ -174,7 +174,7 @@ def main() -> None:
     # name, version, dependencies and python_requires come from pyproject.toml's [project] table.
     setup(
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
-        package_data={PACKAGE: ["py.typed", "_build_info.json"]},
+        package_data={PACKAGE: ["py.typed", "_build_info.json", "_C.pyi"]},
         ext_modules=[extension],
         cmdclass={"build_ext": BuildWithRecord},
         zip_safe=False,
