@@ -7,7 +7,8 @@ remaining rows, and a fresh child takes the sections that had not started. One c
 when nothing goes wrong, because each new process pays imports and CUDA init (~10 s on the H200
 host). Rows reach the parent through JSON-lines journals the child appends to as it goes; the parent
 prints one table per section as it completes, then writes ``results.json`` (every figure),
-``results.txt`` (the tables) and PNG plots into ``--out``.
+``results.txt`` (the tables), ``RESULTS.md`` (the run as Markdown, ``benchmarks/results_md.py``) and PNG
+plots into ``--out``; ``--results-md docs/RESULTS.md`` also renders the run into the repository's page.
 
 Budget: the full run is sized for well under 10 minutes on one H200 host (16 cores, PCIe Gen5),
 ``--quick`` for under 3; without a GPU the sections run scaled down on the host (``device="cpu"``) in
