@@ -10,6 +10,12 @@
 //     disable from another thread never frees the bytes a running kernel reads.
 // Every call also holds the gate's mutex for its whole duration: the GIL-free calls would
 // otherwise race the per-step calls on the slot state.
+//
+// Lock order: a thread never waits for the mutex while it holds the GIL. A GIL-free call may need
+// the GIL while it holds the mutex (dropping the last reference to a parameter runs a Python decref),
+// so a GIL holder blocked on the mutex would deadlock. The mutex is tried first, which costs nothing
+// uncontended; only a thread that has to wait drops the GIL for the wait (through WaitHooks, which
+// the bindings install, so this file needs no Python).
 #pragma once
 
 #include <condition_variable>
@@ -18,6 +24,14 @@
 
 namespace fastoffload {
 
+// before(): drops the GIL if the calling thread holds it, returning what after() needs to take it
+// back (nullptr: nothing to take back).
+struct WaitHooks {
+  void* (*before)() = nullptr;
+  void (*after)(void*) = nullptr;
+};
+void set_wait_hooks(WaitHooks hooks);
+
 class ThreadGate {
  public:
   // The mutex, after checking that no other thread owns the engine (raises a c10::Error if one does).
@@ -25,12 +39,13 @@ class ThreadGate {
   // The mutex, once no other thread owns the engine (waits; call without the GIL).
   std::unique_lock<std::mutex> enter_waiting() const;
   // The mutex, for reads that do not care who owns the engine.
-  std::unique_lock<std::mutex> enter_read() const { return std::unique_lock<std::mutex>(mutex_); }
+  std::unique_lock<std::mutex> enter_read() const { return lock(); }
   // Called with the mutex held when a call ends: the calling thread owns the engine while it has
   // blocks running, and nobody does once it has none (waiters are woken then).
   void settle(bool running) const noexcept;
 
  private:
+  std::unique_lock<std::mutex> lock() const;
   bool owned_by_other() const { return owned_ && owner_ != std::this_thread::get_id(); }
 
   mutable std::mutex mutex_;
