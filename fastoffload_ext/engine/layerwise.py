@@ -45,7 +45,7 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.model_checks import check_block_kinds, check_devices, check_tied_parameters
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -72,6 +72,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
         prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
+            A depth above the number of offloaded blocks is clamped to it (deeper copies nothing more).
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -129,6 +130,7 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     elif existing is not None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
+    check_block_kinds(options.offloaded, options.list_name, resident)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device)
     check_tied_parameters(model, options.list_name, blocks, resident)
@@ -157,7 +159,12 @@ def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShar
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
     if group.engine is None:
-        return LayerwiseOffloadState(stream, group.device)
+        state = LayerwiseOffloadState(stream, group.device)
+        # One forward at a time per model (threads.py): every block of the model shares one gate.
+        if group.states:
+            state.gate = group.states[0].gate  # type: ignore[attr-defined]
+        state.block_index = len(group.states)
+        return state
     state = ExtLayerwiseOffloadState(group.engine, group.device)
     share = group.share
     if share is not None:
