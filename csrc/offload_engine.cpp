@@ -114,9 +114,11 @@ void OffloadEngine::check_grad(size_t block) const {
   for (size_t j = 0; j < stored.tensors.size(); ++j) {
     TORCH_CHECK(!stored.tensors[j].requires_grad(), "fastoffload: block ", std::to_string(block), " is offloaded, its parameter '",
                 stored.layout[j].name,
-                "' requires grad, and grad mode is on. Offloaded weights live in device slots that later blocks "
-                "overwrite, so a backward pass would read the wrong bytes. Run the forward under torch.no_grad() or "
-                "torch.inference_mode(), or call model.requires_grad_(False); to train, keep the block resident.");
+                "' requires grad, and grad mode is on. An offloaded parameter is a placeholder between forwards, so its "
+                "gradient would have nowhere to live and an optimizer step would never reach its host copy. Freeze the "
+                "offloaded blocks (model.blocks.requires_grad_(False): gradients still flow through them to the input "
+                "and to parameters outside the blocks), or run under torch.no_grad() or torch.inference_mode(); to "
+                "train a block, keep it resident.");
   }
 }
 

@@ -81,9 +81,8 @@ def test_cast_after_enable_is_refused_and_disable_follows_it(backend: str, cast:
     model.half() if cast == "half" else model.to(torch.float64)
     with torch.no_grad(), pytest.raises(RuntimeError) as raised:
         model(_x().to(dtype))
-    assert str(raised.value) == CAST.format(name="qkv.weight", index=0, now=str(dtype).replace("torch.", "").title()
-                                            .replace("Float16", "Half").replace("Float64", "Double"),
-                                            was="Float")
+    core_name = {torch.float16: "Half", torch.float64: "Double"}[dtype]
+    assert str(raised.value) == CAST.format(name="qkv.weight", index=0, now=core_name, was="Float")
     fo.disable_layerwise_offload(model)
     reference.to(dtype)
     # The restored model is what the cast made of the resident model: never float32 in disguise.
@@ -197,3 +196,19 @@ def test_weights_sharing_storage_are_refused_like_tied_ones(backend: str) -> Non
         "fastoffload: parameter blocks.2.up.weight shares its storage with blocks.1.up.weight: tied weights across "
         "offloaded blocks are not supported (offloading one would turn the other into a placeholder). Untie them "
         "(clone one), or keep those blocks resident with resident_blocks")
+
+
+# ---- a detached block ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_detached_block_refuses_to_run_with_the_same_text(backend: str) -> None:
+    from fastoffload_ext.engine.messages import DETACHED_ERROR
+
+    model, reference = _frozen_pair()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    state = group.states[1]
+    fo.disable_layerwise_offload(model)
+    with pytest.raises(RuntimeError) as raised:
+        state.acquire()
+    assert str(raised.value).split("\n")[0] == DETACHED_ERROR.format(index=1)
+    assert params_equal(model, reference)

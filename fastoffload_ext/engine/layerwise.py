@@ -19,8 +19,26 @@ What stays where: only parameters are offloaded; buffers of the offloaded blocks
 statistics) are moved to the offload device and stay there, and modules outside the block list are the
 caller's business, as with FastVideo.
 
-Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
-(see ``messages.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
+Autograd: gradients flow through offloaded blocks whose own parameters are frozen, exactly as on the
+resident model (to the input, and to trainable parameters outside the block list). What autograd saved
+from the offloaded weights is kept alive until backward (see ``autograd.py``; on the ext backend, grad
+mode makes each acquire bind a private device copy of the block), so a grad-recording forward costs
+device memory for every block whose weights backward needs, as on the resident model. A
+grad-recording forward through a block whose parameters require grad raises (``messages.GRAD_ERROR``).
+Inference belongs under ``torch.no_grad()`` or ``inference_mode()``, where none of this runs.
+
+Threads: one offloaded model runs one forward at a time. The thread whose forward acquired a block
+owns the model until its blocks are released; a forward from another thread meanwhile raises
+(``threads.CONCURRENT_FORWARD_ERROR``, the same text from both backends), and a
+``disable_layerwise_offload`` or ``mutate_params_scope`` from another thread waits for the running
+block. A disable that lands between two blocks of another thread's forward wins: that forward then
+finishes on the restored weights, or raises that its block was detached. Forwards from several
+threads one after another are fine.
+
+What users do to an offloaded model: ``state_dict()`` returns the real values and
+``load_state_dict()`` updates the host copy (``state_dict.py``); an in-place write to an offloaded
+parameter or a cast (``model.half()``) after enable raises at the next forward instead of being lost,
+and disable follows a cast; conjugate and negative views are resolved when the block is packed.
 
 Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
 is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
@@ -28,9 +46,9 @@ share one host copy in shared memory instead of one each; ``enable_layerwise_off
 collective that every rank must call with the same model, and ``mutate_params_scope`` is refused (merge
 LoRA before enabling). See ``sharing.py``.
 
-Tied weights: a parameter shared between two offloaded blocks, or between an offloaded block and any
-other part of the model, is refused at enable with an error naming both places (offloading one side
-would silently turn the other into a placeholder).
+Tied weights: a parameter (or its storage) shared between two offloaded blocks, or between an offloaded
+block and any other part of the model, is refused at enable with an error naming both places
+(offloading one side would silently turn the other into a placeholder, or untie the two).
 """
 from __future__ import annotations
 

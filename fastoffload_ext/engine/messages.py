@@ -13,9 +13,11 @@ __all__ = ["CAST_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHAR
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
 # tests/test_binding_surface.py keeps the two texts identical.
 GRAD_ERROR = ("fastoffload: {where} is offloaded, its parameter '{name}' requires grad, and grad mode is on. "
-              "Offloaded weights live in device slots that later blocks overwrite, so a backward pass would read "
-              "the wrong bytes. Run the forward under torch.no_grad() or torch.inference_mode(), or call "
-              "model.requires_grad_(False); to train, keep the block resident.")
+              "An offloaded parameter is a placeholder between forwards, so its gradient would have nowhere to "
+              "live and an optimizer step would never reach its host copy. Freeze the offloaded blocks "
+              "(model.blocks.requires_grad_(False): gradients still flow through them to the input and to "
+              "parameters outside the blocks), or run under torch.no_grad() or torch.inference_mode(); to train a "
+              "block, keep it resident.")
 
 SHARED_MUTATION_ERROR = ("fastoffload: mutate_params_scope() is refused on this block: the host copy is shared by {n} "
                          "ranks of this host; mutate before enabling offload, or enable with share_host_copy=False")
