@@ -13,6 +13,7 @@
 #include "offload_engine.h"
 #include "pinned_pool.h"
 #include "shared_segment.h"
+#include "thread_gate.h"
 
 namespace py = pybind11;
 
@@ -184,12 +185,18 @@ py::dict codec_inspect(const at::Tensor& src) {
   return d;
 }
 
+void* drop_gil_if_held() { return PyGILState_Check() ? static_cast<void*>(PyEval_SaveThread()) : nullptr; }
+
+void take_gil_back(void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
+
 }  // namespace
 }  // namespace fastoffload
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastoffload;
   m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
+  // A thread that has to wait for an engine drops the GIL for the wait (see thread_gate.h).
+  set_wait_hooks(WaitHooks{&drop_gil_if_held, &take_gil_back});
   // Device memory refused (the slot ring) reaches Python as torch.OutOfMemoryError, like torch's own.
   py::register_local_exception_translator([](std::exception_ptr error) {
     try {

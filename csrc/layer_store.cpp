@@ -28,6 +28,19 @@ at::Tensor span_bytes(const at::Tensor& t, size_t nbytes) {
   return bytes;
 }
 
+std::vector<at::Tensor> resolve_lazy_bits(const std::vector<at::Tensor>& tensors) {
+  // A conjugate or negative view stores its values with a lazy bit that raw bytes do not carry:
+  // pack the values it means (binding the parameter to the packed bytes then clears the bit).
+  std::vector<at::Tensor> resolved;
+  resolved.reserve(tensors.size());
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) {
+    const bool lazy = t.defined() && !t.is_meta() && t.layout() == at::kStrided && (t.is_conj() || t.is_neg());
+    resolved.push_back(lazy ? t.detach().resolve_conj().resolve_neg() : t);
+  }
+  return resolved;
+}
+
 }  // namespace
 
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
@@ -87,8 +100,9 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
   TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
 }
 
-StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::string& segment_name, bool owner, bool pin) {
+  const std::vector<at::Tensor> tensors = resolve_lazy_bits(params);
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
   const bool shared = !segment_name.empty();
@@ -109,7 +123,7 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
         .copy_(span_bytes(tensors[j], entry.nbytes));
   }
   if (pin || shared) pool_->pin(*block.host);
-  block.tensors = tensors;
+  block.tensors = params;
   return block;
 }
 

@@ -19,8 +19,26 @@ What stays where: only parameters are offloaded; buffers of the offloaded blocks
 statistics) are moved to the offload device and stay there, and modules outside the block list are the
 caller's business, as with FastVideo.
 
-Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
-(see ``messages.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
+Autograd: gradients flow through offloaded blocks whose own parameters are frozen, exactly as on the
+resident model (to the input, and to trainable parameters outside the block list). What autograd saved
+from the offloaded weights is kept alive until backward (see ``autograd.py``; on the ext backend, grad
+mode makes each acquire bind a private device copy of the block), so a grad-recording forward costs
+device memory for every block whose weights backward needs, as on the resident model. A
+grad-recording forward through a block whose parameters require grad raises (``messages.GRAD_ERROR``).
+Inference belongs under ``torch.no_grad()`` or ``inference_mode()``, where none of this runs.
+
+Threads: one offloaded model runs one forward at a time. The thread whose forward acquired a block
+owns the model until its blocks are released; a forward from another thread meanwhile raises
+(``threads.CONCURRENT_FORWARD_ERROR``, the same text from both backends), and a
+``disable_layerwise_offload`` or ``mutate_params_scope`` from another thread waits for the running
+block. A disable that lands between two blocks of another thread's forward wins: that forward then
+finishes on the restored weights, or raises that its block was detached. Forwards from several
+threads one after another are fine.
+
+What users do to an offloaded model: ``state_dict()`` returns the real values and
+``load_state_dict()`` updates the host copy (``state_dict.py``); an in-place write to an offloaded
+parameter or a cast (``model.half()``) after enable raises at the next forward instead of being lost,
+and disable follows a cast; conjugate and negative views are resolved when the block is packed.
 
 Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
 is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
@@ -28,9 +46,9 @@ share one host copy in shared memory instead of one each; ``enable_layerwise_off
 collective that every rank must call with the same model, and ``mutate_params_scope`` is refused (merge
 LoRA before enabling). See ``sharing.py``.
 
-Tied weights: a parameter shared between two offloaded blocks, or between an offloaded block and any
-other part of the model, is refused at enable with an error naming both places (offloading one side
-would silently turn the other into a placeholder).
+Tied weights: a parameter (or its storage) shared between two offloaded blocks, or between an offloaded
+block and any other part of the model, is refused at enable with an error naming both places
+(offloading one side would silently turn the other into a placeholder, or untie the two).
 """
 from __future__ import annotations
 
@@ -46,7 +64,7 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.model_checks import check_block_kinds, check_devices, check_tied_parameters
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -73,6 +91,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
         prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
+            A depth above the number of offloaded blocks is clamped to it (deeper copies nothing more).
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -136,6 +155,7 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     elif existing is not None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
+    check_block_kinds(options.offloaded, options.list_name, resident)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device)
     check_tied_parameters(model, options.list_name, blocks, resident)
@@ -167,7 +187,12 @@ def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShar
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
     if group.engine is None:
-        return LayerwiseOffloadState(stream, group.device)
+        state = LayerwiseOffloadState(stream, group.device)
+        # One forward at a time per model (threads.py): every block of the model shares one gate.
+        if group.states:
+            state.gate = group.states[0].gate  # type: ignore[attr-defined]
+        state.block_index = len(group.states)
+        return state
     state = ExtLayerwiseOffloadState(group.engine, group.device)
     share = group.share
     if share is not None:
