@@ -104,8 +104,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
 
-  m.def("sweep_stale_segments", &sweep_stale_segments,
-        "Removes /dev/shm/fastoffload-<pid>-* left by owners that died before unlinking them; returns the count.");
+  m.def("sweep_stale_segments", &sweep_stale_segments, py::call_guard<py::gil_scoped_release>(),
+        "Removes the shared segment names of this user's jobs whose owner died (its flock'ed job lock is free); "
+        "returns how many segment names it removed.");
+  m.def(
+      "tensor_digests",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        return without_gil([&] { return tensor_digests(names, tensors); });
+      },
+      py::arg("names"), py::arg("tensors"),
+      "64-bit digests of each tensor's bytes: what an owner's OffloadEngine.block_digests gives for the same values.");
+  m.def(
+      "packed_bytes",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        size_t total = 0;
+        plan_layout(names, tensors, &total);
+        return total;
+      },
+      py::arg("names"), py::arg("tensors"), "Bytes a block of these tensors packs to (validating them like add_block).");
+  py::class_<JobLock>(m, "JobLock", "The owner's liveness lock of a shared host copy (flock'ed while held).")
+      .def(py::init<const std::string&>(), py::arg("job_token"))
+      .def("release", &JobLock::release)
+      .def_property_readonly("held", &JobLock::held)
+      .def_property_readonly("name", &JobLock::name);
   m.def(
       "unlink_shared_segment", [](const std::string& name) { return unlink_segment(name); }, py::arg("name"),
       "Removes the shared segment name `name` if it exists (mappings stay valid); returns whether it did.");
@@ -125,6 +146,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink_shared", &PinnedPool::unlink_shared,
            "Unlinks the names of the shared segments this pool created (their mappings stay valid).")
       .def("linked_shared_names", &PinnedPool::linked_shared_names)
+      .def("reserve_shared", &PinnedPool::reserve_shared, py::arg("name"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Owner: creates the shared segment `name` now, for the block that packs to `nbytes` (see packed_bytes).")
+      .def("drop_reserved", &PinnedPool::drop_reserved, py::call_guard<py::gil_scoped_release>(),
+           "Destroys (and unlinks) the reserved segments no block has used yet; returns how many.")
       .def_property_readonly("device_index", &PinnedPool::device_index)
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
@@ -146,6 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("names"), py::arg("params"), py::arg("segment_name"), py::arg("owner"))
       .def("is_shared", &OffloadEngine::is_shared, py::arg("block"))
+      .def("block_digests", &OffloadEngine::block_digests, py::arg("block"))
+      .def("make_private", &OffloadEngine::make_private, py::arg("block"), py::call_guard<py::gil_scoped_release>())
       .def("acquire", &OffloadEngine::acquire, py::arg("block"))
       .def("prefetch", &OffloadEngine::prefetch, py::arg("block"))
       .def("release", &OffloadEngine::release, py::arg("block"))

@@ -73,6 +73,18 @@ size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, co
   return index;
 }
 
+at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
+  at::Tensor view = store_.host_view(block, j);
+  if (!store_.block(block).shared) return view;
+  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
+}
+
+void OffloadEngine::make_private(size_t block) {
+  check_block(block);
+  copy_.synchronize_copies();  // a prefetch may still be reading the shared pages
+  store_.make_private(block);
+}
+
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {
   TORCH_CHECK(!store_.block(block).shared, "fastoffload: block ", std::to_string(block), " cannot be ", what,
               ": its host copy is shared with the other ranks of this host, whose weights would change under them. "

@@ -86,7 +86,13 @@ class OffloadEngine {
   bool is_materialized(size_t block) const;
   bool is_removed(size_t block) const;
   bool is_shared(size_t block) const { return store_.block(block).shared; }
-  at::Tensor host_view(size_t block, size_t j) const { return store_.host_view(block, j); }
+  // Tensor `j` of the block's host copy: a view of it for a private block; a copy for a shared block,
+  // whose pages are other ranks' weights too (and read-only on a non-owner, where a write would crash).
+  at::Tensor host_view(size_t block, size_t j) const;
+  // A shared owner's digests of what it packed (LayerStore's StoredBlock::digests).
+  const std::vector<uint64_t>& block_digests(size_t block) const { return store_.block(block).digests; }
+  // The block's host copy leaves its shared segment for private memory (LayerStore::make_private).
+  void make_private(size_t block);
   const EngineStats& stats() const { return stats_; }
   const CopyEngine& copy_engine() const { return copy_; }
   const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }

@@ -316,14 +316,36 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             when torch.distributed is initialized, the backend is "ext" and several ranks of
             ``process_group`` run on this host (and all built the same blocks); True: always, raising
             when no process group is initialized or the ranks' blocks differ; False: one copy per
-            process. When sharing may happen this call is a collective: every rank of the group must
-            make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
+            process. Unless it is False (or ``backend="python"``), this call is a collective whenever
+            torch.distributed is initialized with several ranks: every rank of the group must make it,
+            with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
+            ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
         process_group: the group whose ranks share (default: the default group).
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
         was skipped because CUDA is not available and no device was given.
     """
+    # Made before any check: when this call is a collective, a failure on this rank is sent to the
+    # others in the negotiation they wait in, and every rank raises together (sharing.py).
+    rendezvous = sharing.Rendezvous(share_host_copy, backend, process_group)
+    try:
+        group = _enable(model, is_replace, rendezvous, resident_blocks=resident_blocks, cyclic=cyclic,
+                        prefetch_depth=prefetch_depth, backend=backend, device=device, pin_backing=pin_backing,
+                        allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+                        share_host_copy=share_host_copy, process_group=process_group)
+    except BaseException as error:
+        rendezvous.fail(error)  # no-op once the negotiation ran
+        raise
+    if group is None:
+        rendezvous.skip("CUDA is not available")
+    return group
+
+
+def _enable(model: nn.Module, is_replace: bool, rendezvous: sharing.Rendezvous, *, resident_blocks: int | None,
+            cyclic: bool, prefetch_depth: int, backend: str, device: str | torch.device | int | None,
+            pin_backing: str | None, allow_pageable_fallback: bool, pinned_limit_bytes: int | None,
+            share_host_copy: bool | str, process_group: Any) -> LayerwiseOffloadGroup | None:
     resolved = _resolve_device(device)
     if resolved is None:
         logger.warning("CUDA is not available. Layerwise offloading is disabled.")
@@ -374,10 +396,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
     group._owner = owner
     # Collective (when sharing may happen): every rank gets here with the same blocks.
-    share = sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, n_resident) if engine else None
-    if share is not None:
-        share.pool = engine.pool
-        group.share = share
+    share = rendezvous.negotiate(chosen, offloaded, list_name, n_resident, engine)
+    group.share = share
     stream = torch.cuda.Stream(resolved) if (chosen == "python" and resolved.type == "cuda") else None
     was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
 
@@ -385,7 +405,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     block: nn.Module | None = None
     try:
         if share is not None:
-            share.before_attach()  # other ranks wait here for the owner's packed copy
+            share.before_attach(offloaded)  # other ranks wait here for the owner's packed copy
         for block in offloaded:
             group.original_devices.append(next((p.device for p in block.parameters()), resolved))
             state = (ExtLayerwiseOffloadState(engine, resolved) if engine is not None
@@ -408,8 +428,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                 for key, buffer in module.named_buffers(recurse=False):
                     if buffer is not None and buffer.device != resolved:
                         setattr(module, key, buffer.to(resolved))
-        if share is not None:
-            share.after_attach()  # every rank attached: the owner unlinks the names
+        if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
+            group.share = None  # the ranks fell back to one copy each
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
