@@ -16,7 +16,6 @@
 namespace fastoffload {
 namespace {
 
-constexpr const char* kPrefix = "fastoffload-";
 constexpr const char* kLockSuffix = "-lock";
 constexpr const char* kShmDir = "/dev/shm/";
 
@@ -40,8 +39,8 @@ bool ends_with(const std::string& text, const std::string& suffix) {
 
 // The job token of "fastoffload-<job>-lock", or "" when `entry` is not a job lock.
 std::string lock_job_of(const std::string& entry) {
-  const size_t prefix = std::strlen(kPrefix);
-  if (entry.compare(0, prefix, kPrefix) != 0 || !ends_with(entry, kLockSuffix)) return "";
+  const size_t prefix = std::strlen(kSegmentPrefix);
+  if (entry.compare(0, prefix, kSegmentPrefix) != 0 || !ends_with(entry, kLockSuffix)) return "";
   const std::string job = entry.substr(prefix, entry.size() - prefix - std::strlen(kLockSuffix));
   return is_token(job) ? job : "";
 }
@@ -57,7 +56,7 @@ std::vector<std::string> shm_entries() {
   DIR* dir = opendir(kShmDir);
   if (dir == nullptr) return entries;
   while (const dirent* entry = readdir(dir)) {
-    if (std::strncmp(entry->d_name, kPrefix, std::strlen(kPrefix)) == 0) entries.emplace_back(entry->d_name);
+    if (std::strncmp(entry->d_name, kSegmentPrefix, std::strlen(kSegmentPrefix)) == 0) entries.emplace_back(entry->d_name);
   }
   closedir(dir);
   return entries;
@@ -80,7 +79,7 @@ size_t sweep_job(const std::string& entry, const std::string& job, const std::ve
   // EWOULDBLOCK: the owner (or a child it forked) is alive, in whatever PID namespace.
   if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_uid == geteuid() &&
       flock(fd, LOCK_EX | LOCK_NB) == 0 && still_linked(fd, path)) {
-    const std::string prefix = std::string(kPrefix) + job + "-";
+    const std::string prefix = std::string(kSegmentPrefix) + job + "-";
     for (const std::string& other : entries) {
       if (other == entry || other.compare(0, prefix.size(), prefix) != 0 || !ours(other)) continue;
       if (shm_unlink(("/" + other).c_str()) == 0) removed += 1;
@@ -94,8 +93,8 @@ size_t sweep_job(const std::string& entry, const std::string& job, const std::ve
 }  // namespace
 
 void check_segment_name(const std::string& name) {
-  const size_t prefix = 1 + std::strlen(kPrefix);
-  bool valid = name.size() > prefix && name.size() <= 200 && name[0] == '/' && name.compare(1, prefix - 1, kPrefix) == 0;
+  const size_t prefix = 1 + std::strlen(kSegmentPrefix);
+  bool valid = name.size() > prefix && name.size() <= 200 && name[0] == '/' && name.compare(1, prefix - 1, kSegmentPrefix) == 0;
   for (size_t i = prefix; valid && i < name.size(); ++i)
     valid = (name[i] >= '0' && name[i] <= '9') || (name[i] >= 'a' && name[i] <= 'f') || name[i] == '-';
   TORCH_CHECK(valid && !ends_with(name, kLockSuffix),
@@ -184,7 +183,7 @@ bool unlink_segment(const std::string& name) noexcept { return shm_unlink(name.c
 JobLock::JobLock(const std::string& job_token) {
   TORCH_CHECK(is_token(job_token) && job_token.size() <= 64,
               "fastoffload: a job token must be 1 to 64 lowercase hex digits, got '", job_token, "'");
-  name_ = "/" + std::string(kPrefix) + job_token + kLockSuffix;
+  name_ = "/" + std::string(kSegmentPrefix) + job_token + kLockSuffix;
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   TORCH_CHECK(fd >= 0, "fastoffload: could not create the lock '", name_, "' of a shared host copy: ", errno_text(errno),
               ". Check that /dev/shm is mounted and writable, or enable with share_host_copy=False");

@@ -79,6 +79,9 @@ class JobLock {
   int fd_ = -1;
 };
 
+// Every name starts with '/' and this prefix (Python reads it as _C.SEGMENT_PREFIX).
+constexpr const char* kSegmentPrefix = "fastoffload-";
+
 // Throws unless `name` is "/fastoffload-<hex>-<hex>"-shaped: a leading '/', the "fastoffload-" prefix,
 // then only lowercase hex digits and '-', at most 200 characters.
 void check_segment_name(const std::string& name);

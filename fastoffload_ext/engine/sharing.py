@@ -67,13 +67,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "fastoffload-"
-SHARED_MUTATION_ERROR = ("fastoffload: mutate_params_scope() is refused on this block: the host copy is shared by {n} "
-                         "ranks of this host; mutate before enabling offload, or enable with share_host_copy=False")
 # Random bytes per name: 128 bits, so that no process watching /dev/shm can guess the next one.
 TOKEN_BYTES = 16
 
@@ -167,7 +165,7 @@ def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: 
 def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bool | None:
     """Validates ``share_host_copy``; True/False when decided now, None when "auto" needs the gather."""
     if not (share_host_copy is True or share_host_copy is False or share_host_copy == "auto"):
-        raise ValueError(f"share_host_copy must be True, False or 'auto', got {share_host_copy!r}")
+        raise OffloadConfigError(f"share_host_copy must be True, False or 'auto', got {share_host_copy!r}")
     if share_host_copy is False:
         return False
     import torch.distributed as dist
@@ -382,7 +380,10 @@ class HostShare:
 
     def segment_name(self, index: int) -> str | None:
         """Block ``index``'s segment; None once the ranks fell back to one copy each."""
-        return f"/{SEGMENT_PREFIX}{self.job}-{self.names[index]}" if self.active else None
+        from fastoffload_ext import _backend
+
+        # The compiled core checks every segment name against its prefix: take the prefix from there.
+        return f"/{_backend.require_ext().SEGMENT_PREFIX}{self.job}-{self.names[index]}" if self.active else None
 
     def before_attach(self, blocks: list[nn.Module]) -> None:
         """Owner: lock, sweep, create every segment. Others: hash their blocks, then step 2."""
