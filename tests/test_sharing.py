@@ -109,7 +109,8 @@ def _exact(model: nn.Module, x: torch.Tensor, want: torch.Tensor, steps: int = 3
 def _scenario_main(rank: int, device: str, queue: Any, control: Path) -> None:
     model, reference, x, want = _model(device)
     group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
-    result: dict[str, Any] = {"exact": _exact(model, x, want), "stats": group.stats(), "job": group.share.job}
+    result: dict[str, Any] = {"exact": _exact(model, x, want), "stats": group.stats(), "job": group.share.job,
+                              "fallback_slabs": group.engine.pool.stats()["fallback_slabs"]}
     import torch.distributed as dist
 
     dist.barrier()  # both ranks have touched every shared page: each is charged half of it
@@ -336,9 +337,11 @@ SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm"
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
     try:
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-            device = f"cuda:{rank}"
+        if device.startswith("cuda"):
+            # "cuda": one GPU per rank, as torchrun runs; "cuda:0": both ranks on GPU 0 (a one-GPU machine).
+            index = rank if device == "cuda" else int(device.split(":")[1])
+            torch.cuda.set_device(index)
+            device = f"cuda:{index}"
         _init(rank, init_file)
         SCENARIOS[scenario](rank, device, queue, Path(control))
     except BaseException:
@@ -413,8 +416,11 @@ def _run_main(tmp_path: Path, device: str) -> None:
         # The kernel's count: each rank is charged half of every shared page, so the sum is ~1x.
         assert enabled[0]["segment_pss_bytes"] > 0 and enabled[1]["segment_pss_bytes"] > 0
         assert pss < 1.5 * packed, (pss, packed)
-        if device == "cuda":
-            assert s0["pinned_bytes"] >= packed and s1["pinned_bytes"] >= packed  # each rank registered its mapping
+        if device.startswith("cuda"):
+            # Each rank registered its own mapping; rank 1's is read-only (cudaHostRegisterReadOnly where
+            # the device supports it), and nothing fell back to pageable memory.
+            assert s0["pinned_bytes"] >= packed and s1["pinned_bytes"] >= packed
+            assert enabled[0]["fallback_slabs"] == enabled[1]["fallback_slabs"] == 0
         print(f"\nshared host copy, {device}: packed {packed} B; rank 0 {({k: s0[k] for k in _FIGURES})}; "
               f"rank 1 {({k: s1[k] for k in _FIGURES})}; owned on host {owned_on_host} B "
               f"({owned_on_host / packed:.3f}x packed); segment PSS rank 0 {enabled[0]['segment_pss_bytes']} B + rank 1 "
@@ -686,6 +692,12 @@ def test_core_owner_packs_and_another_pool_maps_without_copying() -> None:
         assert other.pool.stats()["shared_bytes"] == 0
     finally:
         _C.unlink_shared_segment(name)
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_share_one_pinned_host_copy(tmp_path: Path) -> None:
+    """Both ranks on cuda:0: the read-only mapping of rank 1 is registered with CUDA like the owner's."""
+    _run_main(tmp_path, "cuda:0")
 
 
 @pytest.mark.cuda
