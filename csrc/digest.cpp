@@ -41,7 +41,9 @@ uint64_t digest_chunk(const unsigned char* data, size_t nbytes, uint64_t chunk_i
     lanes[2] = mix(lanes[2] ^ load_word(data + offset + 16));
     lanes[3] = mix(lanes[3] ^ load_word(data + offset + 24));
   }
-  for (int lane = 0; offset + 8 <= nbytes; offset += 8, ++lane) lanes[lane] = mix(lanes[lane] ^ load_word(data + offset));
+  for (int lane = 0; offset + 8 <= nbytes; offset += 8, ++lane) {
+    lanes[lane] = mix(lanes[lane] ^ load_word(data + offset));
+  }
   if (offset < nbytes) {
     // The tail, zero-padded; the length is folded in below, so padding cannot collide with real zeros.
     uint64_t tail = 0;

@@ -390,8 +390,9 @@ EAGER_LAYERWISE = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_lo
 
 @pytest.mark.parametrize("options, error, message", [
     ({"prefetch_depth": -1}, ValueError, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got -1"),
-    ({"prefetch_dept": 2}, TypeError, r"fastoffload: layerwise_options does not fit enable_layerwise_offload \(got an "
-                                      r"unexpected keyword argument 'prefetch_dept'\); pass only its keyword arguments"),
+    ({"prefetch_dept": 2}, TypeError, r"fastoffload: layerwise_options does not fit enable_layerwise_offload \(got "
+                                      r"an unexpected keyword argument 'prefetch_dept'\); pass only its keyword "
+                                      r"arguments"),
     ({"cyclic": "yes"}, ValueError, r"cyclic must be True or False, got 'yes'"),
     ({"pin_backing": "locked"}, ValueError, r"pin_backing must be one of 'host_alloc', 'register', 'pageable', got "
                                             r"'locked'"),
@@ -422,4 +423,5 @@ def test_bad_device_fails_before_any_loader_runs() -> None:
 def test_layerwise_options_not_a_mapping() -> None:
     with pytest.raises(TypeError, match=r"fastoffload: layerwise_options must be a mapping of enable_layerwise_offload "
                                         r"keyword arguments, got list"):
-        apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), layerwise_options=[("prefetch_depth", 2)])  # type: ignore[arg-type]
+        apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(),
+                             layerwise_options=[("prefetch_depth", 2)])  # type: ignore[arg-type]

@@ -532,7 +532,8 @@ def test_rank_failing_before_the_negotiation_makes_every_rank_raise_at_once(tmp_
         assert "parameter 2.up.weight is on the meta device" in failing, failing
         # The other rank names the failing rank and repeats its error as it was raised there.
         assert other.startswith("OffloadStateError: fastoffload: enable_layerwise_offload failed on another rank of "
-                                f"the group, so this rank (rank 0) did not enable offload either: rank 1: {failing}. "), other
+                                "the group, so this rank (rank 0) did not enable offload either: rank 1: "
+                                f"{failing}. "), other
         assert other.endswith("Fix that rank (its own error is in its log) and enable again on every rank"), other
     for rank in range(WORLD):
         for mode in (True, "auto"):

@@ -312,8 +312,8 @@ def _verdict(group: Any, everyone: list[dict[str, Any]], mine: dict[str, Any], d
         where = "; ".join(f"host {host}: {o['needed'] / 2**30:.2f} GiB needed, {o['shm_free'] / 2**30:.2f} GiB free"
                           for host, o in sorted(short.items()))
         if decided is None:
-            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy, /dev/shm is too small (%s); "
-                           "each rank pins its own copy", where)
+            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy, /dev/shm is too small "
+                           "(%s); each rank pins its own copy", where)
             return None
         raise OffloadStateError(f"fastoffload: cannot share the host copy: /dev/shm is too small ({where}). Enlarge it "
                                 "(in Docker: --shm-size; or remount the tmpfs larger), or enable with "
