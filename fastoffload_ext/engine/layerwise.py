@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext import _backend
+from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
@@ -61,7 +62,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None, compress: bool | str = False) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -89,6 +90,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
             ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
         process_group: the group whose ranks share (default: the default group).
+        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
+            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
+            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
+            decided from the first steps' copy and compute times; False: raw copies. True is refused with
+            share_host_copy=True, and turns the default share_host_copy="auto" off.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -107,15 +113,16 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                                      cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                      pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                     process_group=process_group)
+                                     process_group=process_group, compress=compress)
         _check_model(model, options)
         offloaded = options.offloaded
         was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
         engine = _build_engine(options)
         group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
                                       options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
-        group.share = rendezvous.negotiate(options.backend, offloaded, options.list_name, options.resident_blocks,
-                                           engine)
+        group.compress_mode = options.compress if engine is not None else "off"
+        group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
+                                           options.resident_blocks, engine)
     except BaseException as error:
         rendezvous.fail(error)  # a no-op once the negotiation ran
         raise
@@ -152,7 +159,10 @@ def _build_engine(options: OffloadOptions) -> Any:
     core = _backend.require_ext()
     index = -1 if options.device.type == "cpu" else options.device.index
     pool = core.PinnedPool(index, options.pin_backing, options.pinned_limit_bytes, options.allow_pageable_fallback, 0)
-    return core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    engine = core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    if options.compress != "off":
+        codec.configure_engine(engine, options.compress)
+    return engine
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:

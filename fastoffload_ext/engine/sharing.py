@@ -215,7 +215,6 @@ class Rendezvous:
     """
 
     def __init__(self, share_host_copy: Any, backend: Any, process_group: Any) -> None:
-        self.share_host_copy = share_host_copy
         self.group = process_group
         self.collective = _collective_expected(share_host_copy, backend, process_group)
         self.done = not self.collective
@@ -248,9 +247,10 @@ class Rendezvous:
             raise OffloadStateError(f"fastoffload: this rank did not enable offload ({reason}) but other ranks of the "
                                     "group did, so every rank raised; give every rank the same device (or none)")
 
-    def negotiate(self, backend: str, blocks: list[nn.Module], list_name: str, first_index: int,
-                  engine: Any) -> HostShare | None:
-        """Step 1 (see the module docstring); None when the ranks do not share."""
+    def negotiate(self, share_host_copy: bool | str, backend: str, blocks: list[nn.Module], list_name: str,
+                  first_index: int, engine: Any) -> HostShare | None:
+        """Step 1 (see the module docstring); None when the ranks do not share. ``share_host_copy`` is the
+        validated value (compression may have turned the default off)."""
         if not self.collective:
             self.done = True
             return None
@@ -258,7 +258,7 @@ class Rendezvous:
 
         rank = dist.get_rank()
         try:
-            decided = resolve(self.share_host_copy, backend, self.group)
+            decided = resolve(share_host_copy, backend, self.group)
             mine = {"error": None, "skipped": None, "host": socket.gethostname(), "rank": rank,
                     "can_share": engine is not None and bool(blocks) and decided is not False,
                     "job": secrets.token_hex(TOKEN_BYTES), "names": [secrets.token_hex(TOKEN_BYTES) for _ in blocks],
