@@ -184,7 +184,9 @@ size_t OffloadEngine::weight_bytes(size_t block) const {
 at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
   auto lock = gate_.enter_read();
   check_block(block);
-  return store_.raw_bytes(block, verify_);
+  at::Tensor bytes = store_.raw_bytes(block, verify_);
+  // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
+  return store_.block(block).shared ? bytes.clone() : bytes;
 }
 
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
@@ -197,6 +199,26 @@ size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, co
   travel_.push_back(Travel::kRaw);
   finish_add(index);
   return index;
+}
+
+at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
+  at::Tensor view = store_.host_view(block, j);
+  if (!store_.block(block).shared) return view;
+  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
+}
+
+std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
+  std::vector<at::Tensor> views = store_.host_views(block);
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.shared) return views;
+  for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
+  return views;
+}
+
+void OffloadEngine::make_private(size_t block) {
+  check_block(block);
+  copy_.synchronize_copies();  // a prefetch may still be reading the shared pages
+  store_.make_private(block);
 }
 
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {

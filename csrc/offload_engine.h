@@ -134,10 +134,17 @@ class OffloadEngine {
   bool is_materialized(size_t block) const;
   bool is_removed(size_t block) const;
   bool is_shared(size_t block) const;
+  // Tensor `j` of the block's host copy (host_views: every tensor, one decode when compressed): views
+  // of it for a private block; copies for a shared block, whose pages are other ranks' weights too (and
+  // read-only on a non-owner, where a write would crash).
   at::Tensor host_view(size_t block, size_t j) const;
   std::vector<at::Tensor> host_views(size_t block) const;
   // Bytes of the block's parameters (numel x element size), without touching the host copy.
   size_t weight_bytes(size_t block) const;
+  // A shared owner's digests of what it packed (LayerStore's StoredBlock::digests).
+  const std::vector<uint64_t>& block_digests(size_t block) const { return store_.block(block).digests; }
+  // The block's host copy leaves its shared segment for private memory (LayerStore::make_private).
+  void make_private(size_t block);
   EngineStats stats() const;
   const CopyEngine& copy_engine() const { return copy_; }
   const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }

@@ -10,7 +10,9 @@ Already covered elsewhere, so not repeated here:
 - tests/test_layerwise.py::test_seed_errors_and_enable_twice: a model with no ModuleList at all,
   is_replace without hooks, enabling twice; ::test_tied_weights_are_refused_and_nothing_changes;
   ::test_meta_parameters_are_refused (a whole meta model); ::test_grad_recording_forward_is_refused;
-- tests/test_lazy.py: a loader returning None; tests/test_resolution.py: a named step's unknown path.
+- tests/test_lazy.py: a loader returning None, copies and threads; tests/test_resolution.py: a named
+  step's unknown path; tests/test_configure.py: every bad layerwise option before any loader runs;
+- tests/test_sharing.py: ranks out of step, differing values, a taken segment name, /dev/shm too small.
 """
 from __future__ import annotations
 
@@ -342,6 +344,41 @@ SAVED_MODIFIED = ("fastoffload: a tensor that an offloaded block saved for backw
 
 PARTIAL_NAME = r"functools\.partial\(<function _setter at 0x[0-9a-f]+>, value=True\)"
 
+
+def _apply_config_with_a_bad_option(env: Env) -> None:
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    loads: list[str] = []
+
+    def load_transformer() -> nn.Module:
+        loads.append("transformer")
+        return env.model
+
+    try:
+        apply_offload_config({"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": False}}},
+                             transformer="transformer", components={"transformer": load_transformer}, device="cpu",
+                             layerwise_options={"prefetch_depth": -1})
+    finally:
+        assert loads == []  # refused before the (possibly huge) transformer was loaded
+
+
+def _copies_of_a_lazy_module(env: Env) -> None:
+    import copy
+    import pickle
+
+    proxy = LazyModule("transformer", functools.partial(nn.Linear, 4, 4))
+    for clone in (copy.copy(proxy), copy.deepcopy(proxy), pickle.loads(pickle.dumps(proxy))):
+        assert type(clone) is LazyModule and not clone.is_materialized and clone.lazy_name == "transformer"
+    assert not proxy.is_materialized
+
+
+def _resolve_a_config_holding_a_lock(env: Env) -> None:
+    import threading
+
+    lock = threading.Lock()
+    result = resolve({"runtime": {"lock": lock}, "engine": {"offload": {"vae": True}}}, [])
+    assert result.config["runtime"]["lock"] is lock and result.get("engine.offload.vae") is True
+
 CASES = [
     # Must work.
     Case("block_without_parameters-ext", _block_without_parameters("ext")),
@@ -436,6 +473,19 @@ CASES = [
     Case("device_cpu_1", lambda env: env.enable(device="cpu:1"), ValueError,
          exact("fastoffload: device 'cpu:1' names a CPU index, but the host is one device for offload; pass "
                "device='cpu'")),
+    # Pipeline-level helpers.
+    Case("apply_offload_config_checks_options_before_loading", _apply_config_with_a_bad_option, ValueError,
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got -1")),
+    Case("copy_deepcopy_pickle_of_a_lazy_module", _copies_of_a_lazy_module),
+    Case("resolve_a_config_holding_a_lock", _resolve_a_config_holding_a_lock),
+    # Sharing the host copy between ranks (the multi-rank cases are in tests/test_sharing.py).
+    Case("share_host_copy_yes", lambda env: env.enable(backend="ext", share_host_copy="yes"), ValueError,
+         exact("share_host_copy must be True, False or 'auto', got 'yes'")),
+    Case("share_host_copy_true_without_a_process_group", lambda env: env.enable(backend="ext", share_host_copy=True),
+         RuntimeError,
+         exact("fastoffload: share_host_copy=True shares the host copy between the ranks of a torch.distributed "
+               "process group, but none is initialized: call torch.distributed.init_process_group(...) on every "
+               "rank first (torchrun sets the environment for it), or pass share_host_copy=False")),
     # Undoing what was never done.
     Case("disable_never_enabled", lambda env: fo.disable_layerwise_offload(env.model), ValueError,
          exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),

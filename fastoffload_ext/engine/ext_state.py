@@ -59,7 +59,8 @@ class ExtLayerwiseOffloadState:
         else:
             self.handle = self.engine.add_block(self.param_names, params)
 
-    # The seed exposes these dicts; here they are computed on demand (never on the hot path).
+    # The seed exposes these dicts; here they are computed on demand (never on the hot path). A shared
+    # block's are copies: its pages are other ranks' weights too, and read-only on a non-owner.
     @property
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
         if not self._attached():

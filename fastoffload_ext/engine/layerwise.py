@@ -104,8 +104,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             when torch.distributed is initialized, the backend is "ext" and several ranks of
             ``process_group`` run on this host (and all built the same blocks); True: always, raising
             when no process group is initialized or the ranks' blocks differ; False: one copy per
-            process. When sharing may happen this call is a collective: every rank of the group must
-            make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
+            process. Unless it is False (or ``backend="python"``), this call is a collective whenever
+            torch.distributed is initialized with several ranks: every rank of the group must make it,
+            with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
+            ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
         process_group: the group whose ranks share (default: the default group).
         compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
             and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
@@ -117,23 +119,32 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
         was skipped because CUDA is not available and no device was given.
     """
-    resolved = resolve_device(device)
-    if resolved is None:
-        logger.warning("CUDA is not available. Layerwise offloading is disabled.")
-        return None
-    options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
-                                 cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
-                                 pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
-                                 pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group, compress=compress)
-    _check_model(model, options)
-    offloaded = options.offloaded
-    was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
-    engine = _build_engine(options)
-    group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
-                                  options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
-    group.compress_mode = options.compress if engine is not None else "off"
-    group.share = _negotiate_sharing(options, engine)
+    # Made before any check: when this call is a collective, a failure on this rank is sent to the
+    # others in the negotiation they wait in, and every rank raises together (sharing.py).
+    rendezvous = sharing.Rendezvous(share_host_copy, backend, process_group)
+    try:
+        resolved = resolve_device(device)
+        if resolved is None:
+            logger.warning("CUDA is not available. Layerwise offloading is disabled.")
+            rendezvous.skip("CUDA is not available")
+            return None
+        options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
+                                     cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
+                                     pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
+                                     pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
+                                     process_group=process_group, compress=compress)
+        _check_model(model, options)
+        offloaded = options.offloaded
+        was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
+        engine = _build_engine(options)
+        group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
+                                      options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+        group.compress_mode = options.compress if engine is not None else "off"
+        group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
+                                           options.resident_blocks, engine)
+    except BaseException as error:
+        rendezvous.fail(error)  # a no-op once the negotiation ran
+        raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     _finish(model, group, options, was_on_cuda)
@@ -172,17 +183,6 @@ def _build_engine(options: OffloadOptions) -> Any:
     if options.compress != "off":
         codec.configure_engine(engine, options.compress)
     return engine
-
-
-def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:
-    """Whether the ranks of this host share one host copy; a collective when sharing may happen."""
-    if engine is None:
-        return None
-    share = sharing.negotiate(options.share_host_copy, options.backend, options.process_group, options.offloaded,
-                              options.list_name, options.resident_blocks)
-    if share is not None:
-        share.pool = engine.pool
-    return share
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
@@ -229,11 +229,11 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
     block: nn.Module | None = None
     try:
         if share is not None:
-            share.before_attach()  # other ranks wait here for the owner's packed copy
+            share.before_attach(options.offloaded)  # other ranks wait here for the owner's packed copy
         for block in options.offloaded:
             attached.append((block, _attach_one(group, block, stream)))
-        if share is not None:
-            share.after_attach()  # every rank attached: the owner unlinks the names
+        if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
+            group.share = None  # the ranks fell back to one copy each
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
