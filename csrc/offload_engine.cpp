@@ -201,21 +201,8 @@ size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, co
   return index;
 }
 
-at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
-  at::Tensor view = store_.host_view(block, j);
-  if (!store_.block(block).shared) return view;
-  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
-}
-
-std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
-  std::vector<at::Tensor> views = store_.host_views(block);
-  const StoredBlock& stored = store_.block(block);
-  if (!stored.shared) return views;
-  for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
-  return views;
-}
-
 void OffloadEngine::make_private(size_t block) {
+  GateHold hold = waiting_gate();
   check_block(block);
   copy_.synchronize_copies();  // a prefetch may still be reading the shared pages
   store_.make_private(block);
@@ -593,12 +580,18 @@ bool OffloadEngine::is_shared(size_t block) const {
 
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   auto lock = gate_.enter_read();
-  return store_.host_view(block, j);
+  at::Tensor view = store_.host_view(block, j);
+  if (!store_.block(block).shared) return view;
+  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
 }
 
 std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   auto lock = gate_.enter_read();
-  return store_.host_views(block);
+  std::vector<at::Tensor> views = store_.host_views(block);
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.shared) return views;
+  for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
+  return views;
 }
 
 EngineStats OffloadEngine::stats() const {
