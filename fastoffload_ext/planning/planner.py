@@ -14,6 +14,7 @@ time. The candidate list does not depend on the budget, so a larger budget never
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Collection, Iterable
@@ -39,6 +40,11 @@ def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[in
     slot = max(offloaded) if offloaded else 0
     slots = (depth + 1) if offloaded else 0
     return resident_bytes, slot, resident_bytes + slots * slot + costs.activation_bytes, sum(offloaded)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) -> float:
+    return simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
 
 
 def _even(n: int, count: int, offset: float) -> frozenset[int]:
@@ -69,7 +75,7 @@ def _greedy_chain(costs: BlockCosts, depth: int, cyclic: bool) -> Iterable[froze
         for block in range(costs.blocks):
             if block in chosen:
                 continue
-            ms = simulate_step(costs, chosen | {block}, depth, cyclic=cyclic).step_ms
+            ms = _score(costs, chosen | {block}, depth, cyclic)
             key = (round(ms / _TIE_MS), -costs.block_bytes[block], block)
             if best is None or key < best:
                 best = key
@@ -78,16 +84,18 @@ def _greedy_chain(costs: BlockCosts, depth: int, cyclic: bool) -> Iterable[froze
         yield chosen
 
 
+# Budget-independent, so a budget sweep over one table (the benchmark, a re-plan) builds them once.
+@functools.lru_cache(maxsize=64)
 def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
-                   exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> list[frozenset[int]]:
+                   exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> tuple[frozenset[int], ...]:
     """The resident sets the planner scores at ``depth`` (independent of any budget)."""
     n = costs.blocks
     if n <= exhaustive_limit:
-        return [frozenset(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
+        return tuple(frozenset(c) for r in range(n + 1) for c in itertools.combinations(range(n), r))
     sets = dict.fromkeys(itertools.chain(_spread_sets(n), _heaviest_prefixes(costs)))
     if n <= GREEDY_LIMIT:
         sets.update(dict.fromkeys(_greedy_chain(costs, depth, cyclic)))
-    return list(sets)
+    return tuple(sets)
 
 
 def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | None, depths: list[int],
@@ -192,7 +200,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                                                                           and host > host_budget):
                 continue
             scored += 1
-            ms = simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
+            ms = _score(costs, chosen, depth, cyclic)
             key = (round(ms / _TIE_MS) * _TIE_MS, device, -len(chosen), depth, tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
