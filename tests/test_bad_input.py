@@ -238,9 +238,9 @@ CASES = [
          ValueError, exact("device 'cuda:99' does not exist: 2 CUDA device(s) visible")),
     # Knobs of the wrong type or spelling.
     Case("prefetch_depth_true", lambda env: env.enable(prefetch_depth=True), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got True")),
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got True")),
     Case("prefetch_depth_string", lambda env: env.enable(prefetch_depth="2"), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got '2'")),
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got '2'")),
     Case("resident_blocks_true", lambda env: env.enable(resident_blocks=True), ValueError,
          exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got True")),
     Case("backend_upper_case", lambda env: env.enable(backend="EXT"), ValueError,

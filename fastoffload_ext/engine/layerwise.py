@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,10 @@ from fastoffload_ext import _backend
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.planning import replan as replanning
+from fastoffload_ext.planning.costs import BlockCosts
+from fastoffload_ext.planning.layout import resolve_layout
+from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +127,23 @@ class LayerwiseOffloadGroup:
     """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
 
     def __init__(self, model: nn.Module, list_name: str, blocks: nn.ModuleList, device: torch.device, backend: str,
-                 prefetch_depth: int, resident_blocks: int, cyclic: bool, engine: Any = None) -> None:
+                 prefetch_depth: int, resident_blocks: int | Collection[int], cyclic: bool, engine: Any = None) -> None:
         self.model_ref = model
         self.list_name = list_name
         self.blocks = blocks
         self.device = device
         self.backend = backend
         self.prefetch_depth = prefetch_depth
-        self.resident_blocks = resident_blocks
+        # Indices of the blocks kept on the device, never hooked; the others are offloaded in order.
+        self.resident = (tuple(range(resident_blocks)) if isinstance(resident_blocks, int)
+                         else tuple(sorted(resident_blocks)))
+        self.resident_blocks = len(self.resident)
+        self.offloaded_indices = tuple(i for i in range(len(blocks)) if i not in set(self.resident))
         self.cyclic = cyclic
         self.engine = engine
+        self.plan: OffloadPlan | None = None  # the planner's plan this group runs, when a budget or "auto" chose it
+        self.costs: BlockCosts | None = None  # the last calibration's cost table
+        self.enable_kwargs: dict[str, Any] = {}  # what enable was given, for a re-plan
         self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
         self.states: list[LayerwiseOffloadState] = []
         self.original_devices: list[torch.device] = []
@@ -141,7 +152,7 @@ class LayerwiseOffloadGroup:
     def _claim(self, state: LayerwiseOffloadState) -> None:
         """Re-registers the parameters of ``state``'s block (after a mutation may have changed them)."""
         index = self.states.index(state)
-        prefix = f"{self.list_name}.{self.resident_blocks + index}."
+        prefix = f"{self.list_name}.{self.offloaded_indices[index]}."
         self._owner = {key: where for key, where in self._owner.items() if not where.startswith(prefix)}
         for name, param in state.module_ref.named_parameters():
             self._owner[id(param)] = prefix + name
@@ -155,6 +166,7 @@ class LayerwiseOffloadGroup:
             "blocks": len(self.blocks),
             "offloaded_blocks": len(self.states),
             "resident_blocks": self.resident_blocks,
+            "resident": list(self.resident),
             "prefetch_depth": self.prefetch_depth,
             "cyclic": self.cyclic,
             "weight_bytes": weight_bytes,
@@ -179,7 +191,25 @@ class LayerwiseOffloadGroup:
                              for state in self.states for t in state.cpu_named_parameters.values())
             result.update(pinned_bytes=pinned, host_reserved_bytes=max(pinned, result["host_bytes"]),
                           slot_bytes=0, num_slots=0)
+        result["plan"] = self.plan.as_dict() if self.plan is not None else None
         return result
+
+    def calibrate(self, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,
+                  h2d_gbps: float | None = None) -> BlockCosts:
+        """Measures this model's cost table by running ``step`` (one forward) and, with ``replan`` and a
+        planned group, re-plans from it (see :meth:`replan`). Returns the cost table."""
+        return replanning.calibrate(self, step, replan=replan, repeats=repeats, h2d_gbps=h2d_gbps)
+
+    def replan(self, costs: BlockCosts | None = None) -> LayerwiseOffloadGroup:
+        """Plans again from ``costs`` (default: the last calibration) with the budgets enable was given and,
+        when the resident set or depth changes, re-applies offload with the new plan. Returns the group
+        now on the model (``self`` when nothing changed)."""
+        return replanning.replan(self, costs)
+
+    def observe_step(self, measured_ms: float) -> bool:
+        """Whether a measured step time is further from the plan's prediction than its tolerance (a
+        resolution or batch change): then calibrate again, which re-plans."""
+        return self.plan is not None and self.plan.drifted(measured_ms)
 
     def __repr__(self) -> str:
         return (f"<LayerwiseOffloadGroup {self.list_name}: {len(self.states)} of {len(self.blocks)} blocks offloaded "
@@ -252,9 +282,10 @@ def _find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return None
 
 
-def _check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList, first_offloaded: int) -> dict[int, str]:
+def _check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList,
+                           offloaded_indices: Collection[int]) -> dict[int, str]:
     owner: dict[int, str] = {}
-    for index in range(first_offloaded, len(blocks)):
+    for index in sorted(offloaded_indices):
         for name, param in blocks[index].named_parameters():
             where = f"{list_name}.{index}.{name}"
             if id(param) in owner:
@@ -269,7 +300,7 @@ def _check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLi
             continue
         if name.startswith(f"{list_name}."):
             index = int(name[len(list_name) + 1:].split(".", 1)[0])
-            if index >= first_offloaded:
+            if index in offloaded_indices:
                 continue
         raise ValueError(f"parameter {name} is the same tensor as {owner[id(param)]}, which would be offloaded: "
                          "weights tied between an offloaded block and the rest of the model are not supported. Untie "
@@ -288,22 +319,27 @@ def _check_devices(blocks: list[nn.Module], offset: int, device: torch.device) -
                                  f"move the model to the CPU or to {device} before enabling offload")
 
 
-def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resident_blocks: int | None = None,
-                             cyclic: bool = True, prefetch_depth: int = 1, backend: str = "auto",
+def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
+                             resident_blocks: int | Collection[int] | str | None = None,
+                             cyclic: bool = True, prefetch_depth: int | str | None = None, backend: str = "auto",
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None, device_budget: int | str | None = None,
+                             host_budget: int | str | None = "auto", activation_reserve: int | str | None = None,
+                             plan: OffloadPlan | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
         model: the transformer. Its block list may be on the CPU or already on ``device``.
         is_replace: swap an existing offload hook on every block (FastVideo's flag); raises when there is
             none.
-        resident_blocks: keep the first N blocks on the device, never copied.
+        resident_blocks: blocks kept on the device, never copied: N (the first N), a collection of block
+            indices, or "auto" (the planner chooses). None: none without a budget, "auto" with one.
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
-        prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
+        prefetch_depth: how many offloaded blocks ahead are copied while a block runs (device slots:
+            depth + 1), or "auto". None: 1 without a budget, "auto" with one.
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -319,6 +355,19 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        device_budget: device bytes this offload may hold (resident blocks + slots + activation
+            reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
+            (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
+            open; a budget nothing fits in is refused with the numbers. With device="cpu" it bounds the
+            host-as-device engine the same way.
+        host_budget: pinned host bytes the offloaded blocks may take, same forms. "auto" (default):
+            what this process may really use (cgroup v2 limit and MemAvailable, minus a margin); None:
+            no check.
+        activation_reserve: device bytes kept for activations inside ``device_budget`` (bytes or a
+            size). Default: the measured peak once ``group.calibrate`` ran, else 10 % of the free memory
+            for "auto" and 0 for a given budget.
+        plan: an :class:`OffloadPlan` from ``plan_offload`` to apply as it is (instead of
+            ``resident_blocks``/``prefetch_depth``); checked against ``device_budget`` when one is given.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -328,8 +377,6 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     if resolved is None:
         logger.warning("CUDA is not available. Layerwise offloading is disabled.")
         return None
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise ValueError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead), got {prefetch_depth!r}")
     if not isinstance(cyclic, bool):
         raise ValueError(f"cyclic must be True or False, got {cyclic!r}")
     if pinned_limit_bytes is not None and (isinstance(pinned_limit_bytes, bool) or not isinstance(pinned_limit_bytes, int)
@@ -341,16 +388,17 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     if found is None:
         raise ValueError("No nn.ModuleList found in the model for layerwise offloading.")
     list_name, blocks = found
-    n_resident = 0 if resident_blocks is None else resident_blocks
-    if isinstance(n_resident, bool) or not isinstance(n_resident, int) or not 0 <= n_resident <= len(blocks):
-        raise ValueError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
-                         f"{list_name!r}, got {resident_blocks!r}")
+    layout = resolve_layout(list(blocks), resolved, list_name, resident_blocks=resident_blocks,
+                            prefetch_depth=prefetch_depth, device_budget=device_budget, host_budget=host_budget,
+                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
+    prefetch_depth = layout.prefetch_depth
+    offloaded_indices = [i for i in range(len(blocks)) if i not in set(layout.resident)]
     chosen = _choose_backend(backend, resolved)
     sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
 
     existing = get_offload_group(model)
     if is_replace:
-        first = blocks[n_resident] if n_resident < len(blocks) else None
+        first = blocks[offloaded_indices[0]] if offloaded_indices else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
             raise AssertionError(f"Expect hook exists in {list_name} for replacement.")
@@ -360,10 +408,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         raise ValueError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                          "disable_layerwise_offload(model) first, or pass is_replace=True")
 
-    offloaded = list(blocks)[n_resident:]
+    offloaded = [blocks[i] for i in offloaded_indices]
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     _check_devices(list(blocks), 0, resolved)
-    owner = _check_tied_parameters(model, list_name, blocks, n_resident)
+    owner = _check_tied_parameters(model, list_name, blocks, set(offloaded_indices))
 
     engine = None
     if chosen == "ext" and offloaded:
@@ -371,10 +419,19 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         index = -1 if resolved.type == "cpu" else resolved.index
         pool = core.PinnedPool(index, pin_backing or DEFAULT_PIN_BACKING, pinned_limit_bytes or 0, allow_pageable_fallback, 0)
         engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
-    group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
+    group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, layout.resident, cyclic,
+                                  engine)
     group._owner = owner
+    group.plan = layout.plan
+    group.enable_kwargs = {**layout.settings, "arguments": dict(
+        backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
+        allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+        share_host_copy=share_host_copy, process_group=process_group, host_budget=host_budget,
+        activation_reserve=activation_reserve)}
     # Collective (when sharing may happen): every rank gets here with the same blocks.
-    share = sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, n_resident) if engine else None
+    # The index only names blocks in a mismatch message; with a scattered resident set it is the first offloaded.
+    share = (sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, offloaded_indices[0])
+             if engine else None)
     if share is not None:
         share.pool = engine.pool
         group.share = share
@@ -441,8 +498,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         state.prefetch_targets = targets
         state.next_state = targets[0] if targets else None
 
-    for block in list(blocks)[:n_resident]:
-        block.to(resolved)
+    for index in layout.resident:
+        blocks[index].to(resolved)
     setattr(model, GROUP_ATTRIBUTE, group)
     if was_on_cuda and resolved.type == "cuda":
         torch.cuda.empty_cache()
@@ -473,8 +530,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
         if not manager.forward_hooks:
             ModuleHookManager.remove_from_manager(block)
     if target != group.device:
-        for block in list(group.blocks)[:group.resident_blocks]:
-            block.to(target)
+        for index in group.resident:
+            group.blocks[index].to(target)
         for state in group.states:
             for module in state.module_ref.modules():
                 for key, buffer in module.named_buffers(recurse=False):

@@ -25,6 +25,7 @@ from torch import nn
 
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.costs import BlockCosts
 
 logger = logging.getLogger(__name__)
 
@@ -201,5 +202,31 @@ def measure_h2d_gbps(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTE
     return gbps
 
 
-__all__ = ["BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement", "measure_blocks",
-           "measure_h2d_gbps", "spread_of"]
+
+# Before any calibration: what a bytes-only plan assumes for a copy. The choice of a bytes-only plan does
+# not depend on it (compute is taken as free, so every layout is copy-bound); only its prediction does.
+ASSUMED_H2D_GBPS = 25.0
+
+
+def cached_h2d_gbps(device: torch.device) -> float:
+    """The bandwidth measured earlier in this process for ``device``, else ``ASSUMED_H2D_GBPS``."""
+    return _BANDWIDTH_CACHE.get(str(device), ASSUMED_H2D_GBPS)
+
+
+def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device,
+                    block_bytes: Sequence[int], *, activation_reserve: int | None = None,
+                    h2d_gbps: float | None = None, repeats: int = 5, max_repeats: int = 15) -> tuple[BlockCosts, Measurement]:
+    """The cost table of ``blocks`` measured on this machine by running ``step`` (one forward)."""
+    measured = measure_blocks(blocks, step, device, repeats=repeats, max_repeats=max_repeats)
+    bandwidth = h2d_gbps if h2d_gbps is not None else measure_h2d_gbps(device)
+    activation = activation_reserve if activation_reserve is not None else (measured.activation_bytes or 0)
+    costs = BlockCosts(measured.block_ms, tuple(block_bytes), bandwidth, other_ms=measured.other_ms,
+                       activation_bytes=activation, overlap=device.type == "cuda", calibrated=True)
+    logger.info("calibrated %d blocks: step %.3f ms (spread %.0f %% over %d repeats), compute %.3f ms, H2D %.1f GB/s",
+                len(blocks), measured.step_ms, 100 * measured.spread, measured.repeats, costs.total_compute_ms(),
+                bandwidth)
+    return costs, measured
+
+
+__all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
+           "cached_h2d_gbps", "calibrate_costs", "measure_blocks", "measure_h2d_gbps", "spread_of"]

@@ -1,0 +1,352 @@
+"""Section budgets: the residency planner under device budgets, against a grid search and the ideal.
+
+Per workload (W1-W4, and the diffusers Wan-1.3B and Flux-8 architectures when diffusers is importable):
+
+1. A resident forward gives the reference output and the compute time; a calibration step (the
+   engine at depth 1, every block offloaded) gives the planner its cost table: per-block compute from
+   events, the activation peak, bytes from the engine, and the run's peak H2D bandwidth.
+2. For each budget (0, 25, 50, 75 and 100 % of the block bytes on top of the least offload can run in:
+   two slots of the largest block plus the measured activation reserve; and ``"auto"``) the planner's
+   plan runs against a grid of (resident set, depth): for each depth 1..3 the most evenly spread blocks
+   that fit, plus today's ``resident_blocks=N`` (the first N) at depth 1. Every configuration is alive at
+   once and timed in interleaved rounds (``benchmarks.interleave``); the planner's row reports its median
+   over the best grid configuration's (target <= 1.03), over the ideal max(compute, non-resident bytes /
+   peak H2D) (target <= 1.05), over today's floor max(compute, all block bytes / peak H2D) (at 50 % on
+   W1 and W4: target <= 0.55), the per-round spread, its peak device memory measured alone (must stay
+   within the budget), and bit-equality with the resident output.
+3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
+   beyond 2 %.
+
+Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
+only bit-equality and the planner's choice mean anything; memory, ideal and floor columns need CUDA.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.dit_workloads import dit_workloads
+from benchmarks.interleave import run_interleaved
+from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, offload_api
+from benchmarks.workloads import Workload, move_non_block_modules, stack_workload
+
+TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEPTHS = (1, 2, 3)
+TARGET_X_BEST = 1.03
+TARGET_X_IDEAL = 1.05
+TARGET_X_FLOOR = 0.55  # at 50 % on W1 and W4
+TARGET_DEPTH = 1.02
+FLOOR_WORKLOADS = ("W1", "W4")
+
+TABLES = {
+    "budgets": Table(
+        title="Budgets: planner's plan vs the best grid configuration (interleaved rounds), median ms",
+        columns=[
+            Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
+            Column("plan", "plan"), Column("predicted_ms", "pred ms", ".2f"), Column("ms", "ms", ".2f"),
+            Column("spread", "spread", ".1%"), Column("best", "best grid"), Column("x_best", "x best", ".3f"),
+            Column("x_ideal", "x ideal", ".3f"), Column("x_floor", "x floor", ".3f"),
+            Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
+            Column("pass", "pass"),
+        ],
+    ),
+    "depth": Table(
+        title="Prefetch depth, every block offloaded (interleaved rounds): median ms and ratio to depth 1",
+        columns=[
+            Column("workload", "workload"), Column("depth", "depth"), Column("ms", "ms", ".2f"),
+            Column("x_depth1", "x depth 1", ".3f"), Column("ratio_lo", "lowest", ".3f"),
+            Column("ratio_hi", "highest", ".3f"), Column("pass", "pass"),
+        ],
+    ),
+}
+
+
+def _workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
+    keys = ("W1", "W4") if ctx.quick else ("W1", "W2", "W3", "W4")
+    items: list[tuple[str, Workload | None, str]] = []
+    for key in keys:
+        workload = stack_workload(key, cpu=not ctx.cuda)
+        items.append((workload.name, workload, ""))
+    return items + dit_workloads(cpu=not ctx.cuda)
+
+
+class Config:
+    """One offload configuration of its own model copy, alive for the rounds of one budget."""
+
+    def __init__(self, ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict],
+                 enable_kwargs: dict[str, Any]) -> None:
+        enable, _ = offload_api()
+        self.ctx = ctx
+        self.workload = workload
+        self.model = copy.deepcopy(master)
+        move_non_block_modules(self.model, ctx.device)
+        self.args, self.kwargs = inputs
+        self.base = _allocated(ctx)  # device bytes before this configuration existed
+        _reset_peak(ctx)
+        self.group = enable(self.model, device=ctx.device, **enable_kwargs)
+        first = self.forward()  # the first forward allocates the slots (and loads block 0 synchronously)
+        self.first = workload.output(first).detach().to("cpu", copy=True)
+        del first
+        self.peak_bytes = (_peak(ctx) - self.base) if ctx.cuda else None
+
+    def forward(self) -> Any:
+        with torch.inference_mode():
+            return self.model(*self.args, **self.kwargs)
+
+    def timer(self, iters: int) -> Callable[[], list[float]]:
+        return lambda: self.ctx.time_ms(self.forward, warmup=1, iters=iters)
+
+    def bit_equal(self, reference: torch.Tensor) -> bool:
+        last = self.workload.output(self.forward()).detach().to("cpu", copy=True)
+        return bool(torch.equal(self.first, reference) and torch.equal(last, reference))
+
+    def close(self) -> None:
+        _, disable = offload_api()
+        if self.group is not None:
+            disable(self.model, device="cpu")
+        self.model = None  # type: ignore[assignment]
+        self.group = None
+
+
+def _allocated(ctx: Context) -> int:
+    if not ctx.cuda:
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _reset_peak(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(ctx: Context) -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def _spread_set(n: int, count: int) -> tuple[int, ...]:
+    """``count`` block indices evenly spread over ``n`` (the grid's own, independent of the planner's)."""
+    return tuple(sorted({min(n - 1, (2 * i + 1) * n // (2 * count)) for i in range(count)})) if count > 0 else ()
+
+
+def _fits(costs: Any, resident: tuple[int, ...], depth: int, budget: int) -> bool:
+    off = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
+    need = sum(costs.block_bytes[b] for b in resident) + ((depth + 1) * max(off) if off else 0) + costs.activation_bytes
+    return need <= budget
+
+
+def grid(costs: Any, budget: int) -> dict[str, dict[str, Any]]:
+    """The grid's configurations for ``budget``: most spread resident blocks that fit, per depth; first-N."""
+    n = costs.blocks
+    configs: dict[str, dict[str, Any]] = {}
+    for depth in DEPTHS:
+        for count in range(n, -1, -1):
+            chosen = _spread_set(n, count)
+            if _fits(costs, chosen, depth, budget):
+                configs[f"spread{count}/d{depth}"] = {"resident_blocks": chosen, "prefetch_depth": depth}
+                break
+    for count in range(n, -1, -1):
+        if _fits(costs, tuple(range(count)), 1, budget):
+            configs[f"first{count}/d1"] = {"resident_blocks": count, "prefetch_depth": 1}
+            break
+    return configs
+
+
+def _calibrate(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict],
+               peak: float | None) -> Any:
+    config = Config(ctx, master, workload, inputs, {"prefetch_depth": 1})
+    try:
+        costs = config.group.calibrate(config.forward, replan=False, h2d_gbps=peak)
+    finally:
+        config.close()
+    return costs
+
+
+def _plan_for(ctx: Context, budget: int | str, costs: Any, master: nn.Module) -> tuple[Any, int]:
+    from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning.layout import resolve_layout
+
+    if budget != "auto":
+        return plan_offload(costs, int(budget)), int(budget)
+    blocks = next(c for c in master.children() if isinstance(c, nn.ModuleList))
+    plan = resolve_layout(list(blocks), ctx.device, "blocks", resident_blocks="auto", prefetch_depth="auto",
+                          device_budget="auto", activation_reserve=costs.activation_bytes, costs=costs).plan
+    return plan, plan.device_budget
+
+
+def _is_plan(kwargs: dict[str, Any], plan: Any) -> bool:
+    resident = kwargs["resident_blocks"]
+    resident = tuple(resident) if isinstance(resident, tuple) else tuple(range(resident))
+    return kwargs["prefetch_depth"] == plan.prefetch_depth and resident == plan.resident
+
+
+def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Module, workload: Workload,
+                inputs: tuple[tuple, dict], reference: torch.Tensor) -> dict[str, Any]:
+    """The plan and the grid for ``budget``, all alive, timed in interleaved rounds."""
+    live: dict[str, Config] = {}
+    try:
+        live["plan"] = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
+        for name, kwargs in grid(costs, budget).items():
+            if not _is_plan(kwargs, plan):
+                live[name] = Config(ctx, master, workload, inputs, kwargs)
+        rounds = run_interleaved({name: config.timer(ctx.iters(6, quick=5)) for name, config in live.items()},
+                                 rounds=4 if ctx.quick else 6)
+        best = min(live, key=rounds.median_ms)
+        return {"budget_mib": budget / MiB, "plan": f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
+                "resident": list(plan.resident), "predicted_ms": plan.predicted_step_ms, "ms": rounds.median_ms("plan"),
+                "spread": rounds.spread("plan"), "best": best, "best_ms": rounds.median_ms(best),
+                "x_best": rounds.ratio("plan", best), "x_best_range": rounds.ratio_spread("plan", best),
+                "rounds": rounds.as_dict(), "why": plan.why, "bit_equal": live["plan"].bit_equal(reference)}
+    finally:
+        for config in live.values():
+            config.close()
+        free_memory()
+
+
+def _judge(ctx: Context, row: dict[str, Any], plan: Any, budget: int, label: str, workload: Workload,
+           shared: dict[str, Any]) -> dict[str, Any]:
+    checks = [row["x_best"] <= TARGET_X_BEST, row["bit_equal"]]
+    if row.get("mem_ok") is not None:
+        checks.append(row["mem_ok"])
+    peak_gbps = shared.get("peak_gbps")
+    if ctx.cuda and peak_gbps:
+        compute = shared["resident_ms"]
+        moved = sum(b for i, b in enumerate(shared["block_bytes"]) if i not in set(plan.resident))
+        ideal = max(compute, moved / (peak_gbps * GB) * 1e3)
+        floor = max(compute, sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
+        row.update(ideal_ms=ideal, x_ideal=row["ms"] / ideal, floor_ms=floor, x_floor=row["ms"] / floor)
+        checks.append(row["x_ideal"] <= TARGET_X_IDEAL)
+        if label == "50%" and workload.name in FLOOR_WORKLOADS:
+            checks.append(row["x_floor"] <= TARGET_X_FLOOR)
+    row["pass"] = all(checks) if ctx.cuda else None
+    return row
+
+
+def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict]) -> None:
+    holder: dict[str, Any] = {}
+
+    def measure() -> dict[str, Any]:
+        live = {f"d{k}": Config(ctx, master, workload, inputs, {"prefetch_depth": k}) for k in DEPTHS}
+        holder["live"] = live
+        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
+                                 rounds=4 if ctx.quick else 6)
+        return {"rounds": rounds}
+
+    def cleanup() -> None:
+        for config in holder.pop("live", {}).values():
+            config.close()
+
+    result = ctx.run_row("depth", {"workload": workload.name, "depth": "sweep"}, measure, cleanup)
+    if result is None:
+        return
+    rounds = result["rounds"]
+    for k in DEPTHS:
+        name = f"d{k}"
+        lo, hi = rounds.ratio_spread(name, "d1")
+        ratio = rounds.ratio(name, "d1")
+        ctx.run_row("depth", {"workload": workload.name, "depth": k},
+                    lambda name=name, ratio=ratio, lo=lo, hi=hi: {
+                        "ms": rounds.median_ms(name), "x_depth1": ratio, "ratio_lo": lo, "ratio_hi": hi,
+                        "spread": rounds.spread(name),
+                        "pass": (ratio <= TARGET_DEPTH) if ctx.cuda else None})
+
+
+def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
+    shared: dict[str, Any] = {}
+    name = workload.name
+    try:
+        master = workload.build_host()
+        inputs = workload.make_inputs(ctx.device)
+        blocks = next(c for c in master.children() if isinstance(c, nn.ModuleList))
+        shared["block_bytes"] = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
+        reference_model = copy.deepcopy(master).to(ctx.device)
+        with torch.inference_mode():
+            shared["reference"] = workload.output(reference_model(*inputs[0], **inputs[1])).detach().to("cpu", copy=True)
+            times = ctx.time_ms(lambda: reference_model(*inputs[0], **inputs[1]), warmup=1, iters=ctx.iters(6, quick=5))
+        shared["resident_ms"] = statistics.median(times)
+        del reference_model
+        free_memory()
+        shared["peak_gbps"] = peak
+        costs = _calibrate(ctx, master, workload, inputs, peak)
+    except Exception as error:
+        for label in [f"{int(f * 100)}%" for f in FRACTIONS] + ["auto"]:
+            ctx.skip("budgets", {"workload": name, "budget": label}, f"setup failed: {type(error).__name__}: {error}")
+        return
+    total = sum(costs.block_bytes)
+    least = 2 * max(costs.block_bytes) + costs.activation_bytes
+    budgets: list[tuple[str, int | str]] = [(f"{int(f * 100)}%", least + int(f * total)) for f in FRACTIONS]
+    budgets.append(("auto", "auto"))
+    if not ctx.cuda:
+        ctx.note(f"{name}: calibrated compute {costs.total_compute_ms():.2f} ms, host memcpy {costs.h2d_gbps:.1f} GB/s")
+    for label, budget in budgets:
+        def row(label: str = label, budget: int | str = budget) -> dict[str, Any]:
+            plan, budget_bytes = _plan_for(ctx, budget, costs, master)
+            result = _interleave(ctx, plan, budget_bytes, costs, master, workload, inputs, shared["reference"])
+            if ctx.cuda:
+                peak = _isolated_peak(ctx, master, workload, inputs, plan, budget_bytes)
+                result.update(peak_mib=peak / MiB, mem_ok=peak <= budget_bytes)
+            return _judge(ctx, result, plan, budget_bytes, label, workload, shared)
+
+        ctx.run_row("budgets", {"workload": name, "budget": label}, row)
+    _depth_rows(ctx, master, workload, inputs)
+    del master
+    free_memory()
+
+
+def _isolated_peak(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], plan: Any,
+                   budget: int) -> int:
+    """Peak device bytes of the plan's configuration over enable and four forwards, nothing else alive."""
+    free_memory()
+    config = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
+    try:
+        worst = config.peak_bytes or 0
+        for _ in range(3):
+            _reset_peak(ctx)
+            config.forward()
+            worst = max(worst, _peak(ctx) - config.base)
+        return worst
+    finally:
+        config.close()
+
+
+def run(ctx: Context) -> None:
+    try:
+        offload_api()
+        from fastoffload_ext.planning import plan_offload  # noqa: F401
+    except ImportError as error:
+        ctx.note(f"section skipped: {error}")
+        return
+    peak: float | None = None
+    if ctx.cuda:
+        from benchmarks.forward import peak_h2d_gbps
+        peak = peak_h2d_gbps(ctx)
+    else:
+        ctx.note("no CUDA device: scaled-down models on the host (device='cpu'); the planner's choice and bit-equality "
+                 "are checked, peak memory, ideal and floor need a GPU and are left out; host timings are indicative")
+    for name, workload, reason in _workloads(ctx):
+        if workload is None:
+            ctx.skip("budgets", {"workload": name, "budget": "all"}, reason)
+            continue
+        _run_workload(ctx, workload, peak)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row.get("budget") is not None and row.get("x_best") is not None:
+            lines.append(f"{row['workload']} {row['budget']}: plan {row.get('plan')} {row['ms']:.2f} ms = "
+                         f"{row['x_best']:.3f}x best grid ({row.get('best')})"
+                         + (f", {row['x_ideal']:.3f}x ideal, {row['x_floor']:.3f}x floor" if row.get("x_ideal") else "")
+                         + (f", pass {row['pass']}" if row.get("pass") is not None else ""))
+        elif row.get("depth") in DEPTHS[1:] and row.get("x_depth1") is not None:
+            lines.append(f"{row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1 "
+                         f"(rounds {row['ratio_lo']:.3f}..{row['ratio_hi']:.3f})")
+    return lines
