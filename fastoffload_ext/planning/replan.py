@@ -19,17 +19,17 @@ from typing import Any
 
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs
-from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes
+from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
 from fastoffload_ext.planning.planner import plan_offload
 
 logger = logging.getLogger(__name__)
 
 
 def _block_bytes(group: Any) -> list[int]:
-    """Each block's packed bytes: the host copy for offloaded blocks, the parameters for resident ones."""
+    """Each block's packed bytes (what a copy moves), from the host copy when the block is offloaded."""
     sizes = [module_packed_bytes(block) for block in group.blocks]
     for index, state in zip(group.offloaded_indices, group.states):
-        sizes[index] = int(state.host_bytes())
+        sizes[index] = packed_bytes([t.numel() * t.element_size() for t in state.cpu_named_parameters.values()])
     return sizes
 
 
