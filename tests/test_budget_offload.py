@@ -150,11 +150,11 @@ def test_replan_to_another_layout_reapplies_and_the_old_group_is_refused(backend
     model, reference, x = _setup("cpu")
     group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES)
     first = group.resident
-    # Measured costs of a compute-bound model: every copy hides behind compute, nothing needs to stay.
-    costs = BlockCosts([5.0] * N, [BLOCK_BYTES] * N, 50.0)
+    # A table in which blocks 0-2 are half the size: all six fit in five full blocks of budget.
+    costs = BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3)
     fresh = group.replan(costs)
     assert fresh is fo.get_offload_group(model) and fresh is not group
-    assert len(first) == 3 and fresh.resident == () and fresh.prefetch_depth == 1
+    assert first == (0, 1, 2) and fresh.resident == tuple(range(N))  # 4.5 blocks of bytes fit the budget
     assert fresh.plan.calibrated and fresh.plan.device_bytes <= 5 * BLOCK_BYTES and fresh.costs == costs
     _run_exactly(model, reference, x)
     message = ("fastoffload: this offload group is no longer the one on its model (offload was disabled or "

@@ -3,8 +3,10 @@
 It is a pure function of its inputs. Every candidate (resident set, depth) is scored by the pipeline
 simulation (``simulate.py``) and must fit: resident bytes + (depth + 1) slots of the largest offloaded
 block + the activation reserve within the device budget, and the offloaded blocks' host copies within
-the host budget. The fastest predicted candidate wins; equal predictions go to the one that holds less
-device memory, then to more resident blocks (fewer hooks), then to the shallower prefetch.
+the host budget. The fastest predicted candidate wins. Equal predictions go to the one that keeps more
+bytes resident (what the simulation leaves out, the per-block hook cost and the copies' pressure on
+memory bandwidth, only ever favours residency), then to less device memory, then to the shallower
+prefetch.
 
 Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
 count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
@@ -142,8 +144,7 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
     regime = "transfer-bound" if copy_ms > compute else "compute-bound"
     parts = [f"{regime}: compute {compute:.3f} ms vs copies of the offloaded bytes {copy_ms:.3f} ms"]
     if regime == "compute-bound" and not plan_resident:
-        parts.append("every copy hides behind compute, so no block needs to stay resident and the budget is "
-                     "left free")
+        parts.append("every copy hides behind compute")
     elif plan_resident:
         parts.append(f"{len(plan_resident)} resident blocks cut the copied bytes"
                      + (" and are spread so each remaining copy hides behind the compute before it"
@@ -195,13 +196,13 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
                                                                  exhaustive_limit=exhaustive_limit)
         for chosen in sets:
-            _, _, device, host = _memory(costs, chosen, depth)
+            resident_bytes, _, device, host = _memory(costs, chosen, depth)
             if (device_budget is not None and device > device_budget) or (host_budget is not None
                                                                           and host > host_budget):
                 continue
             scored += 1
             ms = _score(costs, chosen, depth, cyclic)
-            key = (round(ms / _TIE_MS) * _TIE_MS, device, -len(chosen), depth, tuple(sorted(chosen)))
+            key = (round(ms / _TIE_MS) * _TIE_MS, -resident_bytes, device, depth, tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:
