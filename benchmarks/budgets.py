@@ -17,6 +17,7 @@ Per workload (W1-W4, and the diffusers Wan-1.3B and Flux-8 architectures when di
 3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
    beyond 2 %.
 
+``--quick``: W1 and W4 (and the diffusers models), budgets 0, 50 and 100 % and "auto", four rounds.
 Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
 only bit-equality and the planner's choice mean anything; memory, ideal and floor columns need CUDA.
 """
@@ -37,6 +38,7 @@ from benchmarks.workloads import Workload, move_non_block_modules, stack_workloa
 
 TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+QUICK_FRACTIONS = (0.0, 0.5, 1.0)
 DEPTHS = (1, 2, 3)
 TARGET_X_BEST = 1.03
 TARGET_X_IDEAL = 1.05
@@ -143,20 +145,30 @@ def _fits(costs: Any, resident: tuple[int, ...], depth: int, budget: int) -> boo
     return need <= budget
 
 
+def _key(resident: tuple[int, ...], depth: int, n: int) -> tuple[tuple[int, ...], int]:
+    """Configurations that run the same: every block resident makes the depth irrelevant."""
+    return (resident, depth if len(resident) < n else 0)
+
+
 def grid(costs: Any, budget: int) -> dict[str, dict[str, Any]]:
     """The grid's configurations for ``budget``: most spread resident blocks that fit, per depth; first-N."""
     n = costs.blocks
     configs: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[tuple[int, ...], int]] = set()
+
+    def add(name: str, resident: tuple[int, ...], depth: int, spec: Any) -> None:
+        key = _key(resident, depth, n)
+        if key not in seen:
+            seen.add(key)
+            configs[name] = {"resident_blocks": spec, "prefetch_depth": depth}
+
     for depth in DEPTHS:
-        for count in range(n, -1, -1):
-            chosen = _spread_set(n, count)
-            if _fits(costs, chosen, depth, budget):
-                configs[f"spread{count}/d{depth}"] = {"resident_blocks": chosen, "prefetch_depth": depth}
-                break
-    for count in range(n, -1, -1):
-        if _fits(costs, tuple(range(count)), 1, budget):
-            configs[f"first{count}/d1"] = {"resident_blocks": count, "prefetch_depth": 1}
-            break
+        count = next((c for c in range(n, -1, -1) if _fits(costs, _spread_set(n, c), depth, budget)), None)
+        if count is not None:  # None: not even every block offloaded fits at this depth
+            add(f"spread{count}/d{depth}", _spread_set(n, count), depth, _spread_set(n, count))
+    count = next((c for c in range(n, -1, -1) if _fits(costs, tuple(range(c)), 1, budget)), None)
+    if count is not None:
+        add(f"first{count}/d1", tuple(range(count)), 1, count)
     return configs
 
 
@@ -182,29 +194,43 @@ def _plan_for(ctx: Context, budget: int | str, costs: Any, master: nn.Module) ->
     return plan, plan.device_budget
 
 
-def _is_plan(kwargs: dict[str, Any], plan: Any) -> bool:
+def _resident_of(kwargs: dict[str, Any]) -> tuple[int, ...]:
     resident = kwargs["resident_blocks"]
-    resident = tuple(resident) if isinstance(resident, tuple) else tuple(range(resident))
-    return kwargs["prefetch_depth"] == plan.prefetch_depth and resident == plan.resident
+    return tuple(resident) if isinstance(resident, tuple) else tuple(range(resident))
 
 
 def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Module, workload: Workload,
                 inputs: tuple[tuple, dict], reference: torch.Tensor) -> dict[str, Any]:
-    """The plan and the grid for ``budget``, all alive, timed in interleaved rounds."""
+    """The plan and the grid for ``budget``, all alive, timed in interleaved rounds.
+
+    The plan's configuration is built first, with nothing else of this budget alive, and its peak device
+    memory is taken then: over enable, the first forward (synchronous load of block 0) and two more.
+    """
     live: dict[str, Config] = {}
+    result: dict[str, Any] = {}
     try:
-        live["plan"] = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
+        config = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
+        live["plan"] = config
+        if ctx.cuda:
+            worst = config.peak_bytes or 0
+            for _ in range(2):
+                _reset_peak(ctx)
+                config.forward()
+                worst = max(worst, _peak(ctx) - config.base)
+            result.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
+        mine = _key(plan.resident, plan.prefetch_depth, plan.blocks)
         for name, kwargs in grid(costs, budget).items():
-            if not _is_plan(kwargs, plan):
+            if _key(_resident_of(kwargs), kwargs["prefetch_depth"], plan.blocks) != mine:
                 live[name] = Config(ctx, master, workload, inputs, kwargs)
-        rounds = run_interleaved({name: config.timer(ctx.iters(6, quick=5)) for name, config in live.items()},
+        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
                                  rounds=4 if ctx.quick else 6)
         best = min(live, key=rounds.median_ms)
-        return {"budget_mib": budget / MiB, "plan": f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
-                "resident": list(plan.resident), "predicted_ms": plan.predicted_step_ms, "ms": rounds.median_ms("plan"),
-                "spread": rounds.spread("plan"), "best": best, "best_ms": rounds.median_ms(best),
-                "x_best": rounds.ratio("plan", best), "x_best_range": rounds.ratio_spread("plan", best),
-                "rounds": rounds.as_dict(), "why": plan.why, "bit_equal": live["plan"].bit_equal(reference)}
+        result.update(budget_mib=budget / MiB, plan=f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
+                      resident=list(plan.resident), predicted_ms=plan.predicted_step_ms, ms=rounds.median_ms("plan"),
+                      spread=rounds.spread("plan"), best=best, best_ms=rounds.median_ms(best),
+                      x_best=rounds.ratio("plan", best), x_best_range=rounds.ratio_spread("plan", best),
+                      rounds=rounds.as_dict(), why=plan.why, bit_equal=live["plan"].bit_equal(reference))
+        return result
     finally:
         for config in live.values():
             config.close()
@@ -231,32 +257,27 @@ def _judge(ctx: Context, row: dict[str, Any], plan: Any, budget: int, label: str
 
 
 def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict]) -> None:
-    holder: dict[str, Any] = {}
-
-    def measure() -> dict[str, Any]:
-        live = {f"d{k}": Config(ctx, master, workload, inputs, {"prefetch_depth": k}) for k in DEPTHS}
-        holder["live"] = live
+    live: dict[str, Config] = {}
+    try:
+        for k in DEPTHS:
+            live[f"d{k}"] = Config(ctx, master, workload, inputs, {"prefetch_depth": k})
         rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
                                  rounds=4 if ctx.quick else 6)
-        return {"rounds": rounds}
-
-    def cleanup() -> None:
-        for config in holder.pop("live", {}).values():
-            config.close()
-
-    result = ctx.run_row("depth", {"workload": workload.name, "depth": "sweep"}, measure, cleanup)
-    if result is None:
+    except Exception as error:  # the sweep's rows say why instead of taking the section down
+        for k in DEPTHS:
+            ctx.skip("depth", {"workload": workload.name, "depth": k}, f"sweep failed: {type(error).__name__}: {error}")
         return
-    rounds = result["rounds"]
+    finally:
+        for config in live.values():
+            config.close()
+        free_memory()
     for k in DEPTHS:
         name = f"d{k}"
-        lo, hi = rounds.ratio_spread(name, "d1")
         ratio = rounds.ratio(name, "d1")
-        ctx.run_row("depth", {"workload": workload.name, "depth": k},
-                    lambda name=name, ratio=ratio, lo=lo, hi=hi: {
-                        "ms": rounds.median_ms(name), "x_depth1": ratio, "ratio_lo": lo, "ratio_hi": hi,
-                        "spread": rounds.spread(name),
-                        "pass": (ratio <= TARGET_DEPTH) if ctx.cuda else None})
+        lo, hi = rounds.ratio_spread(name, "d1")
+        figures = {"ms": rounds.median_ms(name), "x_depth1": ratio, "ratio_lo": lo, "ratio_hi": hi,
+                   "spread": rounds.spread(name), "pass": (ratio <= TARGET_DEPTH) if ctx.cuda else None}
+        ctx.run_row("depth", {"workload": workload.name, "depth": k}, lambda figures=figures: figures)
 
 
 def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
@@ -282,7 +303,8 @@ def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
         return
     total = sum(costs.block_bytes)
     least = 2 * max(costs.block_bytes) + costs.activation_bytes
-    budgets: list[tuple[str, int | str]] = [(f"{int(f * 100)}%", least + int(f * total)) for f in FRACTIONS]
+    fractions = QUICK_FRACTIONS if ctx.quick else FRACTIONS
+    budgets: list[tuple[str, int | str]] = [(f"{int(f * 100)}%", least + int(f * total)) for f in fractions]
     budgets.append(("auto", "auto"))
     if not ctx.cuda:
         ctx.note(f"{name}: calibrated compute {costs.total_compute_ms():.2f} ms, host memcpy {costs.h2d_gbps:.1f} GB/s")
@@ -290,31 +312,12 @@ def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
         def row(label: str = label, budget: int | str = budget) -> dict[str, Any]:
             plan, budget_bytes = _plan_for(ctx, budget, costs, master)
             result = _interleave(ctx, plan, budget_bytes, costs, master, workload, inputs, shared["reference"])
-            if ctx.cuda:
-                peak = _isolated_peak(ctx, master, workload, inputs, plan, budget_bytes)
-                result.update(peak_mib=peak / MiB, mem_ok=peak <= budget_bytes)
             return _judge(ctx, result, plan, budget_bytes, label, workload, shared)
 
         ctx.run_row("budgets", {"workload": name, "budget": label}, row)
     _depth_rows(ctx, master, workload, inputs)
     del master
     free_memory()
-
-
-def _isolated_peak(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], plan: Any,
-                   budget: int) -> int:
-    """Peak device bytes of the plan's configuration over enable and four forwards, nothing else alive."""
-    free_memory()
-    config = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
-    try:
-        worst = config.peak_bytes or 0
-        for _ in range(3):
-            _reset_peak(ctx)
-            config.forward()
-            worst = max(worst, _peak(ctx) - config.base)
-        return worst
-    finally:
-        config.close()
 
 
 def run(ctx: Context) -> None:
