@@ -63,7 +63,8 @@ def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | s
                                                  "; or pass a collection of block indices, or 'auto'"))
 
 
-def _depth_spec(value: object) -> int | str | None:
+def check_prefetch_depth(value: object) -> int | str | None:
+    """``prefetch_depth`` as given: None, "auto" or an integer >= 0; raises on anything else."""
     if value is None or (isinstance(value, str) and value == AUTO):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -126,7 +127,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     """The resident set and depth enable should apply; raises OffloadConfigError before anything changes."""
     n = len(blocks)
     resident = _resident_spec(resident_blocks, n, list_name)
-    depth = _depth_spec(prefetch_depth)
+    depth = check_prefetch_depth(prefetch_depth)
     settings = {"device_budget": parse_size(device_budget, "device_budget"),
                 "host_budget": parse_size(host_budget, "host_budget"),
                 "activation_reserve": parse_size(activation_reserve, "activation_reserve", allow_auto=False)}
@@ -175,4 +176,4 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     return Layout(plan.resident, plan.prefetch_depth, plan, settings)
 
 
-__all__ = ["AUTO_RESERVE_FRACTION", "Layout", "default_costs", "resolve_layout"]
+__all__ = ["AUTO_RESERVE_FRACTION", "Layout", "check_prefetch_depth", "default_costs", "resolve_layout"]
