@@ -176,6 +176,20 @@ def test_replan_without_costs_is_refused() -> None:
     _finish(model, reference)
 
 
+def test_a_fixed_layout_is_not_replanned() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", resident_blocks=2)
+    costs = group.calibrate(lambda: model(x), repeats=3)  # measures, leaves the layout alone
+    assert fo.get_offload_group(model) is group and group.costs == costs and group.resident == (0, 1)
+    with pytest.raises(OffloadStateError, match=re.escape(
+            "fastoffload: this offload has a fixed layout (enabled without device_budget or 'auto'), so there is "
+            "nothing to re-plan; enable with device_budget=... or resident_blocks='auto' to let the planner choose")):
+        group.replan(costs)
+    assert not group.observe_step(1e9)
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
 def test_observe_step_flags_drift_beyond_the_tolerance() -> None:
     model, reference, _ = _setup("cpu")
     group = fo.enable_layerwise_offload(model, device="cpu", device_budget=4 * BLOCK_BYTES)

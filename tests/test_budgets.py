@@ -102,3 +102,45 @@ def test_cuda_free_memory_counts_the_allocator_cache() -> None:
     block = torch.empty(256 * 1024**2, dtype=torch.uint8, device=device)
     del block  # cached by torch's allocator, still usable by this process
     assert abs(memory.device_free_bytes(device) - before) < 64 * 1024**2
+
+
+def test_default_host_budget_refusal_names_what_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fastoffload_ext as fo
+    from fastoffload_ext.planning import layout
+
+    from ._models import make_pair
+
+    model, _ = make_pair(3)
+    small = memory.HostMemory(mem_available=1024, cgroup_headroom=None, cgroup_path=None, margin=0)
+    monkeypatch.setattr(layout, "probe_host", lambda: small)
+    # The blocks' own host bytes would count as free (packing frees them block by block): leave them out.
+    monkeypatch.setattr(layout, "_host_credit", lambda blocks: 0)
+    with pytest.raises(OffloadConfigError) as raised:
+        fo.enable_layerwise_offload(model, device="cpu")
+    assert str(raised.value) == (
+        "fastoffload: the offloaded blocks need 42.0 KiB of host memory, more than the host memory this process may "
+        "use (1.0 KiB); keep more blocks resident (resident_blocks, or a device_budget), free host memory, or raise "
+        "host_budget")
+    assert fo.get_offload_group(model) is None
+    # host_budget=None skips the check.
+    group = fo.enable_layerwise_offload(model, device="cpu", host_budget=None)
+    assert group is not None
+    fo.disable_layerwise_offload(model)
+
+
+def test_calibration_refusals() -> None:
+    from torch import nn
+
+    from fastoffload_ext.planning.calibration import measure_blocks
+
+    blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with pytest.raises(OffloadConfigError, match=re.escape(
+            "fastoffload: calibration needs 1 <= repeats <= max_repeats, got repeats=0, max_repeats=15")):
+        measure_blocks(blocks, lambda: None, torch.device("cpu"), repeats=0)
+    with pytest.raises(OffloadConfigError, match=re.escape(
+            "fastoffload: calibration step never ran block 1; the step must run one full forward of the offloaded "
+            "model")):
+        measure_blocks(blocks, lambda: blocks[0](torch.ones(2)), torch.device("cpu"), repeats=1, warmup=0)
+    # The timing hooks are gone again after a refusal.
+    from fastoffload_ext.engine.hooks import ModuleHookManager
+    assert all(ModuleHookManager.get_from(block) is None for block in blocks)

@@ -219,6 +219,11 @@ REFUSALS = [
         "planning.parse_size), got '1GiB'"), id="string_budget_to_the_pure_function"),
     pytest.param(dict(resident=[4]), re.escape(
         "fastoffload: resident block indices must be integers in 0..3, got [4]"), id="resident_index_out_of_range"),
+    pytest.param(dict(device_budget=10 * BLOCK, resident=[0], host_budget=BLOCK), re.escape(
+        "fastoffload: host_budget 100.0 MiB cannot hold the 300.0 MiB of pinned host copies that the 3 offloaded blocks "
+        "need; keep more blocks resident, or raise host_budget"), id="fixed_resident_over_host_budget"),
+    pytest.param(dict(max_depth=0), re.escape(
+        "fastoffload: plan_offload's max_depth must be an integer >= 1, got 0"), id="max_depth_zero"),
     pytest.param(dict(prefetch_depth=-1), re.escape(
         "fastoffload: plan_offload's prefetch_depth must be None or an integer >= 0, got -1"), id="negative_depth"),
 ]
@@ -230,6 +235,12 @@ def test_refusals(kwargs: dict, message: str) -> None:
         plan_offload(uniform(4, 1.0, activation=10 * MiB), **kwargs)
     assert re.fullmatch(message, str(raised.value)), str(raised.value)
     assert isinstance(raised.value, ValueError)
+
+
+def test_simulate_refuses_a_negative_depth() -> None:
+    with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: simulate_step's depth must be an integer >= 0, "
+                                                           "got -1")):
+        simulate_step(uniform(2, 1.0), [], -1)
 
 
 def test_bad_cost_tables() -> None:

@@ -66,16 +66,19 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
         raise OffloadStateError("fastoffload: nothing to re-plan from: call group.calibrate(step) first, or pass a "
                                 "BlockCosts table")
     old = group.plan
+    if old is None:
+        raise OffloadStateError("fastoffload: this offload has a fixed layout (enabled without device_budget or "
+                                "'auto'), so there is nothing to re-plan; enable with device_budget=... or "
+                                "resident_blocks='auto' to let the planner choose")
     settings = group.enable_kwargs
     reserve = settings.get("activation_reserve_bytes")
     if reserve is not None:
         table = table.with_activation_bytes(reserve)
     fixed_resident = settings.get("fixed_resident")
     fixed_depth = settings.get("fixed_depth")
-    new = plan_offload(table, old.device_budget if old is not None else None,
-                       host_budget=old.host_budget if old is not None else None, resident=fixed_resident,
+    new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
                        prefetch_depth=fixed_depth, cyclic=group.cyclic)
-    if old is not None and new.same_layout(old):
+    if new.same_layout(old):
         group.plan = new
         return group
     logger.info("re-planning %s: %s", group.list_name, new)

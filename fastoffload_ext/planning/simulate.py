@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Collection
 
+from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.costs import BlockCosts
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,9 @@ class _Pipeline:
 
     def run_offloaded(self, block: int, compute: float) -> tuple[float, float]:
         ring = self.ring
-        if block not in ring.where and not self.issue(block):
-            raise RuntimeError(f"simulated engine has no free slot for block {block}")
+        if block not in ring.where:
+            issued = self.issue(block)
+            assert issued, "one block runs at a time, so a slot that is not in use always exists"
         slot = ring.where[block]
         start = max(self.compute_at, ring.ready_at[slot])
         ring.state[slot] = _IN_USE
@@ -155,7 +157,7 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
                   steps: int = STEADY_STEPS) -> StepTimeline:
     """The steady-state step of the pipeline with ``resident`` blocks kept and ``depth`` copied ahead."""
     if depth < 0:
-        raise ValueError(f"depth must be >= 0, got {depth}")
+        raise OffloadConfigError(f"fastoffload: simulate_step's depth must be an integer >= 0, got {depth}")
     pipeline = _Pipeline(costs, resident, depth, cyclic)
     if not pipeline.offloaded:
         compute = costs.total_compute_ms()
