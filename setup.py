@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,18 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "fastoffload_ext"
-VERSION = "0.1.0"
+
+
+def read_version() -> str:
+    """The package version, written once in fastoffload_ext/__init__.py (pyproject.toml reads it too)."""
+    text = (ROOT / PACKAGE / "__init__.py").read_text()
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if found is None:
+        sys.exit(f"fastoffload_ext: no __version__ = \"...\" line in {PACKAGE}/__init__.py")
+    return found.group(1)
+
+
+VERSION = read_version()
 
 try:
     import torch
@@ -92,6 +104,12 @@ def choose_flavour() -> tuple[bool, str]:
 LINK_ARGS = ["-Wl,--no-as-needed", "-lstdc++", "-lrt"]
 
 
+# The decode kernel is plain integer work: one real architecture (Hopper) plus its PTX, which newer GPUs
+# compile at load time, keeps the build short. Naming -gencode here stops torch from adding one per
+# architecture of TORCH_CUDA_ARCH_LIST.
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+
+
 def _has_shared_libstdcxx(compiler: str) -> bool:
     """Whether ``compiler`` can link libstdc++ as a shared library.
 
@@ -129,11 +147,15 @@ def main() -> None:
     from torch.utils import cpp_extension
 
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    if with_cuda:
+        # Kernels (.cu) only in the CUDA build: the CPU-only build must not need nvcc.
+        sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
     cxx_flags = ["-O3", f"-DFASTOFFLOAD_TORCH_VERSION=\"{torch.__version__}\""]
     if with_cuda:
         cxx_flags.append("-DFASTOFFLOAD_WITH_CUDA=1")
         cxx_flags.append(f"-DFASTOFFLOAD_CUDA_VERSION=\"{torch.version.cuda}\"")
-        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},
+        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources,
+                                                 extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS},
                                                  extra_link_args=LINK_ARGS)
     else:
         extension = cpp_extension.CppExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},
@@ -159,14 +181,12 @@ def main() -> None:
             (ROOT / PACKAGE / "_build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
             super().run()
 
+    # name, version, dependencies and python_requires come from pyproject.toml's [project] table.
     setup(
-        name=PACKAGE,
-        version=VERSION,
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
         package_data={PACKAGE: ["py.typed", "_build_info.json", "_C.pyi"]},
         ext_modules=[extension],
         cmdclass={"build_ext": BuildWithRecord},
-        python_requires=">=3.10",
         zip_safe=False,
     )
 

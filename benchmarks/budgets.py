@@ -33,7 +33,7 @@ from torch import nn
 
 from benchmarks.dit_workloads import dit_workloads
 from benchmarks.interleave import run_interleaved
-from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, offload_api
+from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory
 from benchmarks.workloads import Workload, move_non_block_modules, stack_workload
 
 TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
@@ -83,7 +83,8 @@ class Config:
 
     def __init__(self, ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict],
                  enable_kwargs: dict[str, Any]) -> None:
-        enable, _ = offload_api()
+        from fastoffload_ext import enable_layerwise_offload
+
         self.ctx = ctx
         self.workload = workload
         self.model = copy.deepcopy(master)
@@ -91,7 +92,7 @@ class Config:
         self.args, self.kwargs = inputs
         self.base = _allocated(ctx)  # device bytes before this configuration existed
         _reset_peak(ctx)
-        self.group = enable(self.model, device=ctx.device, **enable_kwargs)
+        self.group = enable_layerwise_offload(self.model, device=ctx.device, **enable_kwargs)
         first = self.forward()  # the first forward allocates the slots (and loads block 0 synchronously)
         self.first = workload.output(first).detach().to("cpu", copy=True)
         del first
@@ -322,12 +323,6 @@ def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
 
 
 def run(ctx: Context) -> None:
-    try:
-        offload_api()
-        from fastoffload_ext.planning import plan_offload  # noqa: F401
-    except ImportError as error:
-        ctx.note(f"section skipped: {error}")
-        return
     peak: float | None = None
     if ctx.cuda:
         from benchmarks.forward import peak_h2d_gbps

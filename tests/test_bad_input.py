@@ -201,7 +201,7 @@ def _resolution_partial_step(env: Env) -> None:
     resolve({}, [functools.partial(_setter, value=True)])
 
 
-BLOCK_BYTES = module_packed_bytes(Block())  # 14.0 KiB: the rows' sizes below are multiples of it
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))  # 14.0 KiB: the rows' sizes below are multiples of it
 BUDGET_SHAPE = ("fastoffload: {what} must be None, a number of bytes, or a size such as '20GiB' or '512MB'{auto}; "
                 "got {value!r}")
 

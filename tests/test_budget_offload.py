@@ -18,7 +18,7 @@ from ._trees import has_hooks
 
 BACKENDS = ["ext", "python"]
 N = 6
-BLOCK_BYTES = module_packed_bytes(Block())
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))
 
 
 def _device(name: str) -> torch.device:

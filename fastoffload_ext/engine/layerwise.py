@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext import _backend
+from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
@@ -64,8 +65,9 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None, device_budget: int | str | None = None,
-                             host_budget: int | str | None = "auto", activation_reserve: int | str | None = None,
+                             process_group: Any = None, compress: bool | str = False,
+                             device_budget: int | str | None = None, host_budget: int | str | None = "auto",
+                             activation_reserve: int | str | None = None,
                              plan: OffloadPlan | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
@@ -94,6 +96,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
+            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
+            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
+            decided from the first steps' copy and compute times; False: raw copies. True is refused with
+            share_host_copy=True, and turns the default share_host_copy="auto" off.
         device_budget: device bytes this offload may hold (resident blocks + slots + activation
             reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
             (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
@@ -120,19 +127,20 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                  cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                  pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                  pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group, device_budget=device_budget, host_budget=host_budget,
-                                 activation_reserve=activation_reserve, plan=plan)
+                                 process_group=process_group, compress=compress, device_budget=device_budget,
+                                 host_budget=host_budget, activation_reserve=activation_reserve, plan=plan)
     _check_model(model, options)
     offloaded = options.offloaded
     was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
     engine = _build_engine(options)
     group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
                                   options.prefetch_depth, options.resident, options.cyclic, engine)
+    group.compress_mode = options.compress if engine is not None else "off"
     group.plan = options.plan
     group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
         backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
         allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
-        share_host_copy=share_host_copy, process_group=process_group, host_budget=host_budget,
+        share_host_copy=share_host_copy, process_group=process_group, compress=compress, host_budget=host_budget,
         activation_reserve=activation_reserve)}
     group.share = _negotiate_sharing(options, engine)
     _attach_blocks(group, options)
@@ -168,7 +176,10 @@ def _build_engine(options: OffloadOptions) -> Any:
     core = _backend.require_ext()
     index = -1 if options.device.type == "cpu" else options.device.index
     pool = core.PinnedPool(index, options.pin_backing, options.pinned_limit_bytes, options.allow_pageable_fallback, 0)
-    return core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    engine = core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    if options.compress != "off":
+        codec.configure_engine(engine, options.compress)
+    return engine
 
 
 def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:

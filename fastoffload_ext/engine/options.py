@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend
+from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
@@ -50,6 +50,7 @@ class OffloadOptions:
     pinned_limit_bytes: int  # 0: no limit
     share_host_copy: bool | str
     process_group: Any
+    compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
     plan: OffloadPlan | None = None  # the planner's plan behind ``resident``/``prefetch_depth``, if any
     settings: dict[str, Any] | None = None  # the budget arguments, resolved, for a later re-plan
 
@@ -132,8 +133,8 @@ def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_b
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
-                       device_budget: Any = None, host_budget: Any = "auto", activation_reserve: Any = None,
-                       plan: Any = None) -> OffloadOptions:
+                       compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
+                       activation_reserve: Any = None, plan: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
 
     The resident set and depth come from ``planning.layout``: as given without a budget, from the
@@ -145,9 +146,13 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                             prefetch_depth=prefetch_depth, device_budget=device_budget, host_budget=host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
     chosen = choose_backend(backend, device)
-    sharing.resolve(share_host_copy, chosen, process_group)
+    if compress is True and share_host_copy == "auto":
+        share_host_copy = False  # an explicit compress=True wins over sharing by default
+    sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
+    compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=layout.prefetch_depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group, plan=layout.plan, settings=layout.settings)
+                          process_group=process_group, compress=compress_mode, plan=layout.plan,
+                          settings=layout.settings)
