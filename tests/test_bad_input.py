@@ -29,9 +29,10 @@ from torch import nn
 
 import fastoffload_ext as fo
 from fastoffload_ext import LazyModule
+from fastoffload_ext.planning import BlockCosts, module_packed_bytes, plan_offload
 from fastoffload_ext.policy.resolution import DEFAULT_SCHEMA, UnknownPathError, resolve
 
-from ._models import make_pair, params_equal
+from ._models import Block, make_pair, params_equal
 from ._trees import has_hooks, mismatches, snapshot
 
 N_BLOCKS = 3
@@ -201,6 +202,16 @@ def _setter(view: Any, value: bool) -> dict[str, bool]:
 
 def _resolution_partial_step(env: Env) -> None:
     resolve({}, [functools.partial(_setter, value=True)])
+
+
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))  # 14.0 KiB: the rows' sizes below are multiples of it
+BUDGET_SHAPE = ("fastoffload: {what} must be None, a number of bytes, or a size such as '20GiB' or '512MB'{auto}; "
+                "got {value!r}")
+
+
+def _plan_for(blocks: int, resident: int) -> Any:
+    costs = BlockCosts([1.0] * blocks, [BLOCK_BYTES] * blocks, 1.0, overlap=False)
+    return plan_offload(costs, (resident + 2) * BLOCK_BYTES)
 
 
 # ---- what users do to an offloaded model --------------------------------------------------------
@@ -415,9 +426,9 @@ CASES = [
          ValueError, exact("device 'cuda:99' does not exist: 2 CUDA device(s) visible")),
     # Knobs of the wrong type or spelling.
     Case("prefetch_depth_true", lambda env: env.enable(prefetch_depth=True), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got True")),
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got True")),
     Case("prefetch_depth_string", lambda env: env.enable(prefetch_depth="2"), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got '2'")),
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got '2'")),
     Case("resident_blocks_true", lambda env: env.enable(resident_blocks=True), ValueError,
          exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got True")),
     Case("backend_upper_case", lambda env: env.enable(backend="EXT"), ValueError,
@@ -426,6 +437,50 @@ CASES = [
          exact("pin_backing must be one of 'host_alloc', 'register', 'pageable', got 'Register'")),
     Case("pinned_limit_bytes_negative-ext", lambda env: env.enable(backend="ext", pinned_limit_bytes=-1), ValueError,
          exact("pinned_limit_bytes must be None or an integer >= 0 (bytes), got -1")),
+    # Budgets and resident sets.
+    Case("device_budget_unparseable", lambda env: env.enable(device_budget="20 gigs"), ValueError,
+         exact(BUDGET_SHAPE.format(what="device_budget", auto=", or 'auto'", value="20 gigs"))),
+    Case("device_budget_negative", lambda env: env.enable(device_budget=-1), ValueError,
+         exact("fastoffload: device_budget must not be negative, got -1; pass a size such as '20GiB', or None for no "
+               "limit")),
+    Case("device_budget_below_two_slots", lambda env: env.enable(device_budget="20KiB"), ValueError,
+         exact("fastoffload: device_budget 20.0 KiB is smaller than what offload needs at least: 2 slots x 14.0 KiB "
+               "(the largest block) + 0 B activation reserve = 28.0 KiB. Raise device_budget to at least 28.0 KiB, "
+               "lower prefetch_depth, or lower activation_reserve")),
+    Case("device_budget_below_slots_and_reserve", lambda env: env.enable(device_budget="40KiB", activation_reserve="20KiB",
+                                                                          prefetch_depth=2), ValueError,
+         exact("fastoffload: device_budget 40.0 KiB is smaller than what offload needs at least: 3 slots x 14.0 KiB "
+               "(the largest block) + 20.0 KiB activation reserve = 62.0 KiB. Raise device_budget to at least 62.0 KiB, "
+               "lower prefetch_depth, or lower activation_reserve")),
+    Case("device_budget_under_the_given_resident_blocks", lambda env: env.enable(device_budget="40KiB", resident_blocks=2),
+         ValueError,
+         exact("fastoffload: device_budget 40.0 KiB is too small for 2 resident blocks (28.0 KiB) + 2 slots x 14.0 KiB "
+               "+ 0 B activation reserve = 56.0 KiB; keep fewer blocks resident, use resident_blocks='auto', or raise "
+               "device_budget")),
+    Case("host_budget_below_the_offloaded_blocks", lambda env: env.enable(host_budget="1KiB"), ValueError,
+         exact("fastoffload: the offloaded blocks need 42.0 KiB of host memory, more than host_budget (1.0 KiB); keep "
+               "more blocks resident (resident_blocks, or a device_budget), free host memory, or raise host_budget")),
+    Case("host_budget_unparseable", lambda env: env.enable(host_budget=[1]), ValueError,
+         exact(BUDGET_SHAPE.format(what="host_budget", auto=", or 'auto'", value=[1]))),
+    Case("activation_reserve_auto", lambda env: env.enable(device_budget="1MiB", activation_reserve="auto"), ValueError,
+         exact(BUDGET_SHAPE.format(what="activation_reserve", auto="", value="auto"))),
+    Case("resident_blocks_index_out_of_range", lambda env: env.enable(resident_blocks=[0, 7]), ValueError,
+         exact("fastoffload: resident_blocks indices must be integers in 0..2 (the blocks of 'blocks'), got [0, 7]")),
+    Case("resident_blocks_unknown_word", lambda env: env.enable(resident_blocks="first"), ValueError,
+         exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got 'first'; or pass a "
+               "collection of block indices, or 'auto'")),
+    Case("prefetch_depth_unknown_word", lambda env: env.enable(prefetch_depth="max"), ValueError,
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got 'max'")),
+    Case("plan_for_another_model", lambda env: env.enable(plan=_plan_for(5, 1)), ValueError,
+         exact("fastoffload: the plan was made for 5 blocks, but 'blocks' has 3; make a plan from this model's costs")),
+    Case("plan_and_resident_blocks", lambda env: env.enable(plan=_plan_for(3, 0), resident_blocks=1), ValueError,
+         exact("fastoffload: pass either plan= or resident_blocks/prefetch_depth, not both: the plan already sets "
+               "resident [] and depth 1")),
+    Case("plan_is_not_a_plan", lambda env: env.enable(plan={"resident": [0]}), ValueError,
+         exact("fastoffload: plan must be an OffloadPlan from plan_offload(), got dict")),
+    Case("plan_over_the_device_budget", lambda env: env.enable(plan=_plan_for(3, 0), device_budget="20KiB"), ValueError,
+         exact("fastoffload: the plan needs 28.0 KiB of device memory, more than device_budget 20.0 KiB; re-plan with "
+               "this budget")),
     # The string "false" is truthy: taken as True it would silently turn the wrap-around on.
     Case("cyclic_as_a_string", lambda env: env.enable(cyclic="false"), ValueError,
          exact("cyclic must be True or False, got 'false'")),

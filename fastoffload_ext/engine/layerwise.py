@@ -53,6 +53,7 @@ block and any other part of the model, is refused at enable with an error naming
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -71,27 +72,34 @@ from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_B
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
 
-def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resident_blocks: int | None = None,
-                             cyclic: bool = True, prefetch_depth: int = 1, backend: str = "auto",
+def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
+                             resident_blocks: int | Collection[int] | str | None = None,
+                             cyclic: bool = True, prefetch_depth: int | str | None = None, backend: str = "auto",
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None, compress: bool | str = False) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None, compress: bool | str = False,
+                             device_budget: int | str | None = None, host_budget: int | str | None = "auto",
+                             activation_reserve: int | str | None = None,
+                             plan: OffloadPlan | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
         model: the transformer. Its block list may be on the CPU or already on ``device``.
         is_replace: swap an existing offload hook on every block (FastVideo's flag); raises when there is
             none.
-        resident_blocks: keep the first N blocks on the device, never copied.
+        resident_blocks: blocks kept on the device, never copied: N (the first N), a collection of block
+            indices, or "auto" (the planner chooses). None: none without a budget, "auto" with one.
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
-        prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
-            A depth above the number of offloaded blocks is clamped to it (deeper copies nothing more).
+        prefetch_depth: how many offloaded blocks ahead are copied while a block runs (device slots:
+            depth + 1), or "auto". None: 1 without a budget, "auto" with one. A depth above the number
+            of offloaded blocks is clamped to it (deeper copies nothing more).
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -114,6 +122,19 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
             decided from the first steps' copy and compute times; False: raw copies. True is refused with
             share_host_copy=True, and turns the default share_host_copy="auto" off.
+        device_budget: device bytes this offload may hold (resident blocks + slots + activation
+            reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
+            (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
+            open; a budget nothing fits in is refused with the numbers. With device="cpu" it bounds the
+            host-as-device engine the same way.
+        host_budget: pinned host bytes the offloaded blocks may take, same forms. "auto" (default):
+            what this process may really use (cgroup v2 limit and MemAvailable, minus a margin); None:
+            no check.
+        activation_reserve: device bytes kept for activations inside ``device_budget`` (bytes or a
+            size). Default: the measured peak once ``group.calibrate`` ran, else 10 % of the free memory
+            for "auto" and 0 for a given budget.
+        plan: an :class:`OffloadPlan` from ``plan_offload`` to apply as it is (instead of
+            ``resident_blocks``/``prefetch_depth``); checked against ``device_budget`` when one is given.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -132,16 +153,25 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                                      cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                      pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                     process_group=process_group, compress=compress)
+                                     process_group=process_group, compress=compress, device_budget=device_budget,
+                                     host_budget=host_budget, activation_reserve=activation_reserve, plan=plan)
         _check_model(model, options)
         offloaded = options.offloaded
         was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
         engine = _build_engine(options)
         group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
-                                      options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+                                      options.prefetch_depth, options.resident, options.cyclic, engine)
         group.compress_mode = options.compress if engine is not None else "off"
+        group.plan = options.plan
+        group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
+            backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
+            allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+            share_host_copy=share_host_copy, process_group=process_group, compress=compress,
+            host_budget=host_budget, activation_reserve=activation_reserve)}
+        # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
+        first = options.offloaded_indices[0] if options.offloaded_indices else 0
         group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
-                                           options.resident_blocks, engine)
+                                           first, engine)
     except BaseException as error:
         rendezvous.fail(error)  # a no-op once the negotiation ran
         raise
@@ -153,10 +183,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
 
 def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     """Refusals that depend on the model: an offload already there (or none to replace), devices, ties."""
-    blocks, resident = options.blocks, options.resident_blocks
+    blocks, offloaded = options.blocks, options.offloaded_indices
     existing = get_offload_group(model)
     if options.is_replace:
-        first = blocks[resident] if resident < len(blocks) else None
+        first = blocks[offloaded[0]] if offloaded else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
             # FastVideo's exception and text: its callers catch and match them.
@@ -166,10 +196,11 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     elif existing is not None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
-    check_block_kinds(options.offloaded, options.list_name, resident)
+    for index in offloaded:
+        check_block_kinds([blocks[index]], options.list_name, index)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device)
-    check_tied_parameters(model, options.list_name, blocks, resident)
+    check_tied_parameters(model, options.list_name, blocks, set(offloaded))
 
 
 def _build_engine(options: OffloadOptions) -> Any:
@@ -276,8 +307,8 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
 
 def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions, was_on_cuda: bool) -> None:
     """Resident blocks to the device, the group onto the model."""
-    for block in list(options.blocks)[:options.resident_blocks]:
-        block.to(options.device)
+    for index in options.resident:
+        options.blocks[index].to(options.device)
     setattr(model, GROUP_ATTRIBUTE, group)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -307,8 +338,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
         if not manager.forward_hooks:
             ModuleHookManager.remove_from_manager(block)
     if target != group.device:
-        for block in list(group.blocks)[:group.resident_blocks]:
-            block.to(target)
+        for index in group.resident:
+            group.blocks[index].to(target)
         for state in group.states:
             for module in state.module_ref.modules():
                 for key, buffer in module.named_buffers(recurse=False):

@@ -7,9 +7,10 @@ other side would never see a change again, and disable would hand back two copie
 """
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Collection
 
 import torch
+from torch import nn
 
 from fastoffload_ext.errors import OffloadConfigError
 
@@ -42,10 +43,11 @@ def _tie_text(where: str, param: torch.Tensor, other_where: str, other: torch.Te
     return f"fastoffload: parameter {where} {relation} {other_where}"
 
 
-def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList, first_offloaded: int) -> None:
+def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList,
+                          offloaded_indices: Collection[int]) -> None:
     """Refuses storage shared by two offloaded blocks, or by an offloaded block and anything else."""
     owner: dict[tuple[object, ...], tuple[str, torch.Tensor]] = {}
-    for index in range(first_offloaded, len(blocks)):
+    for index in sorted(offloaded_indices):
         for name, param in blocks[index].named_parameters():
             where = f"{list_name}.{index}.{name}"
             key = storage_key(param)
@@ -62,7 +64,7 @@ def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLis
             continue
         if name.startswith(f"{list_name}."):
             index = int(name[len(list_name) + 1:].split(".", 1)[0])
-            if index >= first_offloaded:
+            if index in offloaded_indices:
                 continue
         other_where, other = owner[key]
         raise OffloadConfigError(_tie_text(name, param, other_where, other) + ", which would be offloaded: weights "

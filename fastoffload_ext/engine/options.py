@@ -17,6 +17,8 @@ from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
+from fastoffload_ext.planning.layout import check_prefetch_depth, resolve_layout
+from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class OffloadOptions:
     backend: str  # "ext" or "python": "auto" is decided here
     list_name: str
     blocks: nn.ModuleList
-    resident_blocks: int
+    resident: tuple[int, ...]  # indices of the blocks kept on the device, never hooked
     prefetch_depth: int
     cyclic: bool
     is_replace: bool
@@ -50,10 +52,17 @@ class OffloadOptions:
     share_host_copy: bool | str
     process_group: Any
     compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
+    plan: OffloadPlan | None = None  # the planner's plan behind ``resident``/``prefetch_depth``, if any
+    settings: dict[str, Any] | None = None  # the budget arguments, resolved, for a later re-plan
+
+    @property
+    def offloaded_indices(self) -> tuple[int, ...]:
+        resident = set(self.resident)
+        return tuple(i for i in range(len(self.blocks)) if i not in resident)
 
     @property
     def offloaded(self) -> list[nn.Module]:
-        return list(self.blocks)[self.resident_blocks:]
+        return [self.blocks[i] for i in self.offloaded_indices]
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
@@ -119,8 +128,7 @@ MAX_BYTES = 2**63 - 1
 
 def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_backing: Any) -> None:
     """The arguments that need nothing but themselves to be checked."""
-    if not _is_int(prefetch_depth) or prefetch_depth < 0:
-        raise OffloadConfigError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead), got {prefetch_depth!r}")
+    check_prefetch_depth(prefetch_depth)
     if not isinstance(cyclic, bool):
         raise OffloadConfigError(f"cyclic must be True or False, got {cyclic!r}")
     if pinned_limit_bytes is not None and (not _is_int(pinned_limit_bytes) or pinned_limit_bytes < 0):
@@ -154,32 +162,31 @@ def effective_prefetch_depth(prefetch_depth: int, offloaded_blocks: int) -> int:
     return prefetch_depth
 
 
-def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.ModuleList) -> int:
-    """The number of leading blocks kept on the device (None: 0)."""
-    count = 0 if resident_blocks is None else resident_blocks
-    if not _is_int(count) or not 0 <= count <= len(blocks):
-        raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
-                                 f"{list_name!r}, got {resident_blocks!r}")
-    return count
-
-
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
-                       compress: bool | str = False) -> OffloadOptions:
-    """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises."""
+                       compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
+                       activation_reserve: Any = None, plan: Any = None) -> OffloadOptions:
+    """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
+
+    The resident set and depth come from ``planning.layout``: as given without a budget, from the
+    planner with ``device_budget`` or ``"auto"`` (refused there when nothing fits).
+    """
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
     check_flags(is_replace, allow_pageable_fallback)
     list_name, blocks = find_block_list(model)
-    resident = check_resident_blocks(resident_blocks, list_name, blocks)
-    depth = effective_prefetch_depth(prefetch_depth, len(blocks) - resident)
+    layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
+                            prefetch_depth=prefetch_depth, device_budget=device_budget, host_budget=host_budget,
+                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
+    depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
     if compress is True and share_host_copy == "auto":
         share_host_copy = False  # an explicit compress=True wins over sharing by default
     sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
     compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
-    return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident_blocks=resident,
+    return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group, compress=compress_mode)
+                          process_group=process_group, compress=compress_mode, plan=layout.plan,
+                          settings=layout.settings)
