@@ -6,6 +6,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
+#include "disk_reader.h"
 #include "offload_engine.h"
 #include "pinned_pool.h"
 #include "shared_segment.h"
@@ -74,6 +75,55 @@ py::dict engine_stats(const OffloadEngine& engine) {
   return d;
 }
 
+py::dict reader_stats(const DiskReader& reader) {
+  const ReaderStats s = reader.stats();
+  py::dict d;
+  d["jobs"] = s.jobs;
+  d["chunks"] = s.chunks;
+  d["bytes_read"] = s.bytes_read;
+  d["direct_bytes"] = s.direct_bytes;
+  d["buffered_bytes"] = s.buffered_bytes;
+  d["busy_seconds"] = s.busy_seconds;
+  d["threads"] = reader.threads();
+  d["chunk_bytes"] = reader.chunk_bytes();
+  return d;
+}
+
+py::dict disk_stats(const OffloadEngine& engine) {
+  const DiskTierStats s = engine.disk_stats();
+  py::dict d;
+  d["reads"] = s.reads;
+  d["waits"] = s.waits;
+  d["wait_seconds"] = s.wait_seconds;
+  d["out_of_order"] = s.out_of_order;
+  d["staging_count"] = s.staging_count;
+  d["staging_bytes"] = s.staging_bytes;
+  return d;
+}
+
+// (file, offset, nbytes, dest_offset) tuples read into the uint8 CPU tensor `dest`, without the GIL.
+void reader_read(DiskReader& reader, const std::vector<std::tuple<size_t, uint64_t, size_t, size_t>>& spans,
+                 const at::Tensor& dest) {
+  TORCH_CHECK(dest.device().is_cpu() && dest.scalar_type() == at::kByte && dest.is_contiguous(),
+              "fastoffload: read() needs a contiguous uint8 CPU tensor as its destination, got ", dest.toString());
+  std::vector<FileRange> ranges;
+  ranges.reserve(spans.size());
+  for (const auto& [file, offset, nbytes, dest_offset] : spans) {
+    TORCH_CHECK(dest_offset + nbytes <= static_cast<size_t>(dest.numel()), "fastoffload: read() range of ",
+                std::to_string(nbytes), " bytes at ", std::to_string(dest_offset), " does not fit the ",
+                std::to_string(dest.numel()), "-byte destination");
+    FileRange range;
+    range.file = file;
+    range.offset = offset;
+    range.nbytes = nbytes;
+    range.dest_offset = dest_offset;
+    range.name = "<bytes>";
+    ranges.push_back(std::move(range));
+  }
+  uint8_t* data = dest.data_ptr<uint8_t>();
+  without_gil([&] { reader.read(std::move(ranges), data); });
+}
+
 }  // namespace
 }  // namespace fastoffload
 
@@ -129,6 +179,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
 
+  py::class_<DiskReader, std::shared_ptr<DiskReader>>(
+      m, "DiskReader", "Reads checkpoint byte ranges on threads of its own (O_DIRECT where allowed).")
+      .def(py::init([](size_t threads, size_t chunk_bytes, const std::string& mode) {
+             return std::make_shared<DiskReader>(threads, chunk_bytes, parse_read_mode(mode));
+           }),
+           py::arg("threads") = 4, py::arg("chunk_bytes") = 8 << 20, py::arg("mode") = "auto")
+      .def("open", &DiskReader::open, py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def("path", &DiskReader::path, py::arg("file"))
+      .def("file_size", &DiskReader::file_size, py::arg("file"))
+      .def("direct", &DiskReader::direct, py::arg("file"))
+      .def("check_unchanged", &DiskReader::check_unchanged, py::arg("file"))
+      .def("read", &reader_read, py::arg("spans"), py::arg("dest"))
+      .def("stats", &reader_stats)
+      .def("_inject_errors", &DiskReader::inject_errors, py::arg("after"), py::arg("count"), py::arg("error_number"))
+      .def("_set_delay_us", &DiskReader::set_delay_us, py::arg("micros"))
+      .def_property_readonly("threads", &DiskReader::threads)
+      .def_property_readonly("chunk_bytes", &DiskReader::chunk_bytes);
+
   py::class_<OffloadEngine>(m, "OffloadEngine", "One offloaded block list on one device.")
       .def(py::init<at::Device, size_t, std::shared_ptr<PinnedPool>>(), py::arg("device"), py::arg("num_slots"),
            py::arg("pool"))
@@ -146,7 +214,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("names"), py::arg("params"), py::arg("segment_name"), py::arg("owner"))
       .def("is_shared", &OffloadEngine::is_shared, py::arg("block"))
-      .def("acquire", &OffloadEngine::acquire, py::arg("block"))
+      .def("set_reader", &OffloadEngine::set_reader, py::arg("reader"))
+      .def(
+          "add_block_from_file",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans) {
+            return without_gil([&] { return e.add_block_from_file(names, params, shapes, spans); });
+          },
+          py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def(
+          "add_block_on_disk",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans) {
+            return without_gil([&] { return e.add_block_on_disk(names, params, shapes, spans); });
+          },
+          py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def("start_disk_tier", &OffloadEngine::start_disk_tier, py::arg("count"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("is_on_disk", &OffloadEngine::is_on_disk, py::arg("block"))
+      .def("disk_stats", &disk_stats)
+      .def_property_readonly("reader", &OffloadEngine::reader)
+      .def(
+          "acquire",
+          [](OffloadEngine& e, size_t block) {
+            // Only a disk-tier block whose read has not finished can make acquire wait; the GIL is
+            // dropped for that case alone, since doing it on every call would cost more than the call.
+            if (e.acquire_may_wait(block)) without_gil([&] { e.acquire(block); });
+            else e.acquire(block);
+          },
+          py::arg("block"))
       .def("prefetch", &OffloadEngine::prefetch, py::arg("block"))
       .def("release", &OffloadEngine::release, py::arg("block"))
       .def("materialize", &OffloadEngine::materialize, py::arg("block"), py::call_guard<py::gil_scoped_release>())
@@ -173,7 +269,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("slot_address", &OffloadEngine::slot_address, py::arg("slot"))
       .def("is_materialized", &OffloadEngine::is_materialized, py::arg("block"))
       .def("is_removed", &OffloadEngine::is_removed, py::arg("block"))
-      .def("host_view", &OffloadEngine::host_view, py::arg("block"), py::arg("index"))
+      .def("host_view", &OffloadEngine::host_view, py::arg("block"), py::arg("index"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_blocks", &OffloadEngine::num_blocks)
       .def_property_readonly("num_slots", &OffloadEngine::num_slots)
       .def_property_readonly("slot_bytes", &OffloadEngine::slot_bytes)

@@ -125,6 +125,87 @@ size_t LayerStore::add_shared(const std::vector<std::string>& names, const std::
   return blocks_.size() - 1;
 }
 
+StoredBlock LayerStore::plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                       const std::vector<std::vector<int64_t>>& shapes,
+                                       const std::vector<FileSpan>& spans, const DiskReader& reader) const {
+  TORCH_CHECK(names.size() == tensors.size() && shapes.size() == tensors.size() && spans.size() == tensors.size(),
+              "fastoffload: got ", std::to_string(names.size()), " names, ", std::to_string(shapes.size()),
+              " shapes and ", std::to_string(spans.size()), " file ranges for ", std::to_string(tensors.size()),
+              " tensors");
+  StoredBlock block;
+  size_t offset = 0;
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    TORCH_CHECK(tensors[j].defined(), "fastoffload: parameter '", names[j], "' is undefined");
+    TensorLayout entry;
+    entry.name = names[j];
+    entry.dtype = tensors[j].scalar_type();
+    entry.sizes = shapes[j];
+    entry.strides.assign(shapes[j].size(), 1);
+    int64_t numel = 1;
+    for (size_t d = shapes[j].size(); d-- > 0;) {
+      TORCH_CHECK(shapes[j][d] >= 0, "fastoffload: tensor '", names[j], "' has a negative size");
+      entry.strides[d] = std::max<int64_t>(numel, 1);
+      numel *= shapes[j][d];
+    }
+    entry.nbytes = static_cast<size_t>(numel) * c10::elementSize(entry.dtype);
+    const auto& [file, file_offset, nbytes] = spans[j];
+    TORCH_CHECK(nbytes == entry.nbytes, "fastoffload: tensor '", names[j], "' in ", reader.path(file), " holds ",
+                std::to_string(nbytes), " bytes, but the model's parameter needs ", std::to_string(entry.nbytes),
+                " (", c10::toString(entry.dtype), "); the checkpoint does not match the model");
+    entry.offset = offset;
+    offset = align_up(offset + entry.nbytes);
+    FileRange range;
+    range.file = file;
+    range.offset = file_offset;
+    range.nbytes = nbytes;
+    range.dest_offset = entry.offset;
+    range.name = names[j];
+    block.ranges.push_back(std::move(range));
+    block.layout.push_back(std::move(entry));
+  }
+  block.bytes = offset;
+  block.tensors = tensors;
+  return block;
+}
+
+size_t LayerStore::add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                 const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                                 DiskReader& reader) {
+  StoredBlock block = plan_from_file(names, tensors, shapes, spans, reader);
+  block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
+  std::shared_ptr<PoolAllocation> keep_alive = block.host;
+  block.host_bytes = at::from_blob(
+      block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  // Written in place by the reader: the pages are faulted in with their final contents, then pinned.
+  reader.read(block.ranges, static_cast<uint8_t*>(block.host->data()));
+  pool_->pin(*block.host);
+  blocks_.push_back(std::move(block));
+  return blocks_.size() - 1;
+}
+
+size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                               const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                               const DiskReader& reader) {
+  StoredBlock block = plan_from_file(names, tensors, shapes, spans, reader);
+  block.on_disk = true;
+  blocks_.push_back(std::move(block));
+  return blocks_.size() - 1;
+}
+
+at::Tensor LayerStore::read_tensor(size_t index, size_t j, DiskReader& reader) const {
+  const StoredBlock& stored = block(index);
+  TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
+  TensorLayout at_zero = stored.layout[j];
+  at_zero.offset = 0;
+  at::Tensor bytes = at::empty({static_cast<int64_t>(std::max<size_t>(at_zero.nbytes, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  FileRange range = stored.ranges.at(j);
+  range.dest_offset = 0;
+  reader.read({range}, bytes.data_ptr<uint8_t>());
+  return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, at_zero);
+}
+
 void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
   // Pack first: if packing fails the old copy stays intact.
@@ -140,6 +221,8 @@ void LayerStore::remove(size_t index) {
 
 at::Tensor LayerStore::host_view(size_t index, size_t j) const {
   const StoredBlock& stored = block(index);
+  TORCH_CHECK(!stored.on_disk, "fastoffload: block ", std::to_string(index),
+              " is in the disk tier and has no host copy; read its tensors with read_tensor()");
   TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
   return view_of(stored.host_bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
 }
@@ -154,6 +237,13 @@ const StoredBlock& LayerStore::block(size_t index) const {
 size_t LayerStore::max_block_bytes() const {
   size_t result = 0;
   for (const auto& b : blocks_) result = std::max(result, b.bytes);
+  return result;
+}
+
+size_t LayerStore::max_disk_block_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_)
+    if (b.on_disk) result = std::max(result, b.bytes);
   return result;
 }
 

@@ -73,6 +73,66 @@ size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, co
   return index;
 }
 
+void OffloadEngine::set_reader(std::shared_ptr<DiskReader> reader) {
+  TORCH_CHECK(reader != nullptr, "fastoffload: set_reader needs a DiskReader");
+  TORCH_CHECK(disk_ == nullptr || reader == reader_, "fastoffload: the disk tier already reads through another reader");
+  reader_ = std::move(reader);
+}
+
+size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                          const std::vector<std::vector<int64_t>>& shapes,
+                                          const std::vector<FileSpan>& spans) {
+  TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
+  const size_t index = store_.add_from_file(names, params, shapes, spans, *reader_);
+  finish_add(index);
+  return index;
+}
+
+size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::vector<FileSpan>& spans) {
+  TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_on_disk needs set_reader() first");
+  TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
+  const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
+  if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
+  disk_->add_block(index, store_.block(index).ranges);
+  finish_add(index);
+  return index;
+}
+
+void OffloadEngine::start_disk_tier(size_t count) {
+  TORCH_CHECK(disk_ != nullptr, "fastoffload: start_disk_tier: no block was added to the disk tier");
+  size_t disk_blocks = 0;
+  for (size_t b = 0; b < store_.size(); ++b)
+    if (!removed_[b] && store_.block(b).on_disk) disk_blocks += 1;
+  copy_.synchronize_copies();  // the old staging buffers may still be read by copies in flight
+  disk_->start(std::max<size_t>(1, std::min(count, disk_blocks)), store_.max_disk_block_bytes(), *store_.pool());
+}
+
+void OffloadEngine::check_not_on_disk(size_t block, const char* what) const {
+  TORCH_CHECK(!store_.block(block).on_disk, "fastoffload: block ", std::to_string(block), " cannot be ", what,
+              ": it is in the disk tier (its weights are read from the checkpoint every step, and there is no host "
+              "copy to rebuild). Raise host_budget so that it fits in host memory, or mutate before enabling offload");
+}
+
+const void* OffloadEngine::copy_source(size_t block) {
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.on_disk) return stored.host->data();
+  TORCH_CHECK(disk_ != nullptr && disk_->started(), "fastoffload: block ", std::to_string(block),
+              " is in the disk tier, which was not started (start_disk_tier)");
+  return disk_->take(block, /*wait=*/true);
+}
+
+bool OffloadEngine::acquire_may_wait(size_t block) const {
+  if (disk_ == nullptr || block >= store_.size() || removed_[block] || materialized_[block]) return false;
+  return store_.block(block).on_disk && ring_.slot_of(block) < 0 && !disk_->ready(block);
+}
+
+at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
+  if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
+  return store_.host_view(block, j);
+}
+
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {
   TORCH_CHECK(!store_.block(block).shared, "fastoffload: block ", std::to_string(block), " cannot be ", what,
               ": its host copy is shared with the other ranks of this host, whose weights would change under them. "
@@ -118,10 +178,13 @@ void OffloadEngine::check_grad(size_t block) const {
 }
 
 void OffloadEngine::issue_copy(size_t block, size_t slot) {
+  // First: a disk-tier read that failed throws here, before the slot changes hands.
+  const void* source = copy_source(block);
   ring_.assign(slot, block);
   Slot& s = ring_.slot(slot);
   const StoredBlock& stored = store_.block(block);
-  copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready);
+  copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready);
+  if (stored.on_disk) disk_->consumed(block);
 }
 
 void OffloadEngine::acquire(size_t block) {
@@ -170,6 +233,9 @@ bool OffloadEngine::prefetch(size_t block) {
   if (materialized_[block]) return false;
   ensure_slots();
   if (ring_.slot_of(block) >= 0) return false;
+  // A disk-tier block whose read is still running is copied by its own acquire (or a later prefetch).
+  if (store_.block(block).on_disk && (disk_ == nullptr || !disk_->started() || disk_->take(block, false) == nullptr))
+    return false;
   generation_ += 1;
   const int64_t slot = ring_.choose_slot(block);
   if (slot < 0) {
@@ -197,6 +263,7 @@ void OffloadEngine::materialize(size_t block) {
   check_block(block);
   if (materialized_[block]) return;
   check_not_shared(block, "materialized for mutation");
+  check_not_on_disk(block, "materialized for mutation");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward; enter mutate_params_scope() between forwards, not inside one");
@@ -216,6 +283,7 @@ void OffloadEngine::materialize(size_t block) {
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   check_block(block);
   check_not_shared(block, "repacked");
+  check_not_on_disk(block, "repacked");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward and cannot be repacked now");
@@ -240,7 +308,7 @@ void OffloadEngine::restore(size_t block, at::Device target) {
     // Current values: a running or materialized block's live tensors (they may have been changed in
     // place), otherwise the host copy.
     const at::Tensor source =
-        (running || materialized_[block]) ? stored.tensors[j].variable_data() : store_.host_view(block, j);
+        (running || materialized_[block]) ? stored.tensors[j].variable_data() : host_view(block, j);
     values.push_back(clone_with_layout(source, stored.layout[j], target));
   }
   binder_.bind_values(block, values);
@@ -261,6 +329,7 @@ void OffloadEngine::restore(size_t block, at::Device target) {
 
 void OffloadEngine::close() {
   copy_.synchronize_copies();
+  if (disk_ != nullptr) disk_->drain();
   for (size_t b = 0; b < store_.size(); ++b) {
     if (removed_[b]) continue;
     ring_.forget_block(b);
@@ -282,6 +351,8 @@ void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, 
 }
 
 void OffloadEngine::begin_capture() {
+  TORCH_CHECK(disk_ == nullptr, "fastoffload: an offload with a disk tier cannot be captured in a CUDA graph (its "
+              "reads run on host threads, outside any stream); raise host_budget so every block fits in host memory");
   copy_.begin_capture();
   generation_ += 1;
 }

@@ -46,6 +46,10 @@ from fastoffload_ext import _backend
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.storage.options import DiskOptions
+from fastoffload_ext.storage.source import CheckpointSource
+from fastoffload_ext.storage.state import CheckpointOffloadState
 
 logger = logging.getLogger(__name__)
 
@@ -277,9 +281,11 @@ def _check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLi
     return owner
 
 
-def _check_devices(blocks: list[nn.Module], offset: int, device: torch.device) -> None:
+def _check_devices(blocks: list[nn.Module], offset: int, device: torch.device, from_file: bool = False) -> None:
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters():
+            if param.device.type == "meta" and from_file:
+                continue  # filled from the checkpoint
             if param.device.type == "meta":
                 raise ValueError(f"parameter {offset + index}.{name} is on the meta device and has no values to offload;"
                                  " materialize the model first (e.g. to_empty(device=...) then load_state_dict)")
@@ -293,7 +299,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None, weights: Any = None, host_budget: int | None = None,
+                             disk_options: DiskOptions | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -319,6 +326,13 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
+            ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
+            then be built on the meta device: block weights are read straight into pinned host memory,
+            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``.
+        host_budget: with ``weights``: bytes of host memory the offloaded blocks may pin (host copies plus
+            the disk tier's staging ring). Blocks beyond it stay on disk and are read every step.
+        disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -347,6 +361,17 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                          f"{list_name!r}, got {resident_blocks!r}")
     chosen = _choose_backend(backend, resolved)
     sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
+    if weights is None and (host_budget is not None or disk_options is not None):
+        raise OffloadConfigError("fastoffload: host_budget and disk_options need weights=: the blocks that do not fit "
+                                 "in host memory are read from the checkpoint file")
+    if weights is not None:
+        if chosen != "ext":
+            raise OffloadConfigError("fastoffload: weights= needs the compiled core (backend 'ext'); the python "
+                                     "backend builds from a materialized model: load the state dict first")
+        if share_host_copy is True:
+            raise OffloadConfigError("fastoffload: weights= and share_host_copy=True cannot be combined yet: each "
+                                     "rank reads its own host copy from the checkpoint")
+        share_host_copy = False
 
     existing = get_offload_group(model)
     if is_replace:
@@ -362,8 +387,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
 
     offloaded = list(blocks)[n_resident:]
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
-    _check_devices(list(blocks), 0, resolved)
+    _check_devices(list(blocks), 0, resolved, from_file=weights is not None)
     owner = _check_tied_parameters(model, list_name, blocks, n_resident)
+    source = (CheckpointSource.prepare(model, list_name, blocks, n_resident, weights, host_budget, disk_options)
+              if weights is not None else None)
 
     engine = None
     if chosen == "ext" and offloaded:
@@ -371,6 +398,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         index = -1 if resolved.type == "cpu" else resolved.index
         pool = core.PinnedPool(index, pin_backing or DEFAULT_PIN_BACKING, pinned_limit_bytes or 0, allow_pageable_fallback, 0)
         engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
+        if source is not None:
+            source.open_files(engine)
     group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
     group._owner = owner
     # Collective (when sharing may happen): every rank gets here with the same blocks.
@@ -386,10 +415,15 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     try:
         if share is not None:
             share.before_attach()  # other ranks wait here for the owner's packed copy
+        if source is not None:
+            source.load_resident(model, resolved)
         for block in offloaded:
             group.original_devices.append(next((p.device for p in block.parameters()), resolved))
-            state = (ExtLayerwiseOffloadState(engine, resolved) if engine is not None
-                     else LayerwiseOffloadState(stream, resolved))
+            if source is not None:
+                state = CheckpointOffloadState(engine, resolved, source)
+            else:
+                state = (ExtLayerwiseOffloadState(engine, resolved) if engine is not None
+                         else LayerwiseOffloadState(stream, resolved))
             if share is not None:
                 state.shared_segment = share.segment_name(len(group.states))
                 state.shared_owner = share.owner
@@ -410,6 +444,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                         setattr(module, key, buffer.to(resolved))
         if share is not None:
             share.after_attach()  # every rank attached: the owner unlinks the names
+        if source is not None:
+            source.start(engine)
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
@@ -427,6 +463,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                     ModuleHookManager.remove_from_manager(block)
         if engine is not None:
             engine.close()
+        if source is not None:
+            source.roll_back()
         raise
 
     count = len(group.states)
