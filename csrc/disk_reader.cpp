@@ -306,7 +306,7 @@ void DiskReader::maybe_fail(const File& file, const Chunk& chunk) {
   if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
   TORCH_CHECK(error_number == 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
               std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path, ") failed: ",
-              error_text(error_number), ". Check the disk; offload is unchanged and the next step reads it again");
+              error_text(error_number), ". Check the disk; nothing was changed, and a later read tries again");
 }
 
 void DiskReader::run_chunk(const Chunk& chunk, uint8_t*& bounce) {

@@ -43,7 +43,6 @@ int64_t DiskTier::staged_index(size_t block) const {
 }
 
 void DiskTier::submit(Staging& staging, size_t block) {
-  staging.block = static_cast<int64_t>(block);
   std::function<void()> prepare;
   if (!copy_.is_host()) {
     // The copy out of this buffer's previous block may still be running on the copy stream.
@@ -53,6 +52,7 @@ void DiskTier::submit(Staging& staging, size_t block) {
   }
   staging.job = reader_->submit(ranges_[position_.at(block)], static_cast<uint8_t*>(staging.memory->data()),
                                 std::move(prepare));
+  staging.block = static_cast<int64_t>(block);  // only once the read is under way: submit may throw
   stats_.reads += 1;
 }
 
@@ -64,7 +64,13 @@ void DiskTier::refill() {
       const size_t candidate = order_[next_];
       next_ = (next_ + 1) % order_.size();
       if (staged_index(candidate) < 0) {
-        submit(staging, candidate);
+        try {
+          submit(staging, candidate);
+        } catch (const c10::Error&) {
+          // (A checkpoint file that changed.) Not this caller's error: the buffer stays free, and the
+          // acquire of `candidate` reads it on demand and raises it there.
+          return;
+        }
         break;
       }
     }

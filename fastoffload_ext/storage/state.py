@@ -69,7 +69,9 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         params = self._replace_meta_parameters(module)
         add = self.engine.add_block_on_disk if self.block.on_disk else self.engine.add_block_from_file
         try:
-            self.handle = add(self.param_names, params, self.block.shapes(), self.source.spans(self.block))
+            # The engine names tensors by their checkpoint keys, which is what its read errors must say.
+            keys = [entry.name for entry in self.block.entries]
+            self.handle = add(keys, params, self.block.shapes(), self.source.spans(self.block))
         except BaseException:
             self._put_back_originals()
             raise
