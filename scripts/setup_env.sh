@@ -15,7 +15,7 @@ if ! have torch; then
   pip_install "$TORCH_SPEC"
 fi
 missing=()
-for pair in pytest:pytest hypothesis:hypothesis ninja:ninja setuptools:setuptools wheel:wheel ${EXTRA_MODULES:-}; do
+for pair in pytest:pytest hypothesis:hypothesis ninja:ninja setuptools:setuptools wheel:wheel safetensors:safetensors ${EXTRA_MODULES:-}; do
   have "${pair%%:*}" || missing+=("${pair##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

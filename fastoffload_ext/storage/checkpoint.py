@@ -16,16 +16,15 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import _getdtype
 
 from fastoffload_ext.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "TensorEntry", "open_checkpoint"]
+__all__ = ["Checkpoint", "TensorEntry", "open_checkpoint", "safetensors_module"]
 
 # Preferred names when a folder holds several candidates (diffusers first, then transformers).
 _INDEX_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
@@ -60,7 +59,20 @@ class Checkpoint:
         return sum(entry.nbytes for entry in self.entries.values())
 
 
+def safetensors_module() -> Any:
+    """The safetensors package (imported on first use: offload without weights= does not need it)."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as error:
+        raise CheckpointError("fastoffload: weights= reads safetensors checkpoints and needs the safetensors package: "
+                              "pip install safetensors") from error
+    return safetensors
+
+
 def _one_file(path: str) -> tuple[dict[str, TensorEntry], int]:
+    st = safetensors_module()
+    SafetensorError, safe_open, _getdtype = st.SafetensorError, st.safe_open, st.torch._getdtype
     try:
         size = os.path.getsize(path)
         with safe_open(path, framework="pt") as handle:

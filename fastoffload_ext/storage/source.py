@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.errors import CheckpointError
-from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint
+from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.tiers import TierPlan, check_host_budget, plan_tiers
 
@@ -170,6 +169,7 @@ class CheckpointSource:
         for name, entry in self.resident.items():
             by_file.setdefault(entry.path, []).append(name)
         replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        safe_open = safetensors_module().safe_open
         for path, names in by_file.items():
             with safe_open(path, framework="pt", device=str(device)) as handle:
                 for name in names:
