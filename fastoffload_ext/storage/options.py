@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fastoffload_ext.errors import OffloadConfigError
 
-__all__ = ["READ_MODES", "DiskOptions"]
+__all__ = ["READ_MODES", "DiskOptions", "check_storage_arguments"]
 
 READ_MODES = ("auto", "direct", "buffered")
 
@@ -40,3 +41,24 @@ class DiskOptions:
         if self.read_mode not in READ_MODES:
             raise OffloadConfigError(f"fastoffload: DiskOptions.read_mode must be one of "
                                      f"{', '.join(map(repr, READ_MODES))}, got {self.read_mode!r}")
+
+
+def check_storage_arguments(weights: Any, host_budget: Any, disk_options: Any, backend: str,
+                            share_host_copy: bool | str) -> bool | str:
+    """Refusals of ``weights``/``host_budget``/``disk_options`` before anything changes; returns the
+    ``share_host_copy`` to use (building from a checkpoint gives each process its own host copy)."""
+    if weights is None:
+        if host_budget is not None or disk_options is not None:
+            raise OffloadConfigError("fastoffload: host_budget and disk_options need weights=: the blocks that do "
+                                     "not fit in host memory are read from the checkpoint file")
+        return share_host_copy
+    if backend != "ext":
+        raise OffloadConfigError("fastoffload: weights= needs the compiled core (backend 'ext'); the python backend "
+                                 "builds from a materialized model: load the state dict first")
+    if share_host_copy is True:
+        raise OffloadConfigError("fastoffload: weights= and share_host_copy=True cannot be combined yet: each rank "
+                                 "reads its own host copy from the checkpoint")
+    if disk_options is not None and not isinstance(disk_options, DiskOptions):
+        raise OffloadConfigError(f"fastoffload: disk_options must be a fastoffload_ext.storage.DiskOptions, got "
+                                 f"{type(disk_options).__name__}")
+    return False
