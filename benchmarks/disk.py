@@ -8,7 +8,8 @@ anyway; the ``direct`` column says which reads bypassed the cache.
 
 Tables:
 - read: sequential read of the whole checkpoint by the package's reader (O_DIRECT; buffered after
-  eviction) and, when ``kvikio`` is importable, by kvikio on the same file. The reader's O_DIRECT figure
+  eviction) and, when ``kvikio`` is importable, by kvikio on the same file (into device memory when
+  there is a GPU). The checkpoint is deleted at the end unless FASTOFFLOAD_BENCH_KEEP_CHECKPOINT is set. The reader's O_DIRECT figure
   is the bandwidth the other tables are measured against.
 - startup: ``enable_layerwise_offload(meta model, weights=...)`` in a fresh process (all blocks in host
   memory, and half of them): peak RSS over the pre-enable base <= 1.10 x (pinned host bytes + staging +
@@ -88,7 +89,7 @@ def _write_checkpoint(spec: Any, cuda: bool) -> Path:
 
     from benchmarks.workloads import build_stack_on_host
     path = checkpoint_dir() / f"{spec.name}.safetensors"
-    if not path.exists():
+    if not path.exists():  # kept from an earlier run with FASTOFFLOAD_BENCH_KEEP_CHECKPOINT=1
         model = build_stack_on_host(spec, seed=3, init_device="cuda" if cuda else "cpu")
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path) + ".part")
         os.replace(str(path) + ".part", path)
@@ -155,6 +156,14 @@ def run(ctx: Context) -> None:
     spec = _spec(ctx.cuda, ctx.quick)
     ctx.progress.add(5)
     path = _write_checkpoint(spec, ctx.cuda)
+    try:
+        _measure(ctx, spec, path)
+    finally:
+        if not os.environ.get("FASTOFFLOAD_BENCH_KEEP_CHECKPOINT"):
+            path.unlink(missing_ok=True)  # several GiB on a GPU machine's small disk
+
+
+def _measure(ctx: Context, spec: Any, path: Path) -> None:
     fs = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()
     ctx.note(f"checkpoint {path} ({path.stat().st_size / GiB:.2f} GiB, file system {fs or 'unknown'}); "
              "page cache evicted before every measurement")

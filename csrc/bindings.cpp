@@ -275,6 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "is_on_disk", [](const OffloadEngine& e, int64_t block) { return e.is_on_disk(checked_block(e, block)); },
           py::arg("block"))
       .def("disk_stats", &disk_stats)
+      .def("finish_loading", [](OffloadEngine& e) { without_gil([&] { e.finish_loading(); }); })
       .def_property_readonly("reader", &OffloadEngine::reader)
       // The per-step calls keep the GIL (see the top of this file).
       .def(

@@ -179,9 +179,31 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
   // Written in place by the reader: the pages are faulted in with their final contents, then pinned.
   reader.read(block.ranges, static_cast<uint8_t*>(block.host->data()));
-  pool_->pin(*block.host);
+  if (pool_->pins() && !pool_->allows_pageable_fallback()) {
+    // Overlapped with the next block's read. (A pageable fallback warns, which must happen on the
+    // caller's thread to reach Python, so that case pins here.)
+    std::shared_ptr<PinnedPool> pool = pool_;
+    std::shared_ptr<PoolAllocation> host = block.host;
+    pending_pins_.push_back(std::async(std::launch::async, [pool, host] { pool->pin(*host); }));
+  } else {
+    pool_->pin(*block.host);
+  }
   blocks_.push_back(std::move(block));
   return blocks_.size() - 1;
+}
+
+void LayerStore::finish_pins() {
+  std::vector<std::future<void>> pending;
+  pending.swap(pending_pins_);
+  std::exception_ptr first;
+  for (auto& pin : pending) {
+    try {
+      pin.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,

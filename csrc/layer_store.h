@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <future>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -75,6 +76,10 @@ class LayerStore {
   size_t add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                      const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                      const DiskReader& reader);
+  // add_from_file pins each region on a thread of its own while the next block is read (pinning costs
+  // about as much as reading); this waits for those pins and throws the first failure. Call it before
+  // any region is copied or freed.
+  void finish_pins();
   // Tensor j of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_tensor(size_t index, size_t j, DiskReader& reader) const;
   // Replaces block `index` with the current values of `tensors` (which may be different objects,
@@ -105,6 +110,7 @@ class LayerStore {
 
   std::shared_ptr<PinnedPool> pool_;
   std::vector<StoredBlock> blocks_;
+  std::vector<std::future<void>> pending_pins_;
 };
 
 // A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`

@@ -47,6 +47,10 @@ OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_pt
 
 OffloadEngine::~OffloadEngine() {
   try {
+    store_.finish_pins();
+  } catch (...) {
+  }
+  try {
     copy_.synchronize_copies();
   } catch (...) {
     // Destructors must not throw; at interpreter exit CUDA may already be shut down.
@@ -105,6 +109,7 @@ void OffloadEngine::start_disk_tier(size_t count) {
   size_t disk_blocks = 0;
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b] && store_.block(b).on_disk) disk_blocks += 1;
+  finish_loading();
   copy_.synchronize_copies();  // the old staging buffers may still be read by copies in flight
   disk_->start(std::max<size_t>(1, std::min(count, disk_blocks)), store_.max_disk_block_bytes(), *store_.pool());
 }
@@ -155,6 +160,7 @@ void OffloadEngine::finish_add(size_t index) {
 }
 
 void OffloadEngine::ensure_slots() {
+  finish_loading();
   if (!views_stale_ && ring_.slot_bytes() >= store_.max_block_bytes()) return;
   if (!ring_.allocated() || ring_.slot_bytes() < store_.max_block_bytes()) {
     // The copy stream may still be writing into the old slots.
@@ -261,6 +267,7 @@ bool OffloadEngine::release(size_t block) {
 
 void OffloadEngine::materialize(size_t block) {
   check_block(block);
+  finish_loading();
   if (materialized_[block]) return;
   check_not_shared(block, "materialized for mutation");
   check_not_on_disk(block, "materialized for mutation");
@@ -282,6 +289,7 @@ void OffloadEngine::materialize(size_t block) {
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   check_block(block);
+  finish_loading();
   check_not_shared(block, "repacked");
   check_not_on_disk(block, "repacked");
   const int64_t slot = ring_.slot_of(block);
@@ -299,6 +307,11 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
 
 void OffloadEngine::restore(size_t block, at::Device target) {
   check_block(block);
+  try {
+    finish_loading();
+  } catch (const c10::Error&) {
+    // Restoring reads the host copy, which is valid whether or not it got pinned.
+  }
   const StoredBlock& stored = store_.block(block);
   const int64_t slot = ring_.slot_of(block);
   const bool running = slot >= 0 && ring_.slot(slot).state == SlotState::kInUse;
@@ -328,6 +341,10 @@ void OffloadEngine::restore(size_t block, at::Device target) {
 }
 
 void OffloadEngine::close() {
+  try {
+    finish_loading();  // no pin may still run on a region freed below
+  } catch (const c10::Error&) {
+  }
   copy_.synchronize_copies();
   if (disk_ != nullptr) disk_->drain();
   for (size_t b = 0; b < store_.size(); ++b) {

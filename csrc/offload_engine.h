@@ -62,6 +62,9 @@ class OffloadEngine {
   // Allocates the disk tier's staging ring (`count` buffers of the largest disk block) and starts
   // reading ahead. Call once every block is added.
   void start_disk_tier(size_t count);
+  // Waits until every block added from a file is pinned (see LayerStore::finish_pins); throws a pin
+  // failure. Every path that copies or frees a region calls it first.
+  void finish_loading() { store_.finish_pins(); }
   bool is_on_disk(size_t block) const { return store_.block(block).on_disk; }
   // Whether acquire(block) would wait for a disk read (so that the caller can release its locks first).
   bool acquire_may_wait(size_t block) const;

@@ -192,7 +192,8 @@ class CheckpointSource:
             module._buffers[leaf] = load()
 
     def start(self, engine: Any) -> None:
-        """Allocates the disk tier's staging ring and starts reading ahead (when there is a disk tier)."""
+        """Waits for the host tier's pinning (overlapped with the reads) and starts the disk tier, if any."""
+        engine.finish_loading()
         if self.tiers.disk:
             engine.start_disk_tier(self.tiers.staging_buffers)
 
