@@ -21,6 +21,8 @@ namespace {
 constexpr size_t kDirectAlignment = 4096;
 // Ranges of one file closer than this are read as one request (the gap is read and dropped).
 constexpr uint64_t kMergeGap = 64 * 1024;
+// Smallest request a job is cut into: below about 1 MiB a request costs more than it moves.
+constexpr size_t kMinChunk = 1 << 20;
 
 uint64_t align_down(uint64_t value) { return value / kDirectAlignment * kDirectAlignment; }
 uint64_t align_up(uint64_t value) { return (value + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment; }
@@ -145,7 +147,8 @@ void DiskReader::check_unchanged(size_t index) const {
 }
 
 std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std::vector<FileRange>>& owned,
-                                                       uint8_t* dest, const std::shared_ptr<ReadJob>& job) const {
+                                                       uint8_t* dest, const std::shared_ptr<ReadJob>& job,
+                                                       size_t limit) const {
   // Sorted by file position, so neighbouring tensors merge into one request.
   std::vector<const FileRange*> order;
   for (const auto& r : *owned)
@@ -159,11 +162,11 @@ std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std
                 std::to_string(r->offset + r->nbytes), " but ", file_at(r->file).path, " has only ",
                 std::to_string(file_at(r->file).size), " bytes: the file is truncated");
     for (size_t done = 0; done < r->nbytes;) {
-      const size_t piece = std::min(r->nbytes - done, chunk_bytes_);
+      const size_t piece = std::min(r->nbytes - done, limit);
       const uint64_t at = r->offset + done;
       Chunk* current = chunks.empty() ? nullptr : &chunks.back();
       const bool fits = current != nullptr && current->file == r->file && at >= current->end &&
-                        at - current->end <= kMergeGap && at + piece - current->begin <= chunk_bytes_;
+                        at - current->end <= kMergeGap && at + piece - current->begin <= limit;
       if (!fits) {
         chunks.emplace_back();
         current = &chunks.back();
@@ -189,7 +192,13 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     if (std::find(files.begin(), files.end(), r.file) == files.end()) files.push_back(r.file);
   for (size_t f : files) check_unchanged(f);
 
-  std::vector<Chunk> chunks = make_chunks(owned, dest, job);
+  // A job smaller than threads x chunk_bytes is cut finer, so that every worker has a request in flight
+  // (a block of a small model would otherwise be one or two requests).
+  uint64_t total = 0;
+  for (const auto& r : *owned) total += r.nbytes;
+  const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
+  const size_t limit = std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
+  std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
     stats_.jobs += 1;

@@ -103,9 +103,9 @@ class DiskReader {
   void maybe_fail(const File& file, const Chunk& chunk);
   File& file_at(size_t index) const;
   void push(std::function<void(uint8_t*&)> task);
-  // The job's ranges cut into requests of at most chunk_bytes_, neighbours of one file merged.
+  // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
   std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
-                                 const std::shared_ptr<ReadJob>& job) const;
+                                 const std::shared_ptr<ReadJob>& job, size_t limit) const;
 
   size_t chunk_bytes_;
   ReadMode mode_;
