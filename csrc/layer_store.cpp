@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -88,7 +89,7 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
 }
 
 StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                             const std::string& segment_name, bool owner) {
+                             const std::string& segment_name, bool owner, bool pin) {
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
   const bool shared = !segment_name.empty();
@@ -108,13 +109,13 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
     block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
         .copy_(span_bytes(tensors[j], entry.nbytes));
   }
-  pool_->pin(*block.host);
+  if (pin || shared) pool_->pin(*block.host);
   block.tensors = tensors;
   return block;
 }
 
-size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
-  blocks_.push_back(pack(names, tensors));
+size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, bool pin) {
+  blocks_.push_back(pack(names, tensors, std::string(), true, pin));
   return blocks_.size() - 1;
 }
 
@@ -215,6 +216,14 @@ size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std:
   return blocks_.size() - 1;
 }
 
+at::Tensor LayerStore::read_block(size_t index, DiskReader& reader) const {
+  const StoredBlock& stored = block(index);
+  at::Tensor bytes = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  reader.read(stored.ranges, bytes.data_ptr<uint8_t>());
+  return bytes;
+}
+
 at::Tensor LayerStore::read_tensor(size_t index, size_t j, DiskReader& reader) const {
   const StoredBlock& stored = block(index);
   TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
@@ -228,10 +237,11 @@ at::Tensor LayerStore::read_tensor(size_t index, size_t j, DiskReader& reader) c
   return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, at_zero);
 }
 
-void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                         bool pin) {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
   // Pack first: if packing fails the old copy stays intact.
-  StoredBlock fresh = pack(names, tensors);
+  StoredBlock fresh = pack(names, tensors, std::string(), true, pin);
   blocks_[index] = std::move(fresh);
 }
 
@@ -246,7 +256,71 @@ at::Tensor LayerStore::host_view(size_t index, size_t j) const {
   TORCH_CHECK(!stored.on_disk, "fastoffload: block ", std::to_string(index),
               " is in the disk tier and has no host copy; read its tensors with read_tensor()");
   TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
-  return view_of(stored.host_bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+  const at::Tensor bytes = raw_bytes(index, false);
+  return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+}
+
+std::vector<at::Tensor> LayerStore::host_views(size_t index) const {
+  const StoredBlock& stored = block(index);
+  const at::Tensor bytes = raw_bytes(index, false);
+  std::vector<at::Tensor> views;
+  views.reserve(stored.layout.size());
+  for (const TensorLayout& entry : stored.layout)
+    views.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
+  return views;
+}
+
+bool LayerStore::compress(size_t index, const codec::EncodeOptions& options, bool keep_raw) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
+  StoredBlock& stored = blocks_[index];
+  TORCH_CHECK(!stored.shared, "fastoffload: internal error: a shared host copy cannot be compressed");
+  TORCH_CHECK(stored.has_raw(), "fastoffload: internal error: block ", std::to_string(index), " has no raw copy to encode");
+  std::vector<codec::TensorSpan> spans;
+  spans.reserve(stored.layout.size());
+  for (const TensorLayout& entry : stored.layout)
+    spans.push_back({entry.offset, entry.nbytes, entry.dtype == at::kBFloat16});
+  const auto* raw = static_cast<const uint8_t*>(stored.host->data());
+  const codec::Plan plan = codec::plan_block(raw, stored.bytes, spans, options);
+  if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) {
+    pool_->pin(*stored.host);
+    return false;
+  }
+  std::shared_ptr<PoolAllocation> packed = pool_->allocate(plan.total_bytes, /*defer_pin=*/true);
+  auto* out = static_cast<uint8_t*>(packed->data());
+  codec::encode_block(raw, plan, out, options.threads);
+  pool_->pin(*packed);
+  stored.packed_summary = codec::inspect(out, plan.total_bytes);
+  stored.packed = std::move(packed);
+  stored.packed_bytes = plan.total_bytes;
+  if (keep_raw) pool_->pin(*stored.host);
+  else drop_raw(index);
+  return true;
+}
+
+void LayerStore::drop_raw(size_t index) {
+  StoredBlock& stored = blocks_.at(index);
+  if (!stored.has_packed()) return;  // the raw copy is the only one
+  stored.host_bytes = at::Tensor();
+  stored.host.reset();
+}
+
+void LayerStore::drop_packed(size_t index) {
+  StoredBlock& stored = blocks_.at(index);
+  if (!stored.has_raw()) return;
+  stored.packed.reset();
+  stored.packed_bytes = 0;
+  stored.packed_summary = codec::Summary();
+}
+
+at::Tensor LayerStore::raw_bytes(size_t index, bool verify) const {
+  const StoredBlock& stored = block(index);
+  TORCH_CHECK(!stored.on_disk, "fastoffload: block ", std::to_string(index),
+              " is in the disk tier and has no host copy; its bytes are read from the checkpoint");
+  if (stored.has_raw()) return stored.host_bytes;
+  at::Tensor bytes = at::empty({static_cast<int64_t>(stored.bytes)}, at::TensorOptions().dtype(at::kByte));
+  codec::decode_block(static_cast<const uint8_t*>(stored.packed->data()), stored.packed_bytes, bytes.data_ptr<uint8_t>(),
+                      stored.bytes, verify);
+  return bytes;
 }
 
 const StoredBlock& LayerStore::block(size_t index) const {
@@ -266,6 +340,12 @@ size_t LayerStore::max_disk_block_bytes() const {
   size_t result = 0;
   for (const auto& b : blocks_)
     if (b.on_disk) result = std::max(result, b.bytes);
+  return result;
+}
+
+size_t LayerStore::max_packed_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_) result = std::max(result, b.packed_bytes);
   return result;
 }
 

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "disk_reader.h"
+#include "codec.h"
 #include "pinned_pool.h"
 
 namespace fastoffload {
@@ -41,6 +42,14 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
+  // The compressed host copy (codec.h), when the block has one. A compressed block's raw copy (`host`)
+  // is dropped once the block is known to travel compressed, which is where the host memory saving
+  // comes from; until then (compress="auto" measuring) both are kept.
+  std::shared_ptr<PoolAllocation> packed;
+  size_t packed_bytes = 0;
+  codec::Summary packed_summary;
+  bool has_raw() const { return host != nullptr; }
+  bool has_packed() const { return packed != nullptr; }
 };
 
 // Where tensor j of a block lives in a checkpoint: (file index in the DiskReader, byte offset, byte count).
@@ -56,7 +65,7 @@ class LayerStore {
   explicit LayerStore(std::shared_ptr<PinnedPool> pool);
 
   // Packs the current values of `tensors` into a new region and returns the block's index.
-  size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, bool pin = true);
   // Like add(), with the region in the shared segment `segment_name` (see PinnedPool::allocate_shared).
   // owner: creates the segment and packs into it. Otherwise the segment already holds the owner's packed
   // copy: this process only plans the layout of its own `tensors` (which must equal the owner's: same
@@ -80,29 +89,46 @@ class LayerStore {
   // about as much as reading); this waits for those pins and throws the first failure. Call it before
   // any region is copied or freed.
   void finish_pins();
+  // The packed bytes of an on-disk block, read now into a new CPU tensor.
+  at::Tensor read_block(size_t index, DiskReader& reader) const;
   // Tensor j of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_tensor(size_t index, size_t j, DiskReader& reader) const;
   // Replaces block `index` with the current values of `tensors` (which may be different objects,
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
-  void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+               bool pin = true);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
   void remove(size_t index);
 
+  // Encodes block `index` into a compressed region of pool memory, pinned. Returns false, changing
+  // nothing, when no tensor of the block pays for coding (the block then travels raw). keep_raw: keep
+  // the raw copy too (drop one of them later with drop_raw or drop_packed).
+  bool compress(size_t index, const codec::EncodeOptions& options, bool keep_raw);
+  void drop_raw(size_t index);
+  void drop_packed(size_t index);
+  // The raw packed bytes of block `index` as a CPU uint8 tensor: the raw copy itself when the block has
+  // one, else a freshly decoded copy (verify: check the checksum first).
+  at::Tensor raw_bytes(size_t index, bool verify) const;
+
   // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive).
   at::Tensor host_view(size_t index, size_t j) const;
+  // Views of every tensor of block `index` (one decode for all of them when it is stored compressed).
+  std::vector<at::Tensor> host_views(size_t index) const;
 
   const StoredBlock& block(size_t index) const;
   size_t size() const { return blocks_.size(); }
   size_t max_block_bytes() const;
   // Largest block of the disk tier (0 when there is none).
   size_t max_disk_block_bytes() const;
+  size_t max_packed_bytes() const;
   size_t total_bytes() const;
   const std::shared_ptr<PinnedPool>& pool() const { return pool_; }
 
  private:
   // segment_name empty: private pool memory.
+  // pin: pin the raw copy now (false when it is about to be compressed and dropped).
   StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                   const std::string& segment_name = std::string(), bool owner = true);
+                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true);
 
   StoredBlock plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,

@@ -4,6 +4,8 @@
 #include <malloc.h>
 #endif
 
+#include <chrono>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -35,9 +37,28 @@ const char* state_name(SlotState state) {
 
 }  // namespace
 
+CompressMode parse_compress_mode(const std::string& name) {
+  if (name == "off") return CompressMode::kOff;
+  if (name == "on") return CompressMode::kOn;
+  if (name == "auto") return CompressMode::kAuto;
+  TORCH_CHECK(false, "fastoffload: compress mode must be 'off', 'on' or 'auto', got '", name, "'");
+}
+
+const char* travel_name(Travel travel) {
+  switch (travel) {
+    case Travel::kRaw:
+      return "raw";
+    case Travel::kCompressed:
+      return "compressed";
+    case Travel::kMeasuring:
+      return "measuring";
+  }
+  return "unknown";
+}
+
 OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_ptr<PinnedPool> pool)
     : device_(device), store_(std::move(pool)), ring_(device, num_slots), copy_(device_index_of(device)),
-      binder_(device) {
+      binder_(device), chooser_(copy_) {
   const int index = device_index_of(device);
   const auto& pool_ = store_.pool();
   TORCH_CHECK(pool_->device_index() == index || !pool_->pins(), "fastoffload: the pinned pool belongs to device ",
@@ -65,14 +86,106 @@ void OffloadEngine::check_block(size_t block) const {
 }
 
 size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
-  const size_t index = store_.add(names, params);
+  // A block that will be compressed keeps its raw copy pageable: it is dropped after encoding.
+  const size_t index = store_.add(names, params, /*pin=*/compress_mode_ == CompressMode::kOff);
+  travel_.push_back(Travel::kRaw);
+  encode_new(index);
   finish_add(index);
   return index;
 }
 
+void OffloadEngine::encode_new(size_t block) {
+  travel_[block] = Travel::kRaw;
+  chooser_.forget(block);
+  if (compress_mode_ == CompressMode::kOff) return;
+  const bool keep_raw = compress_mode_ == CompressMode::kAuto;
+  if (!store_.compress(block, codec_options_, keep_raw)) return;
+  travel_[block] = keep_raw ? Travel::kMeasuring : Travel::kCompressed;
+  if (keep_raw) chooser_.track(block);
+}
+
+void OffloadEngine::decide_travel() {
+  const bool compressed = chooser_.transfer_bound();
+  for (size_t b : chooser_.tracked_blocks()) choose_travel(b, compressed);
+}
+
+void OffloadEngine::settle_travel() {
+  if (chooser_.tracked() == 0) return;
+  if (chooser_.ready()) {
+    decide_travel();
+    return;
+  }
+  for (size_t b : chooser_.tracked_blocks()) choose_travel(b, false);
+}
+
+void OffloadEngine::set_auto_threshold(double threshold) {
+  TORCH_CHECK(threshold >= 0.0, "fastoffload: the auto-compression threshold must be >= 0, got ", std::to_string(threshold));
+  chooser_.set_threshold(threshold);
+}
+
+void OffloadEngine::set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options) {
+  compress_mode_ = mode;
+  verify_ = verify;
+  codec_options_ = options;
+}
+
+void OffloadEngine::choose_travel(size_t block, bool compressed) {
+  check_block(block);
+  const StoredBlock& stored = store_.block(block);
+  TORCH_CHECK(!compressed || stored.has_packed(), "fastoffload: block ", std::to_string(block),
+              " has no compressed copy to travel with");
+  TORCH_CHECK(compressed || stored.has_raw(), "fastoffload: block ", std::to_string(block),
+              " no longer has its raw copy (it was chosen to travel compressed)");
+  // A copy in flight may still read the host copy that is about to be freed.
+  copy_.synchronize_copies();
+  chooser_.forget(block);
+  if (compressed) {
+    store_.drop_raw(block);
+    travel_[block] = Travel::kCompressed;
+  } else {
+    store_.drop_packed(block);
+    travel_[block] = Travel::kRaw;
+  }
+  generation_ += 1;
+}
+
+BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
+  check_block(block);
+  const StoredBlock& stored = store_.block(block);
+  BlockCodecInfo info;
+  info.travel = travel_[block];
+  info.raw_bytes = stored.bytes;
+  info.compressed_bytes = stored.packed_bytes;
+  info.host_bytes = (stored.has_raw() ? stored.bytes : 0) + stored.packed_bytes;
+  info.segments = stored.packed_summary.num_segments;
+  info.coded_segments = stored.packed_summary.coded_segments;
+  info.exceptions = stored.packed_summary.exceptions;
+  return info;
+}
+
+size_t OffloadEngine::weight_bytes(size_t block) const {
+  check_block(block);
+  size_t total = 0;
+  for (const TensorLayout& entry : store_.block(block).layout) {
+    size_t numel = 1;
+    for (int64_t size : entry.sizes) numel *= static_cast<size_t>(size);
+    total += numel * c10::elementSize(entry.dtype);
+  }
+  return total;
+}
+
+at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
+  check_block(block);
+  return store_.raw_bytes(block, verify_);
+}
+
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                                        const std::string& segment_name, bool owner) {
+  TORCH_CHECK(compress_mode_ != CompressMode::kOn, "fastoffload: compress=True cannot be combined with a host copy "
+              "shared across the ranks of this host: pass share_host_copy=False to compress each rank's copy, or "
+              "compress=False (or \"auto\", which keeps shared blocks raw)");
   const size_t index = store_.add_shared(names, params, segment_name, owner);
+  travel_.push_back(Travel::kRaw);
   finish_add(index);
   return index;
 }
@@ -88,6 +201,7 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
   const size_t index = store_.add_from_file(names, params, shapes, spans, *reader_);
+  travel_.push_back(Travel::kRaw);  // checkpoint blocks are not compressed
   finish_add(index);
   return index;
 }
@@ -100,6 +214,7 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
   if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
   disk_->add_block(index, store_.block(index).ranges);
+  travel_.push_back(Travel::kRaw);
   finish_add(index);
   return index;
 }
@@ -122,7 +237,7 @@ void OffloadEngine::check_not_on_disk(size_t block, const char* what) const {
 
 const void* OffloadEngine::copy_source(size_t block) {
   const StoredBlock& stored = store_.block(block);
-  if (!stored.on_disk) return stored.host->data();
+  if (!stored.on_disk) return stored.has_raw() ? stored.host->data() : nullptr;  // nullptr: it travels compressed
   TORCH_CHECK(disk_ != nullptr && disk_->started(), "fastoffload: block ", std::to_string(block),
               " is in the disk tier, which was not started (start_disk_tier)");
   return disk_->take(block, /*wait=*/true);
@@ -136,6 +251,17 @@ bool OffloadEngine::acquire_may_wait(size_t block) const {
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
   return store_.host_view(block, j);
+}
+
+std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.on_disk) return store_.host_views(block);
+  const at::Tensor bytes = store_.read_block(block, *reader_);
+  std::vector<at::Tensor> views;
+  views.reserve(stored.layout.size());
+  for (const TensorLayout& entry : stored.layout)
+    views.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
+  return views;
 }
 
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {
@@ -159,9 +285,22 @@ void OffloadEngine::finish_add(size_t index) {
   views_stale_ = true;
 }
 
+void OffloadEngine::ensure_staging() {
+  if (copy_.is_host()) return;
+  const size_t needed = store_.max_packed_bytes();
+  if (needed == 0 || (staging_[0].defined() && static_cast<size_t>(staging_[0].numel()) >= needed)) return;
+  // The decoder may still be reading the old buffers.
+  copy_.synchronize_copies();
+  for (auto& buffer : staging_) buffer = at::Tensor();
+  for (auto& buffer : staging_)
+    buffer = at::empty({static_cast<int64_t>(needed)}, at::TensorOptions().dtype(at::kByte).device(device_));
+}
+
 void OffloadEngine::ensure_slots() {
   finish_loading();
   if (!views_stale_ && ring_.slot_bytes() >= store_.max_block_bytes()) return;
+  // Packed sizes change only where views go stale too (a block added or repacked).
+  ensure_staging();
   if (!ring_.allocated() || ring_.slot_bytes() < store_.max_block_bytes()) {
     // The copy stream may still be writing into the old slots.
     copy_.synchronize_copies();
@@ -189,7 +328,25 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
   ring_.assign(slot, block);
   Slot& s = ring_.slot(slot);
   const StoredBlock& stored = store_.block(block);
-  copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready);
+  if (travel_[block] == Travel::kCompressed) {
+    stats_.decodes += 1;
+    void* const staging[2] = {staging_[0].defined() ? staging_[0].data_ptr() : nullptr,
+                              staging_[1].defined() ? staging_[1].data_ptr() : nullptr};
+    const size_t staging_bytes = staging_[0].defined() ? static_cast<size_t>(staging_[0].numel()) : 0;
+    copy_.decode_to_device(s.buffer.data_ptr(), stored.bytes, stored.packed->data(), stored.packed_bytes, staging,
+                           staging_bytes, stored.packed_summary.num_segments, stored.packed_summary.num_tiles, verify_,
+                           *s.free, *s.ready);
+    return;
+  }
+  if (travel_[block] == Travel::kMeasuring && copy_.is_host()) {
+    const auto start = std::chrono::steady_clock::now();
+    copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready);
+    chooser_.add_host_copy(block, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    return;
+  }
+  Event* timing_start = travel_[block] == Travel::kMeasuring ? chooser_.copy_start(block) : nullptr;
+  Event* timing_end = travel_[block] == Travel::kMeasuring ? chooser_.copy_end(block) : nullptr;
+  copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready, timing_start, timing_end);
   if (stored.on_disk) disk_->consumed(block);
 }
 
@@ -232,6 +389,7 @@ void OffloadEngine::acquire(size_t block) {
   copy_.wait_on_current(*s.ready);
   ring_.acquire(static_cast<size_t>(slot));
   binder_.bind_slot(block, static_cast<size_t>(slot));
+  if (travel_[block] == Travel::kMeasuring) chooser_.compute_started(block);
 }
 
 bool OffloadEngine::prefetch(size_t block) {
@@ -261,6 +419,11 @@ bool OffloadEngine::release(size_t block) {
   if (ring_.release(static_cast<size_t>(slot))) {
     binder_.bind_placeholders(block);
     copy_.record_on_current(*ring_.slot(slot).free);
+    if (travel_[block] == Travel::kMeasuring) {
+      chooser_.compute_ended(block);
+      // Once: the copies it does not need are freed (this waits for the copies in flight).
+      if (!copy_.capturing() && chooser_.ready()) decide_travel();
+    }
   }
   return true;
 }
@@ -278,7 +441,7 @@ void OffloadEngine::materialize(size_t block) {
   const StoredBlock& stored = store_.block(block);
   at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
                                 at::TensorOptions().dtype(at::kByte).device(device_));
-  if (stored.bytes > 0) buffer.narrow(0, 0, static_cast<int64_t>(stored.bytes)).copy_(stored.host_bytes);
+  if (stored.bytes > 0) buffer.narrow(0, 0, static_cast<int64_t>(stored.bytes)).copy_(store_.raw_bytes(block, verify_));
   std::vector<at::Tensor> values;
   values.reserve(stored.layout.size());
   const auto options = at::TensorOptions().device(device_);
@@ -298,7 +461,9 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
   // A prefetch of this block may still be reading the host copy that is about to be freed.
   copy_.synchronize_copies();
   ring_.forget_block(block);
-  store_.replace(block, names, params);
+  store_.replace(block, names, params, /*pin=*/compress_mode_ == CompressMode::kOff);
+  // Re-encoded from the new values; "auto" measures the block again.
+  encode_new(block);
   binder_.set_block(block, store_.block(block));
   binder_.bind_values(block, binder_.placeholders(block));
   materialized_[block] = 0;
@@ -317,11 +482,16 @@ void OffloadEngine::restore(size_t block, at::Device target) {
   const bool running = slot >= 0 && ring_.slot(slot).state == SlotState::kInUse;
   std::vector<at::Tensor> values;
   values.reserve(stored.layout.size());
+  const bool live = running || materialized_[block];
+  // Decoded once for the whole block when it is stored compressed.
+  const at::Tensor host = live                ? at::Tensor()
+                          : stored.on_disk ? store_.read_block(block, *reader_)
+                                           : store_.raw_bytes(block, verify_);
   for (size_t j = 0; j < stored.layout.size(); ++j) {
     // Current values: a running or materialized block's live tensors (they may have been changed in
     // place), otherwise the host copy.
-    const at::Tensor source =
-        (running || materialized_[block]) ? stored.tensors[j].variable_data() : host_view(block, j);
+    const at::Tensor source = live ? stored.tensors[j].variable_data()
+                                   : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
     values.push_back(clone_with_layout(source, stored.layout[j], target));
   }
   binder_.bind_values(block, values);
@@ -335,6 +505,7 @@ void OffloadEngine::restore(size_t block, at::Device target) {
   }
   copy_.synchronize_copies();
   ring_.forget_block(block);
+  chooser_.forget(block);
   store_.remove(block);
   binder_.drop_block(block);
   removed_[block] = 1;
@@ -352,6 +523,7 @@ void OffloadEngine::close() {
     ring_.forget_block(b);
   }
   ring_.clear();
+  for (auto& buffer : staging_) buffer = at::Tensor();
   views_stale_ = true;
 }
 

@@ -24,8 +24,17 @@
 #include "layer_store.h"
 #include "pinned_pool.h"
 #include "slot_ring.h"
+#include "travel_chooser.h"
 
 namespace fastoffload {
+
+// How blocks travel host -> device (enable_layerwise_offload's `compress`).
+enum class CompressMode { kOff, kOn, kAuto };
+CompressMode parse_compress_mode(const std::string& name);
+
+// How one block travels now.
+enum class Travel : uint8_t { kRaw, kCompressed, kMeasuring };
+const char* travel_name(Travel travel);
 
 struct EngineStats {
   uint64_t acquires = 0;
@@ -34,6 +43,18 @@ struct EngineStats {
   uint64_t cache_hits = 0;         // acquires that found their block still in a slot from its last run
   uint64_t sync_loads = 0;         // acquires that had to start the copy themselves
   uint64_t skipped_prefetches = 0; // prefetches with no slot to go to
+  uint64_t decodes = 0;            // copies that went compressed and were decoded into their slot
+};
+
+// A block's host copy as the codec left it, for stats().
+struct BlockCodecInfo {
+  Travel travel = Travel::kRaw;
+  size_t raw_bytes = 0;         // packed size of the block
+  size_t compressed_bytes = 0;  // 0 when it has no compressed copy
+  size_t host_bytes = 0;        // host bytes it holds now (raw and/or compressed)
+  uint32_t segments = 0;
+  uint32_t coded_segments = 0;
+  uint64_t exceptions = 0;
 };
 
 class OffloadEngine {
@@ -70,6 +91,23 @@ class OffloadEngine {
   bool acquire_may_wait(size_t block) const;
   DiskTierStats disk_stats() const { return disk_ ? disk_->stats() : DiskTierStats(); }
   const std::shared_ptr<DiskReader>& reader() const { return reader_; }
+  // Compression of the blocks added from now on (and of blocks repacked later). verify: check every
+  // compressed block's checksum whenever the host decodes it (debug and tests; costs a pass over it).
+  void set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options);
+  CompressMode compress_mode() const { return compress_mode_; }
+  bool verify_checksums() const { return verify_; }
+  // compress="auto": block `block` travels compressed from now on (true) or raw (false); the copy it
+  // will not use is freed.
+  void choose_travel(size_t block, bool compressed);
+  BlockCodecInfo codec_info(size_t block) const;
+  // compress="auto": decide now for the blocks still measuring, from the samples so far (before a
+  // CUDA-graph capture, which must not change how blocks travel). No samples: they travel raw.
+  void settle_travel();
+  // compress="auto": copy time / compute time at or above which blocks travel compressed.
+  void set_auto_threshold(double threshold);
+  const TravelChooser& chooser() const { return chooser_; }
+  // The raw packed bytes of a block as a CPU uint8 tensor (decoded when it is stored compressed).
+  at::Tensor raw_host_bytes(size_t block) const;
 
   void acquire(size_t block);
   bool prefetch(size_t block);
@@ -110,6 +148,9 @@ class OffloadEngine {
   bool is_removed(size_t block) const;
   bool is_shared(size_t block) const { return store_.block(block).shared; }
   at::Tensor host_view(size_t block, size_t j) const;
+  std::vector<at::Tensor> host_views(size_t block) const;
+  // Bytes of the block's parameters (numel x element size), without touching the host copy.
+  size_t weight_bytes(size_t block) const;
   const EngineStats& stats() const { return stats_; }
   const CopyEngine& copy_engine() const { return copy_; }
   const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }
@@ -125,6 +166,9 @@ class OffloadEngine {
   void check_not_on_disk(size_t block, const char* what) const;
   // The bytes to copy for `block`: its host region, or its disk-tier staging buffer (waited for).
   const void* copy_source(size_t block);
+  void encode_new(size_t block);
+  void decide_travel();
+  void ensure_staging();
 
   at::Device device_;
   LayerStore store_;
@@ -133,6 +177,12 @@ class OffloadEngine {
   Binder binder_;
   std::vector<uint8_t> materialized_;
   std::vector<uint8_t> removed_;
+  std::vector<Travel> travel_;
+  CompressMode compress_mode_ = CompressMode::kOff;
+  bool verify_ = false;
+  codec::EncodeOptions codec_options_;
+  TravelChooser chooser_;
+  at::Tensor staging_[2];  // device buffers the compressed bytes land in, alternately, before the decoder reads them
   bool views_stale_ = true;
   uint64_t generation_ = 0;
   EngineStats stats_;

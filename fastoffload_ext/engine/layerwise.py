@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext import _backend
+from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
@@ -64,7 +65,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None, weights: Any = None, host_budget: int | None = None,
+                             process_group: Any = None, compress: bool | str = False, weights: Any = None,
+                             host_budget: int | None = None,
                              disk_options: DiskOptions | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
@@ -91,6 +93,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
+            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
+            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
+            decided from the first steps' copy and compute times; False: raw copies. True is refused with
+            share_host_copy=True, and turns the default share_host_copy="auto" off.
         weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
             ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
             then be built on the meta device: block weights are read straight into pinned host memory,
@@ -111,8 +118,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                                  cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                  pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                  pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group, weights=weights, host_budget=host_budget,
-                                 disk_options=disk_options)
+                                 process_group=process_group, compress=compress, weights=weights,
+                                 host_budget=host_budget, disk_options=disk_options)
     _check_model(model, options)
     checkpoint = _prepare_checkpoint(model, options)
     offloaded = options.offloaded
@@ -120,6 +127,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
     engine = _build_engine(options)
     group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
                                   options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+    group.compress_mode = options.compress if engine is not None else "off"
     if checkpoint is not None and engine is not None:
         checkpoint.open_files(engine)
         group.checkpoint = checkpoint
@@ -157,7 +165,10 @@ def _build_engine(options: OffloadOptions) -> Any:
     core = _backend.require_ext()
     index = -1 if options.device.type == "cpu" else options.device.index
     pool = core.PinnedPool(index, options.pin_backing, options.pinned_limit_bytes, options.allow_pageable_fallback, 0)
-    return core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    engine = core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    if options.compress != "off":
+        codec.configure_engine(engine, options.compress)
+    return engine
 
 
 def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend
+from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
@@ -49,6 +49,7 @@ class OffloadOptions:
     pinned_limit_bytes: int  # 0: no limit
     share_host_copy: bool | str
     process_group: Any
+    compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
     weights: Any = None  # a checkpoint to build from (storage/); None: the model's own tensors
     host_budget: int | None = None
     disk_options: DiskOptions | None = None
@@ -136,18 +137,25 @@ def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.Modul
 
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
-                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any, weights: Any = None,
-                       host_budget: Any = None, disk_options: Any = None) -> OffloadOptions:
+                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
+                       compress: bool | str = False, weights: Any = None, host_budget: Any = None,
+                       disk_options: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises."""
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
     list_name, blocks = find_block_list(model)
     resident = check_resident_blocks(resident_blocks, list_name, blocks)
     chosen = choose_backend(backend, device)
-    sharing.resolve(share_host_copy, chosen, process_group)
+    if compress is True and share_host_copy == "auto":
+        share_host_copy = False  # an explicit compress=True wins over sharing by default
     share_host_copy = check_storage_arguments(weights, host_budget, disk_options, chosen, share_host_copy)
+    sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
+    compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
+    if weights is not None and compress_mode != "off":
+        raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
+                                 "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident_blocks=resident,
                           prefetch_depth=prefetch_depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group, weights=weights, host_budget=host_budget,
-                          disk_options=disk_options)
+                          process_group=process_group, compress=compress_mode, weights=weights,
+                          host_budget=host_budget, disk_options=disk_options)
