@@ -439,6 +439,9 @@ def test_transform_returning_none_on_loaded_instance_raises_and_changes_nothing(
 @pytest.mark.cuda
 def test_release_frees_cuda_memory_and_the_cache(caplog: pytest.LogCaptureFixture) -> None:
     proxy = LazyModule("dit", lambda: nn.Linear(4096, 4096, bias=False, device="cuda"))  # 64 MiB of weight
+    # release() collects garbage: what earlier tests left unreachable must be gone before the baseline,
+    # or its collection would show up as memory this release freed.
+    gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     proxy.materialize()
