@@ -114,7 +114,7 @@ def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, 
         enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=1)
     _untouched(model)
     gc.collect()
-    assert _threads() == before  # the reader's threads ended with the engine
+    assert _threads() <= before  # the reader's threads ended with the engine (others may have ended too)
 
 
 @pytest.mark.parametrize("budget_blocks", [3])
