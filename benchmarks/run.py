@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "disk")
+SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "budgets",
+            "disk")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget.
 SECTION_TIMEOUTS = {
@@ -41,6 +42,7 @@ SECTION_TIMEOUTS = {
     "lazy": (120, 60),
     "ranks": (600, 300),
     "codec": (600, 300),
+    "budgets": (900, 420),
     "disk": (900, 400),
 }
 
@@ -50,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks",
         description="fastoffload_ext benchmark suite: bandwidth, forward (W1-W4 + a transformers model vs "
                     "floor), CUDA graphs, torch.compile, startup, host overhead, lazy pipeline, several ranks "
-                    "of one host. Tables on stdout, results.json + PNGs in --out.")
+                    "of one host, residency planner under device budgets. Tables on stdout, results.json + "
+                    "PNGs in --out.")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 3 min on an H200)")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT if set, else ./results)")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="K",
@@ -388,6 +391,17 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
                          f"{row.get('x_python') or 0:.2f}x python ({verdict(row.get('time_ok'))}); pinned/weights "
                          f"{row.get('pinned_ratio') or 0:.3f} ({verdict(row.get('pinned_ok'))}); peak RSS "
                          f"{verdict(row.get('rss_ok'))}")
+    for row in rows("budgets", "budgets"):
+        if row.get("x_best") is not None:
+            extra = (f", {row['x_ideal']:.3f}x ideal, {row['x_floor']:.3f}x floor" if row.get("x_ideal") is not None
+                     else "")
+            lines.append(f"budgets {row['workload']} {row['budget']}: plan {row.get('plan')} = {row['x_best']:.3f}x "
+                         f"best grid{extra}; memory within budget {verdict(row.get('mem_ok'))}; bit-equal "
+                         f"{verdict(row.get('bit_equal'))}: {verdict(row.get('pass'))}")
+    for row in rows("budgets", "depth"):
+        if row.get("x_depth1") is not None and row.get("depth") != 1:
+            lines.append(f"budgets {row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1: "
+                         f"{verdict(row.get('pass'))}")
     for row in rows("lazy", "lazy"):
         if row.get("variant") == "lazy" and row.get("x_eager") is not None:
             lines.append(f"lazy pipeline: peak {row['x_eager']:.2f}x eager, "

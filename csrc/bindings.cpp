@@ -14,6 +14,7 @@
 #include "offload_engine.h"
 #include "pinned_pool.h"
 #include "shared_segment.h"
+#include "thread_gate.h"
 
 namespace py = pybind11;
 
@@ -234,12 +235,18 @@ void reader_read(DiskReader& reader, const std::vector<std::tuple<size_t, uint64
   without_gil([&] { reader.read(std::move(ranges), data); });
 }
 
+void* drop_gil_if_held() { return PyGILState_Check() ? static_cast<void*>(PyEval_SaveThread()) : nullptr; }
+
+void take_gil_back(void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
+
 }  // namespace
 }  // namespace fastoffload
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastoffload;
   m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
+  // A thread that has to wait for an engine drops the GIL for the wait (see thread_gate.h).
+  set_wait_hooks(WaitHooks{&drop_gil_if_held, &take_gil_back});
   // Device memory refused (the slot ring) reaches Python as torch.OutOfMemoryError, like torch's own.
   py::register_local_exception_translator([](std::exception_ptr error) {
     try {
@@ -267,7 +274,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SEGMENT_PREFIX") = kSegmentPrefix;
   m.def(
       "sweep_stale_segments", [] { return without_gil([] { return sweep_stale_segments(); }); },
-        "Removes /dev/shm/fastoffload-<pid>-* left by owners that died before unlinking them; returns the count.");
+      "Removes the shared segment names of this user's jobs whose owner died (its flock'ed job lock is free); "
+      "returns how many segment names it removed.");
+  m.def(
+      "tensor_digests",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        return without_gil([&] { return tensor_digests(names, tensors); });
+      },
+      py::arg("names"), py::arg("tensors"),
+      "64-bit digests of each tensor's bytes: what an owner's OffloadEngine.block_digests gives for the same values.");
+  m.def(
+      "packed_bytes",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        size_t total = 0;
+        plan_layout(names, tensors, &total);
+        return total;
+      },
+      py::arg("names"), py::arg("tensors"), "Bytes a block of these tensors packs to (validating them like add_block).");
+  py::class_<JobLock>(m, "JobLock", "The owner's liveness lock of a shared host copy (flock'ed while held).")
+      .def(py::init([](const std::string& job_token) { return without_gil([&] { return new JobLock(job_token); }); }),
+           py::arg("job_token"))
+      .def("release", [](JobLock& lock) { without_gil([&] { lock.release(); }); })
+      .def_property_readonly("held", &JobLock::held)
+      .def_property_readonly("name", &JobLock::name);
   m.def(
       "unlink_shared_segment", [](const std::string& name) { return without_gil([&] { return unlink_segment(name); }); },
       py::arg("name"),
@@ -316,6 +345,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "unlink_shared", [](PinnedPool& p) { return warnings_to_python([&] { return p.unlink_shared(); }); },
            "Unlinks the names of the shared segments this pool created (their mappings stay valid).")
       .def("linked_shared_names", &PinnedPool::linked_shared_names)
+      .def("reserve_shared", &PinnedPool::reserve_shared, py::arg("name"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Owner: creates the shared segment `name` now, for the block that packs to `nbytes` (see packed_bytes).")
+      .def("drop_reserved", &PinnedPool::drop_reserved, py::call_guard<py::gil_scoped_release>(),
+           "Destroys (and unlinks) the reserved segments no block has used yet; returns how many.")
       .def_property_readonly("device_index", &PinnedPool::device_index)
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
@@ -382,6 +416,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("disk_stats", &disk_stats)
       .def("finish_loading", [](OffloadEngine& e) { without_gil([&] { e.finish_loading(); }); })
       .def_property_readonly("reader", &OffloadEngine::reader)
+      .def(
+          "block_digests",
+          [](const OffloadEngine& e, int64_t block) { return e.block_digests(checked_block(e, block)); },
+          py::arg("block"))
+      .def(
+          "make_private",
+          [](OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            without_gil([&] { e.make_private(b); });
+          },
+          py::arg("block"))
       // The per-step calls keep the GIL (see the top of this file).
       .def(
           "acquire",

@@ -105,8 +105,15 @@ void CopyEngine::begin_transfer(Event* free_event) {
 
 void CopyEngine::wait_on(void* stream, Event& event) {
 #ifdef FASTOFFLOAD_WITH_CUDA
-  if (event.recorded_ && event.epoch_ == capture_epoch_)
+  if (!event.recorded_) return;
+  if (event.epoch_ == capture_epoch_) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), as_event(event.handle_), 0));
+  } else if (!capturing() && event.epoch_ != 0) {
+    // Recorded inside an earlier capture: the node it stood for runs in that graph's replays, which
+    // were launched on the compute stream; waiting for the compute stream covers them.
+    C10_CUDA_CHECK(cudaEventRecord(as_event(join_event_), as_stream(current_stream())));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), as_event(join_event_), 0));
+  }
 #else
   (void)stream;
   (void)event;
@@ -184,6 +191,8 @@ void CopyEngine::decode_to_device(void* dst, size_t raw_bytes, const void* src, 
   ensure_decode_stream();
 #ifdef FASTOFFLOAD_WITH_CUDA
   decodes_issued_ += 1;
+  // A kernel launches on the current device: it must be the engine's, whatever the caller's is.
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
   begin_transfer(nullptr);
   wait_on(copy_stream_, *decoded_[k]);
   C10_CUDA_CHECK(cudaMemcpyAsync(staging[k], src, nbytes, cudaMemcpyHostToDevice, as_stream(copy_stream_)));

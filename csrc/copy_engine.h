@@ -94,7 +94,8 @@ class CopyEngine {
   // work, `ready_event` is recorded on `stream`.
   void begin_transfer(Event* free_event);
   void record_on(void* stream, Event& event);
-  // `stream` waits for `event` if it was recorded in the current capture epoch.
+  // `stream` waits for `event` if it was recorded in the current capture epoch (outside a capture, for
+  // one recorded in an earlier capture, it waits for the compute stream instead).
   void wait_on(void* stream, Event& event);
   void ensure_decode_stream();
   int device_index_;

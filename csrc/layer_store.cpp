@@ -1,10 +1,14 @@
 #include "layer_store.h"
 
+#include <cstring>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+
+#include "digest.h"
 
 namespace fastoffload {
 namespace {
@@ -29,7 +33,53 @@ at::Tensor span_bytes(const at::Tensor& t, size_t nbytes) {
   return bytes;
 }
 
+std::vector<at::Tensor> resolve_lazy_bits(const std::vector<at::Tensor>& tensors) {
+  // A conjugate or negative view stores its values with a lazy bit that raw bytes do not carry:
+  // pack the values it means (binding the parameter to the packed bytes then clears the bit).
+  std::vector<at::Tensor> resolved;
+  resolved.reserve(tensors.size());
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) {
+    const bool lazy = t.defined() && !t.is_meta() && t.layout() == at::kStrided && (t.is_conj() || t.is_neg());
+    resolved.push_back(lazy ? t.detach().resolve_conj().resolve_neg() : t);
+  }
+  return resolved;
+}
+
+// The first byte of `t`'s storage span on the host (t must be a CPU tensor).
+const void* span_data(const at::Tensor& t) {
+  return static_cast<const char*>(t.storage().data()) + t.storage_offset() * t.element_size();
+}
+
+// Copies tensor `source`'s span into its place in `host_bytes`; returns the digest of the packed bytes.
+uint64_t pack_and_digest(at::Tensor& host_bytes, const TensorLayout& entry, const at::Tensor& source) {
+  char* dst = static_cast<char*>(host_bytes.data_ptr()) + entry.offset;
+  if (source.device().is_cpu()) return copy_and_digest(dst, span_data(source), entry.nbytes);
+  // From a device: the copy is a DMA, so the hash reads the packed bytes back once.
+  host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
+      .copy_(span_bytes(source, entry.nbytes));
+  return digest_bytes(dst, entry.nbytes);
+}
+
 }  // namespace
+
+std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  size_t total = 0;
+  const std::vector<TensorLayout> layout = plan_layout(names, tensors, &total);
+  at::NoGradGuard no_grad;
+  std::vector<uint64_t> digests;
+  digests.reserve(tensors.size());
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const size_t nbytes = layout[j].nbytes;
+    if (nbytes == 0 || tensors[j].device().is_cpu()) {
+      digests.push_back(nbytes == 0 ? digest_bytes(nullptr, 0) : digest_bytes(span_data(tensors[j]), nbytes));
+      continue;
+    }
+    const at::Tensor host = span_bytes(tensors[j], nbytes).to(at::kCPU);
+    digests.push_back(digest_bytes(host.data_ptr(), nbytes));
+  }
+  return digests;
+}
 
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                       size_t* total_bytes) {
@@ -88,8 +138,9 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
   TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
 }
 
-StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::string& segment_name, bool owner, bool pin) {
+  const std::vector<at::Tensor> tensors = resolve_lazy_bits(params);
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
   const bool shared = !segment_name.empty();
@@ -105,12 +156,17 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
   // A non-owner's segment already holds the owner's bytes, laid out as `block.layout` says.
   for (size_t j = 0; j < tensors.size() && (!shared || owner); ++j) {
     const TensorLayout& entry = block.layout[j];
+    if (shared) {
+      block.digests.push_back(entry.nbytes == 0 ? digest_bytes(nullptr, 0)
+                                                : pack_and_digest(block.host_bytes, entry, tensors[j]));
+      continue;
+    }
     if (entry.nbytes == 0) continue;
     block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
         .copy_(span_bytes(tensors[j], entry.nbytes));
   }
   if (pin || shared) pool_->pin(*block.host);
-  block.tensors = tensors;
+  block.tensors = params;
   return block;
 }
 
@@ -243,6 +299,24 @@ void LayerStore::replace(size_t index, const std::vector<std::string>& names, co
   // Pack first: if packing fails the old copy stays intact.
   StoredBlock fresh = pack(names, tensors, std::string(), true, pin);
   blocks_[index] = std::move(fresh);
+}
+
+void LayerStore::make_private(size_t index) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
+  StoredBlock& stored = blocks_[index];
+  if (!stored.shared) return;
+  std::shared_ptr<PoolAllocation> host = pool_->allocate(stored.bytes, /*defer_pin=*/true);
+  if (stored.bytes > 0) std::memcpy(host->data(), stored.host->data(), stored.bytes);
+  pool_->pin(*host);
+  std::shared_ptr<PoolAllocation> keep_alive = host;
+  // Assigned last: until here a failure leaves the block as it was.
+  stored.host_bytes = at::from_blob(
+      host->data(), {static_cast<int64_t>(stored.bytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  stored.host = std::move(host);
+  stored.shared = false;
+  stored.shared_owner = false;
+  stored.digests.clear();
 }
 
 void LayerStore::remove(size_t index) {

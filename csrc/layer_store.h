@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <future>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -42,6 +43,9 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
+  // Owner of a shared block only: digest_bytes() of each tensor's packed bytes, computed while packing
+  // (the other ranks compare theirs, from tensor_digests(), before they map the copy). Empty otherwise.
+  std::vector<uint64_t> digests;
   // The compressed host copy (codec.h), when the block has one. A compressed block's raw copy (`host`)
   // is dropped once the block is known to travel compressed, which is where the host memory saving
   // comes from; until then (compress="auto" measuring) both are kept.
@@ -59,6 +63,10 @@ using FileSpan = std::tuple<size_t, uint64_t, size_t>;
 // stored (meta, sparse, quantized or storage-less tensors).
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                       size_t* total_bytes);
+
+// digest_bytes() of each tensor's storage span, in order: what an owner's StoredBlock::digests holds for
+// the same values. Validates like plan_layout. Tensors on a device are copied to the host one at a time.
+std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
 
 class LayerStore {
  public:
@@ -97,6 +105,10 @@ class LayerStore {
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
   void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                bool pin = true);
+  // Moves block `index`'s host copy out of its shared segment into private pool memory (same bytes,
+  // same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
+  // not to share after it packed.
+  void make_private(size_t index);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
   void remove(size_t index);
 
@@ -110,7 +122,8 @@ class LayerStore {
   // one, else a freshly decoded copy (verify: check the checksum first).
   at::Tensor raw_bytes(size_t index, bool verify) const;
 
-  // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive).
+  // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive). A shared
+  // block's view is other processes' weights too (read-only pages on a non-owner): for internal reads.
   at::Tensor host_view(size_t index, size_t j) const;
   // Views of every tensor of block `index` (one decode for all of them when it is stored compressed).
   std::vector<at::Tensor> host_views(size_t index) const;

@@ -86,6 +86,7 @@ void OffloadEngine::check_block(size_t block) const {
 }
 
 size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
+  GateHold hold = waiting_gate();
   // A block that will be compressed keeps its raw copy pageable: it is dropped after encoding.
   const size_t index = store_.add(names, params, /*pin=*/compress_mode_ == CompressMode::kOff);
   travel_.push_back(Travel::kRaw);
@@ -106,30 +107,38 @@ void OffloadEngine::encode_new(size_t block) {
 
 void OffloadEngine::decide_travel() {
   const bool compressed = chooser_.transfer_bound();
-  for (size_t b : chooser_.tracked_blocks()) choose_travel(b, compressed);
+  for (size_t b : chooser_.tracked_blocks()) choose_travel_held(b, compressed);
 }
 
 void OffloadEngine::settle_travel() {
+  GateHold hold = waiting_gate();
   if (chooser_.tracked() == 0) return;
   if (chooser_.ready()) {
     decide_travel();
     return;
   }
-  for (size_t b : chooser_.tracked_blocks()) choose_travel(b, false);
+  for (size_t b : chooser_.tracked_blocks()) choose_travel_held(b, false);
 }
 
 void OffloadEngine::set_auto_threshold(double threshold) {
+  GateHold hold = step_gate();
   TORCH_CHECK(threshold >= 0.0, "fastoffload: the auto-compression threshold must be >= 0, got ", std::to_string(threshold));
   chooser_.set_threshold(threshold);
 }
 
 void OffloadEngine::set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options) {
+  GateHold hold = step_gate();
   compress_mode_ = mode;
   verify_ = verify;
   codec_options_ = options;
 }
 
 void OffloadEngine::choose_travel(size_t block, bool compressed) {
+  GateHold hold = waiting_gate();
+  choose_travel_held(block, compressed);
+}
+
+void OffloadEngine::choose_travel_held(size_t block, bool compressed) {
   check_block(block);
   const StoredBlock& stored = store_.block(block);
   TORCH_CHECK(!compressed || stored.has_packed(), "fastoffload: block ", std::to_string(block),
@@ -150,6 +159,7 @@ void OffloadEngine::choose_travel(size_t block, bool compressed) {
 }
 
 BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
+  auto lock = gate_.enter_read();
   check_block(block);
   const StoredBlock& stored = store_.block(block);
   BlockCodecInfo info;
@@ -164,6 +174,7 @@ BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
 }
 
 size_t OffloadEngine::weight_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
   check_block(block);
   size_t total = 0;
   for (const TensorLayout& entry : store_.block(block).layout) {
@@ -175,12 +186,16 @@ size_t OffloadEngine::weight_bytes(size_t block) const {
 }
 
 at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
   check_block(block);
-  return store_.raw_bytes(block, verify_);
+  at::Tensor bytes = store_.raw_bytes(block, verify_);
+  // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
+  return store_.block(block).shared ? bytes.clone() : bytes;
 }
 
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                                        const std::string& segment_name, bool owner) {
+  GateHold hold = waiting_gate();
   TORCH_CHECK(compress_mode_ != CompressMode::kOn, "fastoffload: compress=True cannot be combined with a host copy "
               "shared across the ranks of this host: pass share_host_copy=False to compress each rank's copy, or "
               "compress=False (or \"auto\", which keeps shared blocks raw)");
@@ -199,6 +214,7 @@ void OffloadEngine::set_reader(std::shared_ptr<DiskReader> reader) {
 size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                                           const std::vector<std::vector<int64_t>>& shapes,
                                           const std::vector<FileSpan>& spans) {
+  GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
   const size_t index = store_.add_from_file(names, params, shapes, spans, *reader_);
   travel_.push_back(Travel::kRaw);  // checkpoint blocks are not compressed
@@ -209,6 +225,7 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
 size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                                         const std::vector<std::vector<int64_t>>& shapes,
                                         const std::vector<FileSpan>& spans) {
+  GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_on_disk needs set_reader() first");
   TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
   const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
@@ -220,6 +237,7 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
 }
 
 void OffloadEngine::start_disk_tier(size_t count) {
+  GateHold hold = waiting_gate();
   TORCH_CHECK(disk_ != nullptr, "fastoffload: start_disk_tier: no block was added to the disk tier");
   size_t disk_blocks = 0;
   for (size_t b = 0; b < store_.size(); ++b)
@@ -248,20 +266,11 @@ bool OffloadEngine::acquire_may_wait(size_t block) const {
   return store_.block(block).on_disk && ring_.slot_of(block) < 0 && !disk_->ready(block);
 }
 
-at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
-  if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
-  return store_.host_view(block, j);
-}
-
-std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
-  const StoredBlock& stored = store_.block(block);
-  if (!stored.on_disk) return store_.host_views(block);
-  const at::Tensor bytes = store_.read_block(block, *reader_);
-  std::vector<at::Tensor> views;
-  views.reserve(stored.layout.size());
-  for (const TensorLayout& entry : stored.layout)
-    views.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
-  return views;
+void OffloadEngine::make_private(size_t block) {
+  GateHold hold = waiting_gate();
+  check_block(block);
+  copy_.synchronize_copies();  // a prefetch may still be reading the shared pages
+  store_.make_private(block);
 }
 
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {
@@ -277,6 +286,7 @@ void OffloadEngine::finish_add(size_t index) {
   // The original tensors are released here, block by block, so host memory peaks near the model plus
   // one block rather than twice the model.
   binder_.bind_values(index, binder_.placeholders(index));
+  binder_.record_versions(index);
 #if defined(__GLIBC__)
   // glibc keeps freed heap memory (its mmap threshold grows as large tensors are freed), which would
   // leave the released originals counted in RSS until the end; hand it back to the OS now.
@@ -316,9 +326,11 @@ void OffloadEngine::check_grad(size_t block) const {
   for (size_t j = 0; j < stored.tensors.size(); ++j) {
     TORCH_CHECK(!stored.tensors[j].requires_grad(), "fastoffload: block ", std::to_string(block), " is offloaded, its parameter '",
                 stored.layout[j].name,
-                "' requires grad, and grad mode is on. Offloaded weights live in device slots that later blocks "
-                "overwrite, so a backward pass would read the wrong bytes. Run the forward under torch.no_grad() or "
-                "torch.inference_mode(), or call model.requires_grad_(False); to train, keep the block resident.");
+                "' requires grad, and grad mode is on. An offloaded parameter is a placeholder between forwards, so its "
+                "gradient would have nowhere to live and an optimizer step would never reach its host copy. Freeze the "
+                "offloaded blocks (model.blocks.requires_grad_(False): gradients still flow through them to the input "
+                "and to parameters outside the blocks), or run under torch.no_grad() or torch.inference_mode(); to "
+                "train a block, keep it resident.");
   }
 }
 
@@ -350,24 +362,65 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
   if (stored.on_disk) disk_->consumed(block);
 }
 
+void OffloadEngine::check_bindings(size_t block) const {
+  const StoredBlock& stored = store_.block(block);
+  const int64_t foreign = binder_.first_foreign(block);
+  if (foreign >= 0) {
+    const at::Tensor& param = stored.tensors[foreign];
+    const TensorLayout& entry = stored.layout[foreign];
+    TORCH_CHECK(param.scalar_type() == entry.dtype && param.device() == device_, "fastoffload: parameter '", entry.name,
+                "' of block ", std::to_string(block), " was cast or moved to ", c10::toString(param.scalar_type()), " on ",
+                param.device().str(), " after offload was enabled (its host copy holds ", c10::toString(entry.dtype),
+                " for ", device_.str(), "); .half(), .to(dtype) and .to(device) do not reach an offloaded block's host "
+                "copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable "
+                "it again.");
+    TORCH_CHECK(false, "fastoffload: parameter '", entry.name, "' of block ", std::to_string(block),
+                " was replaced while it was offloaded, so its new value would be silently overwritten. Change a "
+                "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
+                "first.");
+  }
+  const int64_t written = binder_.first_written(block);
+  TORCH_CHECK(written < 0, "fastoffload: parameter '", stored.layout[written].name, "' of block ", std::to_string(block),
+              " was changed in place while it was offloaded (its placeholder or device slot holds no lasting copy), "
+              "so the change would be silently lost. Change a block's parameters inside mutate_params_scope(), which "
+              "rebuilds the host copy, or disable offload first.");
+}
+
+void OffloadEngine::bind_for_run(size_t block, size_t slot) {
+  if (!at::GradMode::is_enabled()) {
+    binder_.bind_slot(block, slot);
+    return;
+  }
+  // Autograd may keep views of the parameters until backward, long after a later block reused the
+  // slot: give them bytes of their own. The copy runs on the current stream, after the slot's wait.
+  const StoredBlock& stored = store_.block(block);
+  at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                                at::TensorOptions().dtype(at::kByte).device(device_));
+  if (stored.bytes > 0) {
+    const int64_t n = static_cast<int64_t>(stored.bytes);
+    buffer.narrow(0, 0, n).copy_(ring_.slot(slot).buffer.narrow(0, 0, n));
+  }
+  binder_.bind_buffer(block, stored, buffer);
+}
+
 void OffloadEngine::acquire(size_t block) {
+  GateHold hold = step_gate();
   check_block(block);
   if (materialized_[block]) return;
   if (at::GradMode::is_enabled()) check_grad(block);
-  ensure_slots();
-  stats_.acquires += 1;
-  generation_ += 1;
   int64_t slot = ring_.slot_of(block);
   if (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse) {
     // The block is already running (re-entrant call): it is bound and its copy was waited for.
     ring_.acquire(static_cast<size_t>(slot));
+    stats_.acquires += 1;
+    generation_ += 1;
     return;
   }
-  const int64_t foreign = binder_.first_foreign(block);
-  TORCH_CHECK(foreign < 0, "fastoffload: parameter '", store_.block(block).layout[foreign].name, "' of block ", std::to_string(block),
-              " was replaced while it was offloaded, so its new value would be silently overwritten. Change a "
-              "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
-              "first.");
+  check_bindings(block);
+  ensure_slots();
+  stats_.acquires += 1;
+  generation_ += 1;
+  slot = ring_.slot_of(block);
   if (slot < 0) {
     slot = ring_.choose_slot(block);
     if (slot < 0) {
@@ -387,12 +440,13 @@ void OffloadEngine::acquire(size_t block) {
   }
   Slot& s = ring_.slot(static_cast<size_t>(slot));
   copy_.wait_on_current(*s.ready);
+  bind_for_run(block, static_cast<size_t>(slot));
   ring_.acquire(static_cast<size_t>(slot));
-  binder_.bind_slot(block, static_cast<size_t>(slot));
   if (travel_[block] == Travel::kMeasuring) chooser_.compute_started(block);
 }
 
 bool OffloadEngine::prefetch(size_t block) {
+  GateHold hold = step_gate();
   check_block(block);
   if (materialized_[block]) return false;
   ensure_slots();
@@ -412,6 +466,7 @@ bool OffloadEngine::prefetch(size_t block) {
 }
 
 bool OffloadEngine::release(size_t block) {
+  GateHold hold = step_gate();
   if (block >= store_.size() || removed_[block] || materialized_[block]) return false;
   const int64_t slot = ring_.slot_of(block);
   if (slot < 0 || ring_.slot(slot).state != SlotState::kInUse) return false;
@@ -429,6 +484,7 @@ bool OffloadEngine::release(size_t block) {
 }
 
 void OffloadEngine::materialize(size_t block) {
+  GateHold hold = waiting_gate();
   check_block(block);
   finish_loading();
   if (materialized_[block]) return;
@@ -451,6 +507,7 @@ void OffloadEngine::materialize(size_t block) {
 }
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
+  GateHold hold = waiting_gate();
   check_block(block);
   finish_loading();
   check_not_shared(block, "repacked");
@@ -466,11 +523,13 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
   encode_new(block);
   binder_.set_block(block, store_.block(block));
   binder_.bind_values(block, binder_.placeholders(block));
+  binder_.record_versions(block);
   materialized_[block] = 0;
   views_stale_ = true;
 }
 
 void OffloadEngine::restore(size_t block, at::Device target) {
+  GateHold hold = waiting_gate();
   check_block(block);
   try {
     finish_loading();
@@ -492,7 +551,12 @@ void OffloadEngine::restore(size_t block, at::Device target) {
     // place), otherwise the host copy.
     const at::Tensor source = live ? stored.tensors[j].variable_data()
                                    : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
-    values.push_back(clone_with_layout(source, stored.layout[j], target));
+    at::Tensor value = clone_with_layout(source, stored.layout[j], target);
+    // A cast after enable (model.half()) left a placeholder of the new dtype: the restored model
+    // follows the cast, as the resident model would have, rather than silently keeping the old dtype.
+    const at::ScalarType now = stored.tensors[j].scalar_type();
+    if (!live && now != stored.layout[j].dtype) value = value.to(now);
+    values.push_back(std::move(value));
   }
   binder_.bind_values(block, values);
   if (running) {
@@ -512,6 +576,7 @@ void OffloadEngine::restore(size_t block, at::Device target) {
 }
 
 void OffloadEngine::close() {
+  GateHold hold = waiting_gate();
   try {
     finish_loading();  // no pin may still run on a region freed below
   } catch (const c10::Error&) {
@@ -527,9 +592,13 @@ void OffloadEngine::close() {
   views_stale_ = true;
 }
 
-void OffloadEngine::synchronize() { copy_.synchronize_copies(); }
+void OffloadEngine::synchronize() {
+  GateHold hold = waiting_gate();
+  copy_.synchronize_copies();
+}
 
 void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, size_t num_slots) {
+  GateHold hold = step_gate();
   TORCH_CHECK(ring_.blocks_in_use().empty(), "fastoffload: the slot assignment cannot change while a block is running");
   copy_.synchronize_copies();
   if (num_slots != ring_.size()) ring_.resize(num_slots);
@@ -540,6 +609,7 @@ void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, 
 }
 
 void OffloadEngine::begin_capture() {
+  GateHold hold = step_gate();
   TORCH_CHECK(disk_ == nullptr, "fastoffload: an offload with a disk tier cannot be captured in a CUDA graph (its "
               "reads run on host threads, outside any stream); raise host_budget so every block fits in host memory");
   copy_.begin_capture();
@@ -547,19 +617,94 @@ void OffloadEngine::begin_capture() {
 }
 
 void OffloadEngine::end_capture() {
+  GateHold hold = step_gate();
   copy_.end_capture();
   generation_ += 1;
 }
 
-void OffloadEngine::join_copies() { copy_.current_waits_for_copies(); }
+void OffloadEngine::join_copies() {
+  GateHold hold = step_gate();
+  copy_.current_waits_for_copies();
+}
+
+size_t OffloadEngine::num_blocks() const {
+  auto lock = gate_.enter_read();
+  return store_.size();
+}
+
+size_t OffloadEngine::num_slots() const {
+  auto lock = gate_.enter_read();
+  return ring_.size();
+}
+
+size_t OffloadEngine::slot_bytes() const {
+  auto lock = gate_.enter_read();
+  return ring_.slot_bytes();
+}
+
+size_t OffloadEngine::block_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
+  return store_.block(block).bytes;
+}
+
+size_t OffloadEngine::total_bytes() const {
+  auto lock = gate_.enter_read();
+  return store_.total_bytes();
+}
+
+int64_t OffloadEngine::slot_of(size_t block) const {
+  auto lock = gate_.enter_read();
+  return ring_.slot_of(block);
+}
+
+int64_t OffloadEngine::slot_block(size_t slot) const {
+  auto lock = gate_.enter_read();
+  return ring_.slot(slot).block;
+}
+
+bool OffloadEngine::is_shared(size_t block) const {
+  auto lock = gate_.enter_read();
+  return store_.block(block).shared;
+}
+
+at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
+  auto lock = gate_.enter_read();
+  if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
+  at::Tensor view = store_.host_view(block, j);
+  if (!store_.block(block).shared) return view;
+  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
+}
+
+std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
+  auto lock = gate_.enter_read();
+  const StoredBlock& stored = store_.block(block);
+  if (stored.on_disk) {
+    const at::Tensor bytes = store_.read_block(block, *reader_);
+    std::vector<at::Tensor> read;
+    for (const TensorLayout& entry : stored.layout)
+      read.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
+    return read;
+  }
+  std::vector<at::Tensor> views = store_.host_views(block);
+  if (!stored.shared) return views;
+  for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
+  return views;
+}
+
+EngineStats OffloadEngine::stats() const {
+  auto lock = gate_.enter_read();
+  return stats_;
+}
 
 std::string OffloadEngine::slot_state(size_t slot) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
               " slots)");
   return state_name(ring_.slot(slot).state);
 }
 
 uint64_t OffloadEngine::slot_address(size_t slot) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
               " slots)");
   const at::Tensor& buffer = ring_.slot(slot).buffer;
@@ -567,11 +712,13 @@ uint64_t OffloadEngine::slot_address(size_t slot) const {
 }
 
 bool OffloadEngine::is_materialized(size_t block) const {
+  auto lock = gate_.enter_read();
   check_block(block);
   return materialized_[block] != 0;
 }
 
 bool OffloadEngine::is_removed(size_t block) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", std::to_string(block), " is out of range");
   return removed_[block] != 0;
 }

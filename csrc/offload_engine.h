@@ -7,6 +7,14 @@
 //   prefetch(j)  start copying block j into a free slot on the copy stream; no-op if it is there.
 //   release(i)   block i has run: parameters back to placeholders, record the slot's "free" event.
 // No list crosses the boundary on that path and the host never waits for the device.
+//
+// Threads: see thread_gate.h. One forward at a time owns the engine; another thread's per-step call
+// raises, and another thread's restore/close/materialize/repack waits for the running blocks.
+//
+// Autograd: with grad mode on, acquire binds the parameters to a private device copy of the slot
+// instead of the slot itself, so tensors that autograd saved from them keep their bytes after later
+// blocks reuse the slot (the Python hook keeps the parameters themselves out of the saved tensors).
+// Offloaded parameters that require grad are still refused: between forwards they are placeholders.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +32,7 @@
 #include "layer_store.h"
 #include "pinned_pool.h"
 #include "slot_ring.h"
+#include "thread_gate.h"
 #include "travel_chooser.h"
 
 namespace fastoffload {
@@ -135,29 +144,49 @@ class OffloadEngine {
   // unchanged since the capture ended.
   uint64_t generation() const { return generation_; }
 
-  size_t num_blocks() const { return store_.size(); }
-  size_t num_slots() const { return ring_.size(); }
-  size_t slot_bytes() const { return ring_.slot_bytes(); }
-  size_t block_bytes(size_t block) const { return store_.block(block).bytes; }
-  size_t total_bytes() const { return store_.total_bytes(); }
-  int64_t slot_of(size_t block) const { return ring_.slot_of(block); }
+  size_t num_blocks() const;
+  size_t num_slots() const;
+  size_t slot_bytes() const;
+  size_t block_bytes(size_t block) const;
+  size_t total_bytes() const;
+  int64_t slot_of(size_t block) const;
   std::string slot_state(size_t slot) const;
-  int64_t slot_block(size_t slot) const { return ring_.slot(slot).block; }
+  int64_t slot_block(size_t slot) const;
   uint64_t slot_address(size_t slot) const;
   bool is_materialized(size_t block) const;
   bool is_removed(size_t block) const;
-  bool is_shared(size_t block) const { return store_.block(block).shared; }
+  bool is_shared(size_t block) const;
+  // Tensor `j` of the block's host copy (host_views: every tensor, one decode when compressed): views
+  // of it for a private block; copies for a shared block, whose pages are other ranks' weights too (and
+  // read-only on a non-owner, where a write would crash).
   at::Tensor host_view(size_t block, size_t j) const;
   std::vector<at::Tensor> host_views(size_t block) const;
   // Bytes of the block's parameters (numel x element size), without touching the host copy.
   size_t weight_bytes(size_t block) const;
-  const EngineStats& stats() const { return stats_; }
+  // A shared owner's digests of what it packed (LayerStore's StoredBlock::digests).
+  const std::vector<uint64_t>& block_digests(size_t block) const { return store_.block(block).digests; }
+  // The block's host copy leaves its shared segment for private memory (LayerStore::make_private).
+  void make_private(size_t block);
+  EngineStats stats() const;
   const CopyEngine& copy_engine() const { return copy_; }
   const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }
   at::Device device() const { return device_; }
 
  private:
+  // Holds the gate for one call; when the call ends (also by an exception) the calling thread owns
+  // the engine if it still has blocks running, and nobody does otherwise.
+  struct GateHold {
+    const OffloadEngine& engine;
+    std::unique_lock<std::mutex> lock;
+    ~GateHold() { engine.gate_.settle(engine.ring_.any_in_use()); }
+  };
+  GateHold step_gate() const { return GateHold{*this, gate_.enter_step()}; }
+  GateHold waiting_gate() const { return GateHold{*this, gate_.enter_waiting()}; }
+
   void check_block(size_t block) const;
+  void check_bindings(size_t block) const;
+  void bind_for_run(size_t block, size_t slot);
+  void choose_travel_held(size_t block, bool compressed);
   void finish_add(size_t index);
   void check_not_shared(size_t block, const char* what) const;
   void ensure_slots();
@@ -175,6 +204,7 @@ class OffloadEngine {
   SlotRing ring_;
   CopyEngine copy_;
   Binder binder_;
+  ThreadGate gate_;
   std::vector<uint8_t> materialized_;
   std::vector<uint8_t> removed_;
   std::vector<Travel> travel_;

@@ -23,6 +23,7 @@ from fastoffload_ext.policy import DEVICE_POLICY_STEPS, UNIFIED_MEMORY_OFFLOAD_P
 from fastoffload_ext.policy.resolution import ExecutionMode, Resolution, ResolutionView, resolve
 from fastoffload_ext.pipeline.schedule import ReleaseSchedule, run_pipeline
 from fastoffload_ext.errors import FastOffloadError, OffloadConfigError, OffloadStateError
+from fastoffload_ext.planning import BlockCosts, OffloadPlan, parse_size, plan_offload
 from fastoffload_ext import _moved
 
 _moved.install(__name__)
@@ -30,7 +31,9 @@ _moved.install(__name__)
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockCosts",
     "DEVICE_POLICY_STEPS",
+    "OffloadPlan",
     "UNIFIED_MEMORY_OFFLOAD_PATHS",
     "AppliedOffload",
     "ExecutionMode",
@@ -44,6 +47,8 @@ __all__ = [
     "ResolutionView",
     "apply_offload_config",
     "has_unified_memory",
+    "parse_size",
+    "plan_offload",
     "is_lazy_module",
     "resolve",
     "run_pipeline",

@@ -90,6 +90,23 @@ def test_random_bit_patterns_round_trip(parts, force: bool, threads: int) -> Non
     roundtrip(raw, spans, threads=threads, **options)
 
 
+@settings(max_examples=80, deadline=None)
+@given(gaps=st.lists(st.tuples(st.integers(min_value=0, max_value=40), st.integers(min_value=0, max_value=3000),
+                               st.booleans()), min_size=0, max_size=6),
+       tail=st.integers(min_value=0, max_value=33), seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_spans_at_unaligned_offsets_round_trip(gaps, tail: int, seed: int) -> None:
+    # Tensors need not start aligned (the engine aligns them, the format does not rely on it): unaligned
+    # bf16 spans travel raw, and raw segments may start and end anywhere.
+    spans, offset = [], 0
+    for gap, nbytes, bf16 in gaps:
+        offset += gap
+        spans.append((offset, nbytes, bf16))
+        offset += nbytes
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (offset + tail,), generator=g, dtype=torch.int32).to(torch.uint8)
+    roundtrip(raw, spans, **FORCE)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(min_value=0, max_value=20000), distinct=st.integers(min_value=1, max_value=40),
        seed=st.integers(min_value=0, max_value=2**31 - 1))

@@ -258,8 +258,8 @@ def test_without_cuda_and_no_device_it_warns_and_skips(monkeypatch, caplog) -> N
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"prefetch_depth": -1}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got -1"),
-    ({"prefetch_depth": 1.5}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got 1.5"),
+    ({"prefetch_depth": -1}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\) or 'auto', got -1"),
+    ({"prefetch_depth": 1.5}, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\) or 'auto', got 1.5"),
     ({"resident_blocks": 5}, r"resident_blocks must be an integer between 0 and the 2 blocks of 'blocks', got 5"),
     ({"resident_blocks": -1}, r"resident_blocks must be an integer between 0 and the 2 blocks of 'blocks', got -1"),
     ({"backend": "cuda"}, r"backend must be one of 'auto', 'ext', 'python', got 'cuda'"),

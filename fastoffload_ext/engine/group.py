@@ -1,6 +1,7 @@
 """What ``enable_layerwise_offload`` set up on one model, kept on the model as one attribute."""
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -9,6 +10,9 @@ from torch import nn
 from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.planning import replan as replanning
+from fastoffload_ext.planning.costs import BlockCosts
+from fastoffload_ext.planning.plan import OffloadPlan
 
 __all__ = ["GROUP_ATTRIBUTE", "LayerwiseOffloadGroup", "get_offload_group"]
 
@@ -19,16 +23,24 @@ class LayerwiseOffloadGroup:
     """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
 
     def __init__(self, model: nn.Module, list_name: str, blocks: nn.ModuleList, device: torch.device, backend: str,
-                 prefetch_depth: int, resident_blocks: int, cyclic: bool, engine: Any = None) -> None:
+                 prefetch_depth: int, resident_blocks: int | Collection[int], cyclic: bool, engine: Any = None) -> None:
         self.model_ref = model
         self.list_name = list_name
         self.blocks = blocks
         self.device = device
         self.backend = backend
         self.prefetch_depth = prefetch_depth
-        self.resident_blocks = resident_blocks
+        # Indices of the blocks kept on the device, never hooked (an int: the first N); the others are
+        # offloaded, and prefetched, in execution order.
+        self.resident = (tuple(range(resident_blocks)) if isinstance(resident_blocks, int)
+                         else tuple(sorted(resident_blocks)))
+        self.resident_blocks = len(self.resident)
+        self.offloaded_indices = tuple(i for i in range(len(blocks)) if i not in set(self.resident))
         self.cyclic = cyclic
         self.engine = engine
+        self.plan: OffloadPlan | None = None  # the planner's plan this group runs, when a budget or "auto" chose it
+        self.costs: BlockCosts | None = None  # the last calibration's cost table
+        self.enable_kwargs: dict[str, Any] = {}  # what enable was given, for a re-plan
         self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
         self.compress_mode = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
         self.states: list[BlockOffloadState] = []
@@ -43,13 +55,32 @@ class LayerwiseOffloadGroup:
             "blocks": len(self.blocks),
             "offloaded_blocks": len(self.states),
             "resident_blocks": self.resident_blocks,
+            "resident": list(self.resident),
             "prefetch_depth": self.prefetch_depth,
             "cyclic": self.cyclic,
             "weight_bytes": sum(state.weight_bytes() for state in self.states),
             "host_bytes": sum(state.host_bytes() for state in self.states),
         }
         result.update(self._engine_stats() if self.engine is not None else self._python_stats(result["host_bytes"]))
+        result["plan"] = self.plan.as_dict() if self.plan is not None else None
         return result
+
+    def calibrate(self, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,
+                  h2d_gbps: float | None = None) -> BlockCosts:
+        """Measures this model's cost table by running ``step`` (one forward) and, with ``replan`` and a
+        planned group, re-plans from it (see :meth:`replan`). Returns the cost table."""
+        return replanning.calibrate(self, step, replan=replan, repeats=repeats, h2d_gbps=h2d_gbps)
+
+    def replan(self, costs: BlockCosts | None = None) -> LayerwiseOffloadGroup:
+        """Plans again from ``costs`` (default: the last calibration) under the budgets enable was given
+        and, when the resident set or depth changes, offloads again with the new plan. Returns the group
+        now on the model (``self`` when nothing changed)."""
+        return replanning.replan(self, costs)
+
+    def observe_step(self, measured_ms: float) -> bool:
+        """Whether a measured step is further from the plan's prediction than its tolerance (a resolution
+        or batch change): then calibrate again, which re-plans."""
+        return self.plan is not None and self.plan.drifted(measured_ms)
 
     def _engine_stats(self) -> dict[str, Any]:
         engine_stats = dict(self.engine.stats())

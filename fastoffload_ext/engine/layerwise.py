@@ -19,8 +19,26 @@ What stays where: only parameters are offloaded; buffers of the offloaded blocks
 statistics) are moved to the offload device and stay there, and modules outside the block list are the
 caller's business, as with FastVideo.
 
-Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
-(see ``messages.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
+Autograd: gradients flow through offloaded blocks whose own parameters are frozen, exactly as on the
+resident model (to the input, and to trainable parameters outside the block list). What autograd saved
+from the offloaded weights is kept alive until backward (see ``autograd.py``; on the ext backend, grad
+mode makes each acquire bind a private device copy of the block), so a grad-recording forward costs
+device memory for every block whose weights backward needs, as on the resident model. A
+grad-recording forward through a block whose parameters require grad raises (``messages.GRAD_ERROR``).
+Inference belongs under ``torch.no_grad()`` or ``inference_mode()``, where none of this runs.
+
+Threads: one offloaded model runs one forward at a time. The thread whose forward acquired a block
+owns the model until its blocks are released; a forward from another thread meanwhile raises
+(``threads.CONCURRENT_FORWARD_ERROR``, the same text from both backends), and a
+``disable_layerwise_offload`` or ``mutate_params_scope`` from another thread waits for the running
+block. A disable that lands between two blocks of another thread's forward wins: that forward then
+finishes on the restored weights, or raises that its block was detached. Forwards from several
+threads one after another are fine.
+
+What users do to an offloaded model: ``state_dict()`` returns the real values and
+``load_state_dict()`` updates the host copy (``state_dict.py``); an in-place write to an offloaded
+parameter or a cast (``model.half()``) after enable raises at the next forward instead of being lost,
+and disable follows a cast; conjugate and negative views are resolved when the block is packed.
 
 Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
 is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
@@ -28,13 +46,14 @@ share one host copy in shared memory instead of one each; ``enable_layerwise_off
 collective that every rank must call with the same model, and ``mutate_params_scope`` is refused (merge
 LoRA before enabling). See ``sharing.py``.
 
-Tied weights: a parameter shared between two offloaded blocks, or between an offloaded block and any
-other part of the model, is refused at enable with an error naming both places (offloading one side
-would silently turn the other into a placeholder).
+Tied weights: a parameter (or its storage) shared between two offloaded blocks, or between an offloaded
+block and any other part of the model, is refused at enable with an error naming both places
+(offloading one side would silently turn the other into a placeholder, or untie the two).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -46,7 +65,7 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.model_checks import check_block_kinds, check_devices, check_tied_parameters
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -56,17 +75,21 @@ from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
+from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
 
-def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resident_blocks: int | None = None,
-                             cyclic: bool = True, prefetch_depth: int = 1, backend: str = "auto",
+def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
+                             resident_blocks: int | Collection[int] | str | None = None,
+                             cyclic: bool = True, prefetch_depth: int | str | None = None, backend: str = "auto",
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None, compress: bool | str = False, weights: Any = None,
-                             host_budget: int | None = None,
+                             process_group: Any = None, compress: bool | str = False,
+                             device_budget: int | str | None = None, host_budget: int | str | None = "auto",
+                             activation_reserve: int | str | None = None,
+                             plan: OffloadPlan | None = None, weights: Any = None,
                              disk_options: DiskOptions | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
@@ -74,10 +97,13 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         model: the transformer. Its block list may be on the CPU or already on ``device``.
         is_replace: swap an existing offload hook on every block (FastVideo's flag); raises when there is
             none.
-        resident_blocks: keep the first N blocks on the device, never copied.
+        resident_blocks: blocks kept on the device, never copied: N (the first N), a collection of block
+            indices, or "auto" (the planner chooses). None: none without a budget, "auto" with one.
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
-        prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
+        prefetch_depth: how many offloaded blocks ahead are copied while a block runs (device slots:
+            depth + 1), or "auto". None: 1 without a budget, "auto" with one. A depth above the number
+            of offloaded blocks is clamped to it (deeper copies nothing more).
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -90,48 +116,80 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             when torch.distributed is initialized, the backend is "ext" and several ranks of
             ``process_group`` run on this host (and all built the same blocks); True: always, raising
             when no process group is initialized or the ranks' blocks differ; False: one copy per
-            process. When sharing may happen this call is a collective: every rank of the group must
-            make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
+            process. Unless it is False (or ``backend="python"``), this call is a collective whenever
+            torch.distributed is initialized with several ranks: every rank of the group must make it,
+            with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
+            ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
         process_group: the group whose ranks share (default: the default group).
         compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
             and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
             True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
             decided from the first steps' copy and compute times; False: raw copies. True is refused with
             share_host_copy=True, and turns the default share_host_copy="auto" off.
+        device_budget: device bytes this offload may hold (resident blocks + slots + activation
+            reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
+            (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
+            open; a budget nothing fits in is refused with the numbers. With device="cpu" it bounds the
+            host-as-device engine the same way.
+        host_budget: pinned host bytes the offloaded blocks may take, same forms. "auto" (default):
+            what this process may really use (cgroup v2 limit and MemAvailable, minus a margin); None:
+            no check.
+        activation_reserve: device bytes kept for activations inside ``device_budget`` (bytes or a
+            size). Default: the measured peak once ``group.calibrate`` ran, else 10 % of the free memory
+            for "auto" and 0 for a given budget.
+        plan: an :class:`OffloadPlan` from ``plan_offload`` to apply as it is (instead of
+            ``resident_blocks``/``prefetch_depth``); checked against ``device_budget`` when one is given.
         weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
             ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
             then be built on the meta device: block weights are read straight into pinned host memory,
-            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``.
-        host_budget: with ``weights``: bytes of host memory the offloaded blocks may pin (host copies plus
-            the disk tier's staging ring). Blocks beyond it stay on disk and are read every step.
+            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. With an
+            integer ``host_budget``, the blocks beyond it stay on disk and are read every step.
         disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
         was skipped because CUDA is not available and no device was given.
     """
-    resolved = resolve_device(device)
-    if resolved is None:
-        logger.warning("CUDA is not available. Layerwise offloading is disabled.")
-        return None
-    options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
-                                 cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
-                                 pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
-                                 pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group, compress=compress, weights=weights,
-                                 host_budget=host_budget, disk_options=disk_options)
-    _check_model(model, options)
-    checkpoint = _prepare_checkpoint(model, options)
-    offloaded = options.offloaded
-    was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
-    engine = _build_engine(options)
-    group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
-                                  options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
-    group.compress_mode = options.compress if engine is not None else "off"
-    if checkpoint is not None and engine is not None:
-        checkpoint.open_files(engine)
-        group.checkpoint = checkpoint
-    group.share = _negotiate_sharing(options, engine)
+    # Made before any check: when this call is a collective, a failure on this rank is sent to the
+    # others in the negotiation they wait in, and every rank raises together (sharing.py).
+    rendezvous = sharing.Rendezvous(share_host_copy, backend, process_group)
+    try:
+        resolved = resolve_device(device)
+        if resolved is None:
+            logger.warning("CUDA is not available. Layerwise offloading is disabled.")
+            rendezvous.skip("CUDA is not available")
+            return None
+        options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
+                                     cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
+                                     pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
+                                     pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
+                                     process_group=process_group, compress=compress, device_budget=device_budget,
+                                     host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
+                                     weights=weights, disk_options=disk_options)
+        _check_model(model, options)
+        checkpoint = _prepare_checkpoint(model, options)
+        offloaded = options.offloaded
+        was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
+        engine = _build_engine(options)
+        group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
+                                      options.prefetch_depth, options.resident, options.cyclic, engine)
+        group.compress_mode = options.compress if engine is not None else "off"
+        group.plan = options.plan
+        if checkpoint is not None and engine is not None:
+            checkpoint.open_files(engine)
+            group.checkpoint = checkpoint
+        group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
+            backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
+            allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+            share_host_copy=share_host_copy, process_group=process_group, compress=compress,
+            host_budget=host_budget, activation_reserve=activation_reserve)}
+        # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
+        first = options.offloaded_indices[0] if options.offloaded_indices else 0
+        group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
+                                           first, engine)
+    except BaseException as error:
+        rendezvous.fail(error)  # a no-op once the negotiation ran
+        raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     _finish(model, group, options, was_on_cuda)
@@ -140,10 +198,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
 
 def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     """Refusals that depend on the model: an offload already there (or none to replace), devices, ties."""
-    blocks, resident = options.blocks, options.resident_blocks
+    blocks, offloaded = options.blocks, options.offloaded_indices
     existing = get_offload_group(model)
     if options.is_replace:
-        first = blocks[resident] if resident < len(blocks) else None
+        first = blocks[offloaded[0]] if offloaded else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
             # FastVideo's exception and text: its callers catch and match them.
@@ -153,9 +211,11 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     elif existing is not None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
+    for index in offloaded:
+        check_block_kinds([blocks[index]], options.list_name, index)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
-    check_tied_parameters(model, options.list_name, blocks, resident)
+    check_tied_parameters(model, options.list_name, blocks, set(offloaded))
 
 
 def _build_engine(options: OffloadOptions) -> Any:
@@ -171,30 +231,24 @@ def _build_engine(options: OffloadOptions) -> Any:
     return engine
 
 
-def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:
-    """Whether the ranks of this host share one host copy; a collective when sharing may happen."""
-    if engine is None:
-        return None
-    share = sharing.negotiate(options.share_host_copy, options.backend, options.process_group, options.offloaded,
-                              options.list_name, options.resident_blocks)
-    if share is not None:
-        share.pool = engine.pool
-    return share
-
-
 def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> CheckpointSource | None:
     """With ``weights``: the checkpoint read and checked against the model (nothing changes yet)."""
     if options.weights is None or not options.offloaded:
         return None
-    return CheckpointSource.prepare(model, options.list_name, options.blocks, options.resident_blocks,
-                                    options.weights, options.host_budget, options.disk_options)
+    return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
+                                    options.weights, options.host_budget_bytes, options.disk_options)
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
-    if group.engine is None:
-        return LayerwiseOffloadState(stream, group.device)
-    if group.checkpoint is not None:
+    if group.engine is not None and group.checkpoint is not None:
         return CheckpointOffloadState(group.engine, group.device, group.checkpoint)
+    if group.engine is None:
+        state = LayerwiseOffloadState(stream, group.device)
+        # One forward at a time per model (threads.py): every block of the model shares one gate.
+        if group.states:
+            state.gate = group.states[0].gate  # type: ignore[attr-defined]
+        state.block_index = len(group.states)
+        return state
     state = ExtLayerwiseOffloadState(group.engine, group.device)
     share = group.share
     if share is not None:
@@ -231,13 +285,13 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
     block: nn.Module | None = None
     try:
         if share is not None:
-            share.before_attach()  # other ranks wait here for the owner's packed copy
+            share.before_attach(options.offloaded)  # other ranks wait here for the owner's packed copy
         if group.checkpoint is not None:
             group.checkpoint.load_resident(group.model_ref, group.device)
         for block in options.offloaded:
             attached.append((block, _attach_one(group, block, stream)))
-        if share is not None:
-            share.after_attach()  # every rank attached: the owner unlinks the names
+        if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
+            group.share = None  # the ranks fell back to one copy each
         if group.checkpoint is not None:
             group.checkpoint.start(group.engine)
     except BaseException as error:
@@ -284,8 +338,8 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
 
 def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions, was_on_cuda: bool) -> None:
     """Resident blocks to the device, the group onto the model."""
-    for block in list(options.blocks)[:options.resident_blocks]:
-        block.to(options.device)
+    for index in options.resident:
+        options.blocks[index].to(options.device)
     setattr(model, GROUP_ATTRIBUTE, group)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -315,8 +369,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
         if not manager.forward_hooks:
             ModuleHookManager.remove_from_manager(block)
     if target != group.device:
-        for block in list(group.blocks)[:group.resident_blocks]:
-            block.to(target)
+        for index in group.resident:
+            group.blocks[index].to(target)
         for state in group.states:
             for module in state.module_ref.modules():
                 for key, buffer in module.named_buffers(recurse=False):

@@ -18,10 +18,14 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.options import DiskOptions, check_storage_arguments
+from fastoffload_ext.planning.budgets import parse_size
+from fastoffload_ext.planning.layout import check_prefetch_depth, resolve_layout
+from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", "choose_backend", "resolve_device",
+__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", "check_flags", "choose_backend",
+           "effective_prefetch_depth", "resolve_device",
            "validate_arguments"]
 
 BACKENDS = ("auto", "ext", "python")
@@ -40,7 +44,7 @@ class OffloadOptions:
     backend: str  # "ext" or "python": "auto" is decided here
     list_name: str
     blocks: nn.ModuleList
-    resident_blocks: int
+    resident: tuple[int, ...]  # indices of the blocks kept on the device, never hooked
     prefetch_depth: int
     cyclic: bool
     is_replace: bool
@@ -50,13 +54,21 @@ class OffloadOptions:
     share_host_copy: bool | str
     process_group: Any
     compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
+    plan: OffloadPlan | None = None  # the planner's plan behind ``resident``/``prefetch_depth``, if any
+    settings: dict[str, Any] | None = None  # the budget arguments, resolved, for a later re-plan
+
     weights: Any = None  # a checkpoint to build from (storage/); None: the model's own tensors
-    host_budget: int | None = None
+    host_budget_bytes: int | None = None  # an int host_budget: the disk tier keeps the rest on disk
     disk_options: DiskOptions | None = None
 
     @property
+    def offloaded_indices(self) -> tuple[int, ...]:
+        resident = set(self.resident)
+        return tuple(i for i in range(len(self.blocks)) if i not in resident)
+
+    @property
     def offloaded(self) -> list[nn.Module]:
-        return list(self.blocks)[self.resident_blocks:]
+        return [self.blocks[i] for i in self.offloaded_indices]
 
 
 def resolve_device(device: str | torch.device | int | None) -> torch.device | None:
@@ -72,6 +84,9 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     except (RuntimeError, TypeError) as error:
         raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
     if resolved.type == "cpu":
+        if resolved.index not in (None, 0, -1):
+            raise OffloadConfigError(f"fastoffload: device {str(device)!r} names a CPU index, but the host is one "
+                                     "device for offload; pass device='cpu'")
         return torch.device("cpu")
     if resolved.type != "cuda":
         raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: layerwise offload "
@@ -113,49 +128,82 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The compiled core takes sizes as a C++ size_t; a larger Python int would fail inside the binding.
+MAX_BYTES = 2**63 - 1
+
+
 def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_backing: Any) -> None:
     """The arguments that need nothing but themselves to be checked."""
-    if not _is_int(prefetch_depth) or prefetch_depth < 0:
-        raise OffloadConfigError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead), got {prefetch_depth!r}")
+    check_prefetch_depth(prefetch_depth)
     if not isinstance(cyclic, bool):
         raise OffloadConfigError(f"cyclic must be True or False, got {cyclic!r}")
     if pinned_limit_bytes is not None and (not _is_int(pinned_limit_bytes) or pinned_limit_bytes < 0):
         raise OffloadConfigError(f"pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
                                  f"{pinned_limit_bytes!r}")
-    if pin_backing is not None and pin_backing not in PIN_BACKINGS:
+    if pinned_limit_bytes is not None and pinned_limit_bytes > MAX_BYTES:
+        raise OffloadConfigError(f"fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got "
+                                 f"{pinned_limit_bytes!r}; pass None for no limit")
+    if pin_backing is not None and (not isinstance(pin_backing, str) or pin_backing not in PIN_BACKINGS):
         raise OffloadConfigError(f"pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got {pin_backing!r}")
 
 
-def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.ModuleList) -> int:
-    """The number of leading blocks kept on the device (None: 0)."""
-    count = 0 if resident_blocks is None else resident_blocks
-    if not _is_int(count) or not 0 <= count <= len(blocks):
-        raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
-                                 f"{list_name!r}, got {resident_blocks!r}")
-    return count
+def check_flags(is_replace: Any, allow_pageable_fallback: Any) -> None:
+    """Flags that must be real booleans: a string such as "no" is truthy and would silently mean True."""
+    for name, value in (("is_replace", is_replace), ("allow_pageable_fallback", allow_pageable_fallback)):
+        if not isinstance(value, bool):
+            raise OffloadConfigError(f"fastoffload: {name} must be True or False, got {value!r}")
+
+
+def effective_prefetch_depth(prefetch_depth: int, offloaded_blocks: int) -> int:
+    """``prefetch_depth`` clamped to the number of offloaded blocks.
+
+    Copying further ahead than every block there is changes nothing (the targets wrap onto blocks
+    already in a slot), but each unit of depth is a device slot: an unbounded depth would allocate
+    unbounded bookkeeping (10**9 raised std::bad_alloc in the core) for no effect.
+    """
+    if prefetch_depth > offloaded_blocks:
+        logger.info("prefetch_depth=%d is more than the %d offloaded blocks; using %d", prefetch_depth,
+                    offloaded_blocks, offloaded_blocks)
+        return offloaded_blocks
+    return prefetch_depth
 
 
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
-                       compress: bool | str = False, weights: Any = None, host_budget: Any = None,
+                       compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
+                       activation_reserve: Any = None, plan: Any = None, weights: Any = None,
                        disk_options: Any = None) -> OffloadOptions:
-    """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises."""
+    """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
+
+    The resident set and depth come from ``planning.layout``: as given without a budget, from the
+    planner with ``device_budget`` or ``"auto"`` (refused there when nothing fits).
+    """
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
+    check_flags(is_replace, allow_pageable_fallback)
     list_name, blocks = find_block_list(model)
-    resident = check_resident_blocks(resident_blocks, list_name, blocks)
+    # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
+    # limit for the planner to refuse.
+    disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
+    layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
+                            prefetch_depth=prefetch_depth, device_budget=device_budget,
+                            host_budget=None if weights is not None else host_budget,
+                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
+    depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
     if compress is True and share_host_copy == "auto":
         share_host_copy = False  # an explicit compress=True wins over sharing by default
-    share_host_copy = check_storage_arguments(weights, host_budget, disk_options, chosen, share_host_copy)
+    share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
     sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
     compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
     if weights is not None and compress_mode != "off":
         raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
                                  "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
-    return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident_blocks=resident,
-                          prefetch_depth=prefetch_depth, cyclic=cyclic, is_replace=is_replace,
+    return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
+                          prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group, compress=compress_mode, weights=weights,
-                          host_budget=host_budget, disk_options=disk_options)
+                          process_group=process_group, compress=compress_mode, plan=layout.plan,
+                          settings=layout.settings, weights=weights,
+                          host_budget_bytes=disk_budget if isinstance(disk_budget, int) else None,
+                          disk_options=disk_options)

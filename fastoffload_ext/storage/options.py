@@ -43,14 +43,13 @@ class DiskOptions:
                                      f"{', '.join(map(repr, READ_MODES))}, got {self.read_mode!r}")
 
 
-def check_storage_arguments(weights: Any, host_budget: Any, disk_options: Any, backend: str,
-                            share_host_copy: bool | str) -> bool | str:
-    """Refusals of ``weights``/``host_budget``/``disk_options`` before anything changes; returns the
-    ``share_host_copy`` to use (building from a checkpoint gives each process its own host copy)."""
+def check_storage_arguments(weights: Any, disk_options: Any, backend: str, share_host_copy: bool | str) -> bool | str:
+    """Refusals of ``weights``/``disk_options`` before anything changes; returns the ``share_host_copy`` to
+    use (building from a checkpoint gives each process its own host copy)."""
     if weights is None:
-        if host_budget is not None or disk_options is not None:
-            raise OffloadConfigError("fastoffload: host_budget and disk_options need weights=: the blocks that do "
-                                     "not fit in host memory are read from the checkpoint file")
+        if disk_options is not None:
+            raise OffloadConfigError("fastoffload: disk_options needs weights=: the blocks that do not fit in host "
+                                     "memory are read from the checkpoint file")
         return share_host_copy
     if backend != "ext":
         raise OffloadConfigError("fastoffload: weights= needs the compiled core (backend 'ext'); the python backend "

@@ -81,23 +81,23 @@ class CheckpointSource:
 
     # Before anything changes.
     @classmethod
-    def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, first_offloaded: int, weights: Any,
+    def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, offloaded: list[int], weights: Any,
                 host_budget: object, options: DiskOptions | None) -> CheckpointSource:
         options = options if options is not None else DiskOptions()
         budget = check_host_budget(host_budget)
         checkpoint = open_checkpoint(weights)
-        sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, first_offloaded)
-        resident = cls._resident_entries(checkpoint, model, list_name, blocks, first_offloaded)
+        sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
+        resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
         tiers = plan_tiers(block_bytes, budget, options.staging_buffers)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         return cls(checkpoint, sources, resident, tiers, options)
 
     @staticmethod
     def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
-                       first_offloaded: int) -> tuple[list[BlockSource], list[int]]:
+                       offloaded: list[int]) -> tuple[list[BlockSource], list[int]]:
         alignment = int(_backend.require_ext().build_info()["alignment"])
         sources, sizes = [], []
-        for index in range(first_offloaded, len(blocks)):
+        for index in offloaded:
             names, entries = [], []
             for name, param in blocks[index].named_parameters():
                 key = f"{list_name}.{index}.{name}"
@@ -121,9 +121,9 @@ class CheckpointSource:
                 yield name, buffer, "buffer"
 
     @classmethod
-    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str, blocks: nn.ModuleList,
-                          first_offloaded: int) -> dict[str, TensorEntry]:
-        offloaded = {f"{list_name}.{i}." for i in range(first_offloaded, len(blocks))}
+    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str,
+                          offloaded_indices: list[int]) -> dict[str, TensorEntry]:
+        offloaded = {f"{list_name}.{i}." for i in offloaded_indices}
         resident: dict[str, TensorEntry] = {}
         for name, tensor, kind in cls._named_tensors(model):
             block_prefix = name.split(".", 2)[:2]

@@ -1,0 +1,351 @@
+"""Section budgets: the residency planner under device budgets, against a grid search and the ideal.
+
+Per workload (W1-W4, and the diffusers Wan-1.3B and Flux-8 architectures when diffusers is importable):
+
+1. A resident forward gives the reference output and the compute time; a calibration step (the
+   engine at depth 1, every block offloaded) gives the planner its cost table: per-block compute from
+   events, the activation peak, bytes from the engine, and the run's peak H2D bandwidth.
+2. For each budget (0, 25, 50, 75 and 100 % of the block bytes on top of the least offload can run in:
+   two slots of the largest block plus the measured activation reserve; and ``"auto"``) the planner's
+   plan runs against a grid of (resident set, depth): for each depth 1..3 the most evenly spread blocks
+   that fit, plus today's ``resident_blocks=N`` (the first N) at depth 1. Every configuration is alive at
+   once and timed in interleaved rounds (``benchmarks.interleave``); the planner's row reports its median
+   over the best grid configuration's (target <= 1.03), over the ideal max(compute, non-resident bytes /
+   peak H2D) (target <= 1.05), over today's floor max(compute, all block bytes / peak H2D) (at 50 % on
+   W1 and W4: target <= 0.55), the per-round spread, its peak device memory measured alone (must stay
+   within the budget), and bit-equality with the resident output.
+3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
+   beyond 2 %.
+
+``--quick``: W1 and W4 (and the diffusers models), budgets 0, 50 and 100 % and "auto", four rounds.
+Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
+only bit-equality and the planner's choice mean anything; memory, ideal and floor columns need CUDA.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.dit_workloads import dit_workloads
+from benchmarks.interleave import run_interleaved
+from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory
+from benchmarks.workloads import Workload, move_non_block_modules, stack_workload
+
+TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+QUICK_FRACTIONS = (0.0, 0.5, 1.0)
+DEPTHS = (1, 2, 3)
+TARGET_X_BEST = 1.03
+TARGET_X_IDEAL = 1.05
+TARGET_X_FLOOR = 0.55  # at 50 % on W1 and W4
+TARGET_DEPTH = 1.02
+FLOOR_WORKLOADS = ("W1", "W4")
+
+TABLES = {
+    "budgets": Table(
+        title="Budgets: planner's plan vs the best grid configuration (interleaved rounds), median ms",
+        columns=[
+            Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
+            Column("plan", "plan"), Column("predicted_ms", "pred ms", ".2f"), Column("ms", "ms", ".2f"),
+            Column("spread", "spread", ".1%"), Column("best", "best grid"), Column("x_best", "x best", ".3f"),
+            Column("x_ideal", "x ideal", ".3f"), Column("x_floor", "x floor", ".3f"),
+            Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
+            Column("pass", "pass"),
+        ],
+    ),
+    "depth": Table(
+        title="Prefetch depth, every block offloaded (interleaved rounds): median ms and ratio to depth 1",
+        columns=[
+            Column("workload", "workload"), Column("depth", "depth"), Column("ms", "ms", ".2f"),
+            Column("x_depth1", "x depth 1", ".3f"), Column("ratio_lo", "lowest", ".3f"),
+            Column("ratio_hi", "highest", ".3f"), Column("pass", "pass"),
+        ],
+    ),
+}
+
+
+def _workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
+    keys = ("W1", "W4") if ctx.quick else ("W1", "W2", "W3", "W4")
+    items: list[tuple[str, Workload | None, str]] = []
+    for key in keys:
+        workload = stack_workload(key, cpu=not ctx.cuda)
+        items.append((workload.name, workload, ""))
+    return items + dit_workloads(cpu=not ctx.cuda)
+
+
+class Config:
+    """One offload configuration of its own model copy, alive for the rounds of one budget."""
+
+    def __init__(self, ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict],
+                 enable_kwargs: dict[str, Any]) -> None:
+        from fastoffload_ext import enable_layerwise_offload
+
+        self.ctx = ctx
+        self.workload = workload
+        self.model = copy.deepcopy(master)
+        move_non_block_modules(self.model, ctx.device)
+        self.args, self.kwargs = inputs
+        self.base = _allocated(ctx)  # device bytes before this configuration existed
+        _reset_peak(ctx)
+        self.group = enable_layerwise_offload(self.model, device=ctx.device, **enable_kwargs)
+        first = self.forward()  # the first forward allocates the slots (and loads block 0 synchronously)
+        self.first = workload.output(first).detach().to("cpu", copy=True)
+        del first
+        self.peak_bytes = (_peak(ctx) - self.base) if ctx.cuda else None
+
+    def forward(self) -> Any:
+        with torch.inference_mode():
+            return self.model(*self.args, **self.kwargs)
+
+    def timer(self, iters: int) -> Callable[[], list[float]]:
+        return lambda: self.ctx.time_ms(self.forward, warmup=1, iters=iters)
+
+    def bit_equal(self, reference: torch.Tensor) -> bool:
+        last = self.workload.output(self.forward()).detach().to("cpu", copy=True)
+        return bool(torch.equal(self.first, reference) and torch.equal(last, reference))
+
+    def close(self) -> None:
+        # The copy is thrown away: free its slots and pinned copy now instead of restoring gigabytes of
+        # weights that nobody reads (disable would copy every block back).
+        if self.group is not None and self.group.engine is not None:
+            self.group.engine.close()
+        self.model = None  # type: ignore[assignment]
+        self.group = None
+
+
+def _allocated(ctx: Context) -> int:
+    if not ctx.cuda:
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _reset_peak(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(ctx: Context) -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def _spread_set(n: int, count: int) -> tuple[int, ...]:
+    """``count`` block indices evenly spread over ``n`` (the grid's own, independent of the planner's)."""
+    return tuple(sorted({min(n - 1, (2 * i + 1) * n // (2 * count)) for i in range(count)})) if count > 0 else ()
+
+
+def _fits(costs: Any, resident: tuple[int, ...], depth: int, budget: int) -> bool:
+    off = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
+    need = sum(costs.block_bytes[b] for b in resident) + ((depth + 1) * max(off) if off else 0) + costs.activation_bytes
+    return need <= budget
+
+
+def _key(resident: tuple[int, ...], depth: int, n: int) -> tuple[tuple[int, ...], int]:
+    """Configurations that run the same: every block resident makes the depth irrelevant."""
+    return (resident, depth if len(resident) < n else 0)
+
+
+def grid(costs: Any, budget: int) -> dict[str, dict[str, Any]]:
+    """The grid's configurations for ``budget``: most spread resident blocks that fit, per depth; first-N."""
+    n = costs.blocks
+    configs: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[tuple[int, ...], int]] = set()
+
+    def add(name: str, resident: tuple[int, ...], depth: int, spec: Any) -> None:
+        key = _key(resident, depth, n)
+        if key not in seen:
+            seen.add(key)
+            configs[name] = {"resident_blocks": spec, "prefetch_depth": depth}
+
+    for depth in DEPTHS:
+        count = next((c for c in range(n, -1, -1) if _fits(costs, _spread_set(n, c), depth, budget)), None)
+        if count is not None:  # None: not even every block offloaded fits at this depth
+            add(f"spread{count}/d{depth}", _spread_set(n, count), depth, _spread_set(n, count))
+    count = next((c for c in range(n, -1, -1) if _fits(costs, tuple(range(c)), 1, budget)), None)
+    if count is not None:
+        add(f"first{count}/d1", tuple(range(count)), 1, count)
+    return configs
+
+
+def _calibrate(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict],
+               peak: float | None) -> Any:
+    config = Config(ctx, master, workload, inputs, {"prefetch_depth": 1})
+    try:
+        costs = config.group.calibrate(config.forward, replan=False, h2d_gbps=peak)
+    finally:
+        config.close()
+    return costs
+
+
+def _plan_for(ctx: Context, budget: int | str, costs: Any, master: nn.Module) -> tuple[Any, int]:
+    from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning.layout import resolve_layout
+
+    if budget != "auto":
+        return plan_offload(costs, int(budget)), int(budget)
+    blocks = next(c for c in master.children() if isinstance(c, nn.ModuleList))
+    plan = resolve_layout(list(blocks), ctx.device, "blocks", resident_blocks="auto", prefetch_depth="auto",
+                          device_budget="auto", activation_reserve=costs.activation_bytes, costs=costs).plan
+    return plan, plan.device_budget
+
+
+def _resident_of(kwargs: dict[str, Any]) -> tuple[int, ...]:
+    resident = kwargs["resident_blocks"]
+    return tuple(resident) if isinstance(resident, tuple) else tuple(range(resident))
+
+
+def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Module, workload: Workload,
+                inputs: tuple[tuple, dict], reference: torch.Tensor) -> dict[str, Any]:
+    """The plan and the grid for ``budget``, all alive, timed in interleaved rounds.
+
+    The plan's configuration is built first, with nothing else of this budget alive, and its peak device
+    memory is taken then: over enable, the first forward (synchronous load of block 0) and two more.
+    """
+    live: dict[str, Config] = {}
+    result: dict[str, Any] = {}
+    try:
+        config = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
+        live["plan"] = config
+        if ctx.cuda:
+            worst = config.peak_bytes or 0
+            for _ in range(2):
+                _reset_peak(ctx)
+                config.forward()
+                worst = max(worst, _peak(ctx) - config.base)
+            result.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
+        mine = _key(plan.resident, plan.prefetch_depth, plan.blocks)
+        for name, kwargs in grid(costs, budget).items():
+            if _key(_resident_of(kwargs), kwargs["prefetch_depth"], plan.blocks) != mine:
+                live[name] = Config(ctx, master, workload, inputs, kwargs)
+        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
+                                 rounds=4 if ctx.quick else 6)
+        best = min(live, key=rounds.median_ms)
+        result.update(budget_mib=budget / MiB, plan=f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
+                      resident=list(plan.resident), predicted_ms=plan.predicted_step_ms, ms=rounds.median_ms("plan"),
+                      spread=rounds.spread("plan"), best=best, best_ms=rounds.median_ms(best),
+                      x_best=rounds.ratio("plan", best), x_best_range=rounds.ratio_spread("plan", best),
+                      rounds=rounds.as_dict(), why=plan.why, bit_equal=live["plan"].bit_equal(reference))
+        return result
+    finally:
+        for config in live.values():
+            config.close()
+        free_memory()
+
+
+def _judge(ctx: Context, row: dict[str, Any], plan: Any, budget: int, label: str, workload: Workload,
+           shared: dict[str, Any]) -> dict[str, Any]:
+    checks = [row["x_best"] <= TARGET_X_BEST, row["bit_equal"]]
+    if row.get("mem_ok") is not None:
+        checks.append(row["mem_ok"])
+    peak_gbps = shared.get("peak_gbps")
+    if ctx.cuda and peak_gbps:
+        compute = shared["resident_ms"]
+        moved = sum(b for i, b in enumerate(shared["block_bytes"]) if i not in set(plan.resident))
+        ideal = max(compute, moved / (peak_gbps * GB) * 1e3)
+        floor = max(compute, sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
+        row.update(ideal_ms=ideal, x_ideal=row["ms"] / ideal, floor_ms=floor, x_floor=row["ms"] / floor)
+        checks.append(row["x_ideal"] <= TARGET_X_IDEAL)
+        if label == "50%" and workload.name in FLOOR_WORKLOADS:
+            checks.append(row["x_floor"] <= TARGET_X_FLOOR)
+    row["pass"] = all(checks) if ctx.cuda else None
+    return row
+
+
+def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict]) -> None:
+    live: dict[str, Config] = {}
+    try:
+        for k in DEPTHS:
+            live[f"d{k}"] = Config(ctx, master, workload, inputs, {"prefetch_depth": k})
+        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
+                                 rounds=4 if ctx.quick else 6)
+    except Exception as error:  # the sweep's rows say why instead of taking the section down
+        for k in DEPTHS:
+            ctx.skip("depth", {"workload": workload.name, "depth": k}, f"sweep failed: {type(error).__name__}: {error}")
+        return
+    finally:
+        for config in live.values():
+            config.close()
+        free_memory()
+    for k in DEPTHS:
+        name = f"d{k}"
+        ratio = rounds.ratio(name, "d1")
+        lo, hi = rounds.ratio_spread(name, "d1")
+        figures = {"ms": rounds.median_ms(name), "x_depth1": ratio, "ratio_lo": lo, "ratio_hi": hi,
+                   "spread": rounds.spread(name), "pass": (ratio <= TARGET_DEPTH) if ctx.cuda else None}
+        ctx.run_row("depth", {"workload": workload.name, "depth": k}, lambda figures=figures: figures)
+
+
+def _run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
+    shared: dict[str, Any] = {}
+    name = workload.name
+    try:
+        master = workload.build_host()
+        inputs = workload.make_inputs(ctx.device)
+        blocks = next(c for c in master.children() if isinstance(c, nn.ModuleList))
+        shared["block_bytes"] = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
+        reference_model = copy.deepcopy(master).to(ctx.device)
+        with torch.inference_mode():
+            shared["reference"] = workload.output(reference_model(*inputs[0], **inputs[1])).detach().to("cpu", copy=True)
+            times = ctx.time_ms(lambda: reference_model(*inputs[0], **inputs[1]), warmup=1, iters=ctx.iters(6, quick=5))
+        shared["resident_ms"] = statistics.median(times)
+        del reference_model
+        free_memory()
+        shared["peak_gbps"] = peak
+        costs = _calibrate(ctx, master, workload, inputs, peak)
+    except Exception as error:
+        for label in [f"{int(f * 100)}%" for f in FRACTIONS] + ["auto"]:
+            ctx.skip("budgets", {"workload": name, "budget": label}, f"setup failed: {type(error).__name__}: {error}")
+        return
+    total = sum(costs.block_bytes)
+    least = 2 * max(costs.block_bytes) + costs.activation_bytes
+    fractions = QUICK_FRACTIONS if ctx.quick else FRACTIONS
+    budgets: list[tuple[str, int | str]] = [(f"{int(f * 100)}%", least + int(f * total)) for f in fractions]
+    budgets.append(("auto", "auto"))
+    if not ctx.cuda:
+        ctx.note(f"{name}: calibrated compute {costs.total_compute_ms():.2f} ms, host memcpy {costs.h2d_gbps:.1f} GB/s")
+    for label, budget in budgets:
+        def row(label: str = label, budget: int | str = budget) -> dict[str, Any]:
+            plan, budget_bytes = _plan_for(ctx, budget, costs, master)
+            result = _interleave(ctx, plan, budget_bytes, costs, master, workload, inputs, shared["reference"])
+            return _judge(ctx, result, plan, budget_bytes, label, workload, shared)
+
+        ctx.run_row("budgets", {"workload": name, "budget": label}, row)
+    _depth_rows(ctx, master, workload, inputs)
+    del master
+    free_memory()
+
+
+def run(ctx: Context) -> None:
+    peak: float | None = None
+    if ctx.cuda:
+        from benchmarks.forward import peak_h2d_gbps
+        peak = peak_h2d_gbps(ctx)
+    else:
+        ctx.note("no CUDA device: scaled-down models on the host (device='cpu'); the planner's choice and bit-equality "
+                 "are checked, peak memory, ideal and floor need a GPU and are left out; host timings are indicative")
+    for name, workload, reason in _workloads(ctx):
+        if workload is None:
+            ctx.skip("budgets", {"workload": name, "budget": "all"}, reason)
+            continue
+        _run_workload(ctx, workload, peak)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row.get("budget") is not None and row.get("x_best") is not None:
+            lines.append(f"{row['workload']} {row['budget']}: plan {row.get('plan')} {row['ms']:.2f} ms = "
+                         f"{row['x_best']:.3f}x best grid ({row.get('best')})"
+                         + (f", {row['x_ideal']:.3f}x ideal, {row['x_floor']:.3f}x floor" if row.get("x_ideal") else "")
+                         + (f", pass {row['pass']}" if row.get("pass") is not None else ""))
+        elif row.get("depth") in DEPTHS[1:] and row.get("x_depth1") is not None:
+            lines.append(f"{row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1 "
+                         f"(rounds {row['ratio_lo']:.3f}..{row['ratio_hi']:.3f})")
+    return lines

@@ -1,0 +1,232 @@
+"""Measuring the cost table on this machine: per-block compute, the step, activations, H2D bandwidth.
+
+Host speed on shared machines drifts by tens of percent between processes and over minutes, so one
+timing is not a measurement. Each figure here is the median of several repeats, and when the repeats
+spread more than ``SPREAD_LIMIT`` more are taken (up to ``max_repeats``); the spread is reported with
+the figure so a caller can tell a calm calibration from a noisy one.
+
+Per-block compute is timed by a second forward hook on every block, placed after the offload hook: its
+start mark is taken once the block's weights are bound (on CUDA, an event recorded after the compute
+stream waited for the block's copy), so a block's time is its own compute whether its copy was
+exposed or not. Resident blocks are timed the same way. On CUDA the marks are events on the compute
+stream; with the host as the device they are ``perf_counter`` readings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.costs import BlockCosts
+
+logger = logging.getLogger(__name__)
+
+SPREAD_LIMIT = 0.25
+BANDWIDTH_PROBE_BYTES = 64 * 1024**2
+_BANDWIDTH_CACHE: dict[str, float] = {}
+
+
+class _Mark:
+    """A point on the device's compute timeline (a CUDA event) or on the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        self.host = 0.0
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.host = time.perf_counter()
+
+    def ms_until(self, later: _Mark) -> float:
+        if self.event is not None and later.event is not None:
+            return float(self.event.elapsed_time(later.event))
+        return (later.host - self.host) * 1e3
+
+
+class BlockTimer(ForwardHook):
+    """Marks the start and end of one block's forward, once per call (a block may run several times)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.spans: list[tuple[_Mark, _Mark]] = []
+
+    @classmethod
+    def name(cls) -> str:
+        return "FastOffloadBlockTimer"
+
+    @torch.compiler.disable
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        start, end = _Mark(self.device), _Mark(self.device)
+        start.record()
+        self.spans.append((start, end))
+        return args, kwargs
+
+    @torch.compiler.disable
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.spans:
+            self.spans[-1][1].record()
+        return output
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Medians over the repeats of a calibration (ms, bytes) and how far the repeats spread."""
+
+    block_ms: tuple[float, ...]
+    step_ms: float
+    other_ms: float
+    activation_bytes: int | None  # None where it cannot be measured (the host as device)
+    repeats: int
+    spread: float                 # (slowest - fastest) / median step
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def spread_of(values: Sequence[float]) -> float:
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / middle if middle > 0 else 0.0
+
+
+def _attach_timers(blocks: Sequence[nn.Module], device: torch.device) -> list[BlockTimer]:
+    timers = []
+    for block in blocks:
+        manager = ModuleHookManager.get_from_or_default(block)
+        if manager.get_forward_hook(BlockTimer.name()) is not None:
+            manager.remove_forward_hook(BlockTimer.name())
+        timer = BlockTimer(device)
+        manager.append_forward_hook(timer)
+        timers.append(timer)
+    return timers
+
+
+def _detach_timers(blocks: Sequence[nn.Module]) -> None:
+    for block in blocks:
+        manager = ModuleHookManager.get_from(block)
+        if manager is None or manager.get_forward_hook(BlockTimer.name()) is None:
+            continue
+        manager.remove_forward_hook(BlockTimer.name())
+        if not manager.forward_hooks:
+            ModuleHookManager.remove_from_manager(block)
+
+
+def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device) -> tuple[list[float], float, float, int | None]:
+    """(per-block ms, step ms, ms outside the blocks, activation bytes) of one step."""
+    for timer in timers:
+        timer.spans.clear()
+    begin, end = _Mark(device), _Mark(device)
+    baseline = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    begin.record()
+    step()
+    end.record()
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - (baseline or 0)
+    block_ms = []
+    for index, timer in enumerate(timers):
+        if not timer.spans:
+            raise OffloadConfigError(f"fastoffload: calibration step never ran block {index}; the step must run one "
+                                     "full forward of the offloaded model")
+        block_ms.append(sum(s.ms_until(e) for s, e in timer.spans))
+    step_ms = begin.ms_until(end)
+    first = min((t.spans[0][0] for t in timers), key=lambda m: begin.ms_until(m))
+    last = max((t.spans[-1][1] for t in timers), key=lambda m: begin.ms_until(m))
+    other = max(0.0, step_ms - first.ms_until(last))
+    return block_ms, step_ms, other, peak
+
+
+def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device, *,
+                   repeats: int = 5, max_repeats: int = 15, warmup: int = 1) -> Measurement:
+    """Runs ``step`` (one forward of the model that holds ``blocks``) and times every block."""
+    if repeats < 1 or max_repeats < repeats:
+        raise OffloadConfigError(f"fastoffload: calibration needs 1 <= repeats <= max_repeats, got repeats={repeats}, "
+                                 f"max_repeats={max_repeats}")
+    timers = _attach_timers(blocks, device)
+    samples: list[tuple[list[float], float, float, int | None]] = []
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup):
+                step()
+            while len(samples) < repeats or (spread_of([s[1] for s in samples]) > SPREAD_LIMIT
+                                             and len(samples) < max_repeats):
+                samples.append(_one_repeat(step, timers, device))
+    finally:
+        _detach_timers(blocks)
+    block_ms = tuple(statistics.median(s[0][i] for s in samples) for i in range(len(blocks)))
+    peaks = [s[3] for s in samples if s[3] is not None]
+    return Measurement(block_ms=block_ms, step_ms=statistics.median(s[1] for s in samples),
+                       other_ms=statistics.median(s[2] for s in samples),
+                       activation_bytes=max(peaks) if peaks else None, repeats=len(samples),
+                       spread=spread_of([s[1] for s in samples]))
+
+
+def measure_h2d_gbps(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTES, repeats: int = 5,
+                     refresh: bool = False) -> float:
+    """Pinned host-to-device copy bandwidth (GB/s), median of ``repeats``; cached per device per process.
+
+    With the host as the device it is the host's memcpy bandwidth, which is what that engine's copies are.
+    """
+    key = str(device)
+    if key in _BANDWIDTH_CACHE and not refresh:
+        return _BANDWIDTH_CACHE[key]
+    cuda = device.type == "cuda"
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for index in range(repeats + 1):
+        begin, end = _Mark(device), _Mark(device)
+        begin.record()
+        target.copy_(source, non_blocking=cuda)
+        end.record()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if index:  # the first copy pays first-touch and mapping costs
+            times.append(begin.ms_until(end))
+    gbps = nbytes / (statistics.median(times) * 1e6)
+    _BANDWIDTH_CACHE[key] = gbps
+    return gbps
+
+
+
+# Before any calibration: what a bytes-only plan assumes for a copy. The choice of a bytes-only plan does
+# not depend on it (compute is taken as free, so every layout is copy-bound); only its prediction does.
+ASSUMED_H2D_GBPS = 25.0
+
+
+def cached_h2d_gbps(device: torch.device) -> float:
+    """The bandwidth measured earlier in this process for ``device``, else ``ASSUMED_H2D_GBPS``."""
+    return _BANDWIDTH_CACHE.get(str(device), ASSUMED_H2D_GBPS)
+
+
+def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device,
+                    block_bytes: Sequence[int], *, activation_reserve: int | None = None,
+                    h2d_gbps: float | None = None, repeats: int = 5, max_repeats: int = 15) -> tuple[BlockCosts, Measurement]:
+    """The cost table of ``blocks`` measured on this machine by running ``step`` (one forward)."""
+    measured = measure_blocks(blocks, step, device, repeats=repeats, max_repeats=max_repeats)
+    bandwidth = h2d_gbps if h2d_gbps is not None else measure_h2d_gbps(device)
+    activation = activation_reserve if activation_reserve is not None else (measured.activation_bytes or 0)
+    costs = BlockCosts(measured.block_ms, tuple(block_bytes), bandwidth, other_ms=measured.other_ms,
+                       activation_bytes=activation, overlap=device.type == "cuda", calibrated=True)
+    logger.info("calibrated %d blocks: step %.3f ms (spread %.0f %% over %d repeats), compute %.3f ms, H2D %.1f GB/s",
+                len(blocks), measured.step_ms, 100 * measured.spread, measured.repeats, costs.total_compute_ms(),
+                bandwidth)
+    return costs, measured
+
+
+__all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
+           "cached_h2d_gbps", "calibrate_costs", "measure_blocks", "measure_h2d_gbps", "spread_of"]

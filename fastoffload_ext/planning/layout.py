@@ -1,0 +1,179 @@
+"""From ``enable_layerwise_offload``'s arguments to a layout: which blocks stay resident, how deep to prefetch.
+
+Without a budget and without ``"auto"`` it is what it always was (FastVideo's defaults: depth 1, no
+resident block; ``resident_blocks=N`` keeps the first N), plus resident sets given as block indices.
+``None`` for either means that default without a budget and "the planner chooses" with one.
+With ``device_budget`` (bytes, ``"20GiB"`` or ``"auto"``) or ``resident_blocks``/``prefetch_depth`` set
+to ``"auto"``, the planner chooses what was left open, from measured costs when the group was
+calibrated and from bytes alone before that. Everything here runs before enable changes anything, so a
+refusal leaves the model as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.budgets import AUTO, format_bytes, parse_size
+from fastoffload_ext.planning.calibration import cached_h2d_gbps
+from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes
+from fastoffload_ext.planning.memory import device_free_bytes, probe_host
+from fastoffload_ext.planning.plan import OffloadPlan
+from fastoffload_ext.planning.planner import plan_offload
+
+logger = logging.getLogger(__name__)
+
+# With device_budget="auto" and no measured activation peak, this share of the free device memory is
+# kept back for activations; calibrate() replaces it by the measured peak.
+AUTO_RESERVE_FRACTION = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What enable applies: resident block indices, prefetch depth, and the plan behind them (if any)."""
+
+    resident: tuple[int, ...]
+    prefetch_depth: int
+    plan: OffloadPlan | None
+    settings: dict[str, Any]  # the budget arguments as given, for a later re-plan
+
+
+def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | str | None:
+    """None, "auto", or the resident indices; raises on anything else."""
+    if value is None or (isinstance(value, str) and value == AUTO):
+        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= n:
+            raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {n} blocks of "
+                                     f"{list_name!r}, got {value!r}")
+        return tuple(range(value))
+    if isinstance(value, Collection) and not isinstance(value, (str, bytes, bool)):
+        items = list(value)
+        if all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in items):
+            return tuple(sorted(set(items)))
+        raise OffloadConfigError(f"fastoffload: resident_blocks indices must be integers in 0..{n - 1} (the blocks of "
+                                 f"{list_name!r}), got {value!r}")
+    raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {n} blocks of {list_name!r}, "
+                             f"got {value!r}" + ("" if isinstance(value, bool) else
+                                                 "; or pass a collection of block indices, or 'auto'"))
+
+
+def check_prefetch_depth(value: object) -> int | str | None:
+    """``prefetch_depth`` as given: None, "auto" or an integer >= 0; raises on anything else."""
+    if value is None or (isinstance(value, str) and value == AUTO):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise OffloadConfigError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got "
+                                 f"{value!r}")
+    return value
+
+
+def _offload_bytes(blocks: Sequence[nn.Module]) -> list[int]:
+    return [module_packed_bytes(block) for block in blocks]
+
+
+def _host_credit(blocks: Sequence[nn.Module]) -> int:
+    """Bytes the blocks hold in host memory now: packing frees them block by block, so they count as free."""
+    return sum(p.numel() * p.element_size() for block in blocks for p in block.parameters() if p.device.type == "cpu")
+
+
+def default_costs(blocks: Sequence[nn.Module], device: torch.device, activation_bytes: int) -> BlockCosts:
+    """Bytes only: compute unknown (taken as free), bandwidth measured once per process when it can be."""
+    return BlockCosts([0.0] * len(blocks), _offload_bytes(blocks), cached_h2d_gbps(device),
+                      activation_bytes=activation_bytes, overlap=device.type == "cuda", calibrated=False)
+
+
+def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torch.device,
+             costs: BlockCosts | None) -> tuple[int | None, int | None, int]:
+    """(device budget, host budget, activation reserve) in bytes."""
+    device_budget = settings["device_budget"]
+    reserve = settings["activation_reserve"]
+    if reserve is None:
+        reserve = costs.activation_bytes if costs is not None and costs.calibrated else None
+    if device_budget == AUTO:
+        free = device_free_bytes(device) + sum(p.numel() * p.element_size() for block in blocks
+                                               for p in block.parameters() if p.device == device)
+        if reserve is None:
+            reserve = int(free * AUTO_RESERVE_FRACTION)
+        device_budget = free
+    host_budget = settings["host_budget"]
+    if host_budget == AUTO:
+        host_budget = probe_host().usable + _host_credit(blocks)
+    return device_budget, host_budget, int(reserve or 0)
+
+
+def _check_host(host_budget: int | None, blocks: Sequence[nn.Module], resident: tuple[int, ...],
+                explicit: bool) -> None:
+    if host_budget is None:
+        return
+    need = sum(module_packed_bytes(block) for i, block in enumerate(blocks) if i not in set(resident))
+    if need > host_budget:
+        source = "host_budget" if explicit else "the host memory this process may use"
+        raise OffloadConfigError(
+            f"fastoffload: the offloaded blocks need {format_bytes(need)} of host memory, more than {source} "
+            f"({format_bytes(host_budget)}); keep more blocks resident (resident_blocks, or a device_budget), free "
+            "host memory, or raise host_budget")
+
+
+def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name: str, *, resident_blocks: object,
+                   prefetch_depth: object, device_budget: object = None, host_budget: object = AUTO,
+                   activation_reserve: object = None, plan: OffloadPlan | None = None, cyclic: bool = True,
+                   costs: BlockCosts | None = None) -> Layout:
+    """The resident set and depth enable should apply; raises OffloadConfigError before anything changes."""
+    n = len(blocks)
+    resident = _resident_spec(resident_blocks, n, list_name)
+    depth = check_prefetch_depth(prefetch_depth)
+    settings = {"device_budget": parse_size(device_budget, "device_budget"),
+                "host_budget": parse_size(host_budget, "host_budget"),
+                "activation_reserve": parse_size(activation_reserve, "activation_reserve", allow_auto=False)}
+    if plan is not None:
+        return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs)
+    planned = settings["device_budget"] is not None or resident == AUTO or depth == AUTO
+    if not planned:
+        fixed = resident if isinstance(resident, tuple) else ()
+        _, host, _ = _budgets(settings, blocks, device, costs)
+        _check_host(host, blocks, fixed, settings["host_budget"] != AUTO)
+        return Layout(fixed, 1 if depth is None else int(depth), None, settings)
+    if settings["device_budget"] is None:
+        settings["device_budget"] = AUTO  # "auto" residency or depth without a budget: what the device has free
+    budget, host, reserve = _budgets(settings, blocks, device, costs)
+    fixed_resident = None if resident in (None, AUTO) else resident
+    fixed_depth = None if depth in (None, AUTO) else int(depth)  # type: ignore[arg-type]
+    settings.update(fixed_resident=fixed_resident, fixed_depth=fixed_depth, activation_reserve_bytes=reserve)
+    if n == 0:
+        return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
+    table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
+    table = table.with_activation_bytes(reserve)
+    chosen = plan_offload(table, budget, host_budget=host, resident=fixed_resident, prefetch_depth=fixed_depth,
+                          cyclic=cyclic)
+    logger.info("%s", chosen)
+    return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings)
+
+
+def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
+               settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
+               costs: BlockCosts | None) -> Layout:
+    if not isinstance(plan, OffloadPlan):
+        raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
+                                 f"{type(plan).__name__}")
+    if plan.blocks != len(blocks):
+        raise OffloadConfigError(f"fastoffload: the plan was made for {plan.blocks} blocks, but {list_name!r} has "
+                                 f"{len(blocks)}; make a plan from this model's costs")
+    if resident_blocks is not None or prefetch_depth is not None:
+        raise OffloadConfigError("fastoffload: pass either plan= or resident_blocks/prefetch_depth, not both: the "
+                                 f"plan already sets resident {list(plan.resident)} and depth {plan.prefetch_depth}")
+    budget, host, _ = _budgets(settings, blocks, device, costs)
+    if budget is not None and plan.device_bytes > budget:
+        raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "
+                                 f"more than device_budget {format_bytes(budget)}; re-plan with this budget")
+    _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO)
+    settings.update(fixed_resident=None, fixed_depth=None, activation_reserve_bytes=settings["activation_reserve"])
+    return Layout(plan.resident, plan.prefetch_depth, plan, settings)
+
+
+__all__ = ["AUTO_RESERVE_FRACTION", "Layout", "check_prefetch_depth", "default_costs", "resolve_layout"]

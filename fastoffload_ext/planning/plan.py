@@ -1,0 +1,85 @@
+"""The planner's answer: which blocks stay resident, how deep to prefetch, what it costs and why.
+
+``enable_layerwise_offload(model, plan=plan)`` applies one; ``group.stats()["plan"]`` reports the
+plan a group runs with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from fastoffload_ext.planning.budgets import format_bytes
+from fastoffload_ext.planning.costs import BlockCosts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """A resident set and a prefetch depth for one block list, with the figures behind the choice.
+
+    device_bytes = resident_bytes + num_slots x slot_bytes + activation_bytes: what a step may hold on
+    the device (never above ``device_budget``). host_bytes: the offloaded blocks' packed host copies.
+    predicted_step_ms comes from the pipeline simulation; ideal_ms is max(compute of the step,
+    offloaded bytes / bandwidth), the floor no schedule can beat with this resident set.
+    """
+
+    blocks: int
+    resident: tuple[int, ...]
+    prefetch_depth: int
+    num_slots: int
+    slot_bytes: int
+    resident_bytes: int
+    host_bytes: int
+    activation_bytes: int
+    device_bytes: int
+    device_budget: int | None
+    host_budget: int | None
+    predicted_step_ms: float
+    ideal_ms: float
+    compute_ms: float
+    copy_ms: float
+    candidates: int
+    why: str
+    costs: BlockCosts = dataclasses.field(repr=False, compare=False)
+    tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
+
+    @property
+    def offloaded(self) -> tuple[int, ...]:
+        resident = set(self.resident)
+        return tuple(b for b in range(self.blocks) if b not in resident)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.costs.calibrated
+
+    def drifted(self, measured_step_ms: float) -> bool:
+        """Whether a measured step is further from the prediction than ``tolerance`` (relative)."""
+        if not self.calibrated or self.predicted_step_ms <= 0:
+            return True
+        return abs(measured_step_ms / self.predicted_step_ms - 1.0) > self.tolerance
+
+    def same_layout(self, other: OffloadPlan) -> bool:
+        """Same resident set and depth: applying ``other`` instead of this one changes nothing."""
+        return self.resident == other.resident and self.prefetch_depth == other.prefetch_depth
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "blocks": self.blocks, "resident": list(self.resident), "prefetch_depth": self.prefetch_depth,
+            "num_slots": self.num_slots, "slot_bytes": self.slot_bytes, "resident_bytes": self.resident_bytes,
+            "host_bytes": self.host_bytes, "activation_bytes": self.activation_bytes,
+            "device_bytes": self.device_bytes, "device_budget": self.device_budget,
+            "host_budget": self.host_budget, "predicted_step_ms": self.predicted_step_ms,
+            "ideal_ms": self.ideal_ms, "compute_ms": self.compute_ms, "copy_ms": self.copy_ms,
+            "calibrated": self.calibrated, "candidates": self.candidates, "why": self.why,
+        }
+
+    def __str__(self) -> str:
+        return (f"OffloadPlan: {len(self.resident)} of {self.blocks} blocks resident {list(self.resident)}, "
+                f"prefetch_depth {self.prefetch_depth} ({self.num_slots} slots x {format_bytes(self.slot_bytes)}), "
+                f"device {format_bytes(self.device_bytes)} of {format_bytes(self.device_budget)}, predicted "
+                f"{self.predicted_step_ms:.3f} ms/step (ideal {self.ideal_ms:.3f} ms). {self.why}")
+
+
+__all__ = ["OffloadPlan"]

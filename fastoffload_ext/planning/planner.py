@@ -1,0 +1,227 @@
+"""The residency planner: from a cost table and budgets to an :class:`OffloadPlan`.
+
+It is a pure function of its inputs. Every candidate (resident set, depth) is scored by the pipeline
+simulation (``simulate.py``) and must fit: resident bytes + (depth + 1) slots of the largest offloaded
+block + the activation reserve within the device budget, and the offloaded blocks' host copies within
+the host budget. The fastest predicted candidate wins. Equal predictions go to the one that keeps more
+bytes resident (what the simulation leaves out, the per-block hook cost and the copies' pressure on
+memory bandwidth, only ever favours residency), then to less device memory, then to the shallower
+prefetch.
+
+Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
+count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
+each remaining copy hide behind the compute of the blocks before it), the prefixes of the
+copy-heaviest blocks, and a greedy chain that adds the block whose residency saves the most predicted
+time. The candidate list does not depend on the budget, so a larger budget never predicts slower.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Collection, Iterable
+
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.budgets import format_bytes
+from fastoffload_ext.planning.costs import BlockCosts
+from fastoffload_ext.planning.plan import OffloadPlan
+from fastoffload_ext.planning.simulate import simulate_step
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_DEPTH = 3
+EXHAUSTIVE_LIMIT = 8
+GREEDY_LIMIT = 32
+_TIE_MS = 1e-6  # predictions closer than this are equal (float noise of the simulation)
+
+
+def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int, int, int]:
+    """(resident bytes, slot bytes, device bytes, host bytes) of one candidate."""
+    resident_bytes = sum(costs.block_bytes[b] for b in resident)
+    offloaded = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
+    slot = max(offloaded) if offloaded else 0
+    slots = (depth + 1) if offloaded else 0
+    return resident_bytes, slot, resident_bytes + slots * slot + costs.activation_bytes, sum(offloaded)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) -> float:
+    return simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
+
+
+def _even(n: int, count: int, offset: float) -> frozenset[int]:
+    if count <= 0:
+        return frozenset()
+    return frozenset(min(n - 1, int((i + offset) * n / count)) for i in range(count))
+
+
+def _spread_sets(n: int) -> Iterable[frozenset[int]]:
+    for count in range(n + 1):
+        for offset in (0.0, 0.5):
+            yield _even(n, count, offset)
+            # The complement view: the offloaded blocks evenly spread among resident ones.
+            yield frozenset(range(n)) - _even(n, n - count, offset)
+
+
+def _heaviest_prefixes(costs: BlockCosts) -> Iterable[frozenset[int]]:
+    order = sorted(range(costs.blocks), key=lambda b: (-costs.block_bytes[b], b))
+    for count in range(costs.blocks + 1):
+        yield frozenset(order[:count])
+
+
+def _greedy_chain(costs: BlockCosts, depth: int, cyclic: bool) -> Iterable[frozenset[int]]:
+    chosen: frozenset[int] = frozenset()
+    yield chosen
+    while len(chosen) < costs.blocks:
+        best: tuple[float, int, int] | None = None
+        for block in range(costs.blocks):
+            if block in chosen:
+                continue
+            ms = _score(costs, chosen | {block}, depth, cyclic)
+            key = (round(ms / _TIE_MS), -costs.block_bytes[block], block)
+            if best is None or key < best:
+                best = key
+        assert best is not None
+        chosen = chosen | {best[2]}
+        yield chosen
+
+
+# Budget-independent, so a budget sweep over one table (the benchmark, a re-plan) builds them once.
+@functools.lru_cache(maxsize=64)
+def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
+                   exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> tuple[frozenset[int], ...]:
+    """The resident sets the planner scores at ``depth`` (independent of any budget)."""
+    n = costs.blocks
+    if n <= exhaustive_limit:
+        return tuple(frozenset(c) for r in range(n + 1) for c in itertools.combinations(range(n), r))
+    sets = dict.fromkeys(itertools.chain(_spread_sets(n), _heaviest_prefixes(costs)))
+    if n <= GREEDY_LIMIT:
+        sets.update(dict.fromkeys(_greedy_chain(costs, depth, cyclic)))
+    return tuple(sets)
+
+
+def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | None, depths: list[int],
+             fixed: frozenset[int] | None) -> OffloadConfigError:
+    """Why nothing fits, with the numbers of the cheapest layout and what to change."""
+    depth = min(depths)
+    reserve = format_bytes(costs.activation_bytes)
+    if fixed is not None:
+        resident_bytes, slot, device, host = _memory(costs, fixed, depth)
+        if device_budget is not None and device > device_budget:
+            return OffloadConfigError(
+                f"fastoffload: device_budget {format_bytes(device_budget)} is too small for {len(fixed)} resident "
+                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + {reserve} "
+                f"activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
+                "resident_blocks='auto', or raise device_budget")
+        return OffloadConfigError(
+            f"fastoffload: host_budget {format_bytes(host_budget)} cannot hold the {format_bytes(host)} of pinned host "
+            f"copies that the {costs.blocks - len(fixed)} offloaded blocks need; keep more blocks resident, "
+            "or raise host_budget")
+    slot = max(costs.block_bytes, default=0)
+    need = (depth + 1) * slot + costs.activation_bytes
+    if device_budget is not None and device_budget < need:
+        return OffloadConfigError(
+            f"fastoffload: device_budget {format_bytes(device_budget)} is smaller than what offload needs at least: "
+            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + {reserve} activation reserve = "
+            f"{format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
+            "lower activation_reserve")
+    return OffloadConfigError(
+        f"fastoffload: host_budget {format_bytes(host_budget)} is too small: no resident set that fits device_budget "
+        f"{format_bytes(device_budget)} leaves the offloaded blocks' pinned copies within it (all "
+        f"{costs.blocks} blocks need {format_bytes(sum(costs.block_bytes))}). Raise host_budget (free host memory), "
+        "or raise device_budget so that more blocks stay resident")
+
+
+def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: float, ideal_ms: float,
+         copy_ms: float, budget: int | None) -> str:
+    n = costs.blocks
+    compute = costs.total_compute_ms()
+    if not costs.calibrated:
+        return ("not calibrated (compute not measured yet): keeps the most bytes resident that the budget allows, "
+                "depth 1; call group.calibrate(step) to measure this machine and re-plan")
+    if len(plan_resident) == n:
+        return "every block fits the budget: nothing is copied"
+    regime = "transfer-bound" if copy_ms > compute else "compute-bound"
+    parts = [f"{regime}: compute {compute:.3f} ms vs copies of the offloaded bytes {copy_ms:.3f} ms"]
+    if regime == "compute-bound" and not plan_resident:
+        parts.append("every copy hides behind compute")
+    elif plan_resident:
+        parts.append(f"{len(plan_resident)} resident blocks cut the copied bytes"
+                     + (" and are spread so each remaining copy hides behind the compute before it"
+                        if 0 < len(plan_resident) < n - 1 else ""))
+    if depth > 1:
+        parts.append(f"depth {depth} lets short windows borrow from longer ones")
+    exposed = step_ms - max(ideal_ms, 0.0)
+    parts.append(f"predicted {step_ms:.3f} ms = {step_ms / ideal_ms if ideal_ms > 0 else 1.0:.3f}x the ideal "
+                 f"{ideal_ms:.3f} ms" + (f" ({exposed:.3f} ms of copy exposed)" if exposed > _TIE_MS * 1e3 else ""))
+    if budget is None:
+        parts.append("no device budget given")
+    return "; ".join(parts)
+
+
+def _check_inputs(costs: BlockCosts, device_budget: int | None, host_budget: int | None,
+                  resident: Collection[int] | None, prefetch_depth: int | None, max_depth: int) -> None:
+    for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise OffloadConfigError(f"fastoffload: plan_offload's {name} must be None or bytes >= 0 (parse strings "
+                                     f"with planning.parse_size), got {value!r}")
+    if prefetch_depth is not None and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+                                       or prefetch_depth < 0):
+        raise OffloadConfigError(f"fastoffload: plan_offload's prefetch_depth must be None or an integer >= 0, got "
+                                 f"{prefetch_depth!r}")
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+        raise OffloadConfigError(f"fastoffload: plan_offload's max_depth must be an integer >= 1, got {max_depth!r}")
+    if resident is not None:
+        bad = [b for b in resident if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < costs.blocks]
+        if bad:
+            raise OffloadConfigError(f"fastoffload: resident block indices must be integers in 0..{costs.blocks - 1}, "
+                                     f"got {sorted(resident, key=repr)!r}")
+
+
+def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_budget: int | None = None,
+                 resident: Collection[int] | None = None, prefetch_depth: int | None = None,
+                 max_depth: int = DEFAULT_MAX_DEPTH, cyclic: bool = True,
+                 exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> OffloadPlan:
+    """The fastest predicted (resident set, depth) for ``costs`` within the budgets (bytes, None: no limit).
+
+    ``resident`` or ``prefetch_depth`` fix that half of the plan; the other is searched (depths
+    1..``max_depth``). Raises :class:`OffloadConfigError` with the numbers when nothing fits.
+    """
+    _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
+    fixed = frozenset(resident) if resident is not None else None
+    depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
+    best: tuple[tuple[float, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    scored = 0
+    for depth in depths:
+        sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
+                                                                 exhaustive_limit=exhaustive_limit)
+        for chosen in sets:
+            resident_bytes, _, device, host = _memory(costs, chosen, depth)
+            if (device_budget is not None and device > device_budget) or (host_budget is not None
+                                                                          and host > host_budget):
+                continue
+            scored += 1
+            ms = _score(costs, chosen, depth, cyclic)
+            key = (round(ms / _TIE_MS) * _TIE_MS, -resident_bytes, device, depth, tuple(sorted(chosen)))
+            if best is None or key < best[0]:
+                best = (key, chosen, depth, ms)
+    if best is None:
+        raise _refusal(costs, device_budget, host_budget, depths, fixed)
+    _, chosen, depth, ms = best
+    resident_bytes, slot, device, host = _memory(costs, chosen, depth)
+    copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
+    compute = costs.total_compute_ms()
+    ideal = max(compute, copy_ms) if costs.overlap else compute + copy_ms
+    offloaded = costs.blocks - len(chosen)
+    plan = OffloadPlan(
+        blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
+        num_slots=(depth + 1) if offloaded else 0, slot_bytes=slot, resident_bytes=resident_bytes,
+        host_bytes=host, activation_bytes=costs.activation_bytes, device_bytes=device,
+        device_budget=device_budget, host_budget=host_budget, predicted_step_ms=ms, ideal_ms=ideal,
+        compute_ms=compute, copy_ms=copy_ms, candidates=scored,
+        why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget), costs=costs)
+    logger.debug("%s", plan)
+    return plan
+
+
+__all__ = ["DEFAULT_MAX_DEPTH", "EXHAUSTIVE_LIMIT", "candidate_sets", "plan_offload"]

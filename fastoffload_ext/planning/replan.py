@@ -1,0 +1,100 @@
+"""Calibrating an offloaded model and re-planning it: what ``group.calibrate`` and ``group.replan`` do.
+
+A plan made at enable before anything ran knows only bytes; the first calibration measures this
+machine (per-block compute, the step, the activation peak, H2D bandwidth) and plans again. A plan also
+goes stale when the work per step changes (another resolution or batch size): ``observe_step`` tells
+when a measured step left the prediction's tolerance, and a new calibration re-plans.
+
+Re-applying a plan whose resident set or depth differs means offloading again: every parameter is
+brought back to host memory with its current values (``disable_layerwise_offload(model, "cpu")``) and
+offload is enabled with the new plan and the arguments enable was first given. The new group replaces
+the old one on the model (``get_offload_group(model)``); the new plan is computed, and refused if it does
+not fit, before anything is undone.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.planning.calibration import calibrate_costs
+from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
+from fastoffload_ext.planning.planner import plan_offload
+
+logger = logging.getLogger(__name__)
+
+
+def _block_bytes(group: Any) -> list[int]:
+    """Each block's packed bytes (what a copy moves), from the host copy when the block is offloaded."""
+    sizes = [module_packed_bytes(block) for block in group.blocks]
+    for index, state in zip(group.offloaded_indices, group.states):
+        sizes[index] = packed_bytes([t.numel() * t.element_size() for t in state.cpu_named_parameters.values()])
+    return sizes
+
+
+def _check_current(group: Any) -> None:
+    from fastoffload_ext.engine.layerwise import get_offload_group
+
+    if get_offload_group(group.model_ref) is not group:
+        raise OffloadStateError("fastoffload: this offload group is no longer the one on its model (offload was "
+                                "disabled or re-planned); use get_offload_group(model) for the current one")
+
+
+def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,
+              h2d_gbps: float | None = None) -> BlockCosts:
+    """Measures the group's cost table with ``step`` (one forward); re-plans a planned group from it."""
+    _check_current(group)
+    reserve = group.enable_kwargs.get("activation_reserve_bytes")
+    costs, measured = calibrate_costs(group.blocks, step, group.device, _block_bytes(group),
+                                      activation_reserve=reserve, h2d_gbps=h2d_gbps, repeats=repeats)
+    group.costs = costs
+    if group.plan is not None and group.plan.calibrated:
+        verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
+        logger.info("measured step %.3f ms against the predicted %.3f ms: %s the %.0f %% tolerance",
+                    measured.step_ms, group.plan.predicted_step_ms, verdict, 100 * group.plan.tolerance)
+    if replan and group.plan is not None:
+        group.replan(costs)
+    return costs
+
+
+def replan(group: Any, costs: BlockCosts | None = None) -> Any:
+    """A fresh plan from ``costs`` (default: the last calibration) under the enable-time budgets."""
+    _check_current(group)
+    table = costs if costs is not None else group.costs
+    if table is None:
+        raise OffloadStateError("fastoffload: nothing to re-plan from: call group.calibrate(step) first, or pass a "
+                                "BlockCosts table")
+    old = group.plan
+    if old is None:
+        raise OffloadStateError("fastoffload: this offload has a fixed layout (enabled without device_budget or "
+                                "'auto'), so there is nothing to re-plan; enable with device_budget=... or "
+                                "resident_blocks='auto' to let the planner choose")
+    settings = group.enable_kwargs
+    reserve = settings.get("activation_reserve_bytes")
+    if reserve is not None:
+        table = table.with_activation_bytes(reserve)
+    fixed_resident = settings.get("fixed_resident")
+    fixed_depth = settings.get("fixed_depth")
+    new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
+                       prefetch_depth=fixed_depth, cyclic=group.cyclic)
+    if new.same_layout(old):
+        group.plan = new
+        return group
+    logger.info("re-planning %s: %s", group.list_name, new)
+    return _apply(group, new, table)
+
+
+def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
+    from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
+
+    model = group.model_ref
+    arguments = dict(group.enable_kwargs.get("arguments", {}))
+    arguments.update(plan=plan, device_budget=plan.device_budget, resident_blocks=None, prefetch_depth=None)
+    disable_layerwise_offload(model, device="cpu")
+    fresh = enable_layerwise_offload(model, **arguments)
+    fresh.costs = costs
+    return fresh
+
+
+__all__ = ["calibrate", "replan"]

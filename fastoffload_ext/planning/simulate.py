@@ -1,0 +1,184 @@
+"""A step of the offload pipeline, simulated: compute-stream and copy-stream timelines with slot reuse.
+
+It replays what the hooks ask the engine for, in the order they ask (per offloaded block: acquire,
+then prefetch of the next ``depth`` offloaded blocks; release after the block ran) against a model of
+the engine's slot ring: ``depth + 1`` slots; a copy goes into an empty slot, else the least recently
+touched cached one, else the least recently touched ready one, never into one in use; a copy into a
+slot waits for the slot's "free" event (the end of the compute that last used it) and for the copies
+issued before it (one copy stream). A block whose slot still holds it costs no copy. The host is
+assumed to run ahead of the device within a step, so only the two device timelines constrain each
+other; between steps the host waits for the device (a scheduler step, a readback), so no copy a step
+issues starts before that step begins.
+
+Several steps are simulated back to back and the last is reported, so the cyclic wrap-around (the
+last block prefetching the first of the next step) is in its steady state. Compute outside the block
+list (``other_ms``) runs between steps, where the wrap-around copy can hide behind it.
+
+With ``overlap=False`` (the host-as-device engine) a copy is a memcpy on the one host timeline: it
+runs when it is issued and delays the compute after it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.costs import BlockCosts
+
+logger = logging.getLogger(__name__)
+
+STEADY_STEPS = 3
+_EMPTY, _READY, _IN_USE, _CACHED = 0, 1, 2, 3
+_RANK = {_EMPTY: 0, _CACHED: 1, _READY: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeline:
+    """The last simulated step: its length and where the time went (ms, relative to the step start)."""
+
+    step_ms: float
+    compute_ms: float        # block compute + other_ms
+    exposed_ms: float        # step_ms - compute_ms: time compute waited for copies
+    copies: int              # copies issued in the step
+    copied_bytes: int
+    block_start: tuple[float, ...]
+    block_end: tuple[float, ...]
+
+
+class _Ring:
+    """The slot ring's choice and bookkeeping, as in the compiled core."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.block = [-1] * num_slots
+        self.state = [_EMPTY] * num_slots
+        self.touched = [0] * num_slots
+        self.free_at = [0.0] * num_slots
+        self.ready_at = [0.0] * num_slots
+        self.where: dict[int, int] = {}
+        self.clock = 0
+
+    def touch(self, slot: int) -> None:
+        self.clock += 1
+        self.touched[slot] = self.clock
+
+    def choose(self) -> int:
+        best, best_key = -1, (9, 0)
+        for slot, state in enumerate(self.state):
+            rank = _RANK.get(state)
+            if rank is None:
+                continue
+            key = (rank, self.touched[slot])
+            if best < 0 or key < best_key:
+                best, best_key = slot, key
+        return best
+
+
+class _Pipeline:
+    def __init__(self, costs: BlockCosts, resident: Collection[int], depth: int, cyclic: bool) -> None:
+        self.costs = costs
+        self.depth = depth
+        self.cyclic = cyclic
+        self.resident = frozenset(resident)
+        self.offloaded = [b for b in range(costs.blocks) if b not in self.resident]
+        self.position = {b: j for j, b in enumerate(self.offloaded)}
+        self.ring = _Ring(depth + 1)
+        self.compute_at = 0.0  # end of the last compute on the compute stream (the host, without overlap)
+        self.copy_at = 0.0     # end of the last copy on the copy stream
+        self.copies = 0
+        self.copied_bytes = 0
+        self.step_begin = 0.0  # the host meets the device between steps: no copy of a step starts before it
+
+    def issue(self, block: int) -> bool:
+        ring = self.ring
+        slot = ring.choose()
+        if slot < 0:
+            return False
+        old = ring.block[slot]
+        if old >= 0:
+            ring.where.pop(old, None)
+        start = max(self.copy_at, ring.free_at[slot], self.step_begin)
+        if not self.costs.overlap:
+            start = max(start, self.compute_at)
+        end = start + self.costs.copy_ms(block)
+        self.copy_at = end
+        if not self.costs.overlap:
+            self.compute_at = end
+        ring.block[slot], ring.state[slot], ring.ready_at[slot] = block, _READY, end
+        ring.where[block] = slot
+        ring.touch(slot)
+        self.copies += 1
+        self.copied_bytes += self.costs.block_bytes[block]
+        return True
+
+    def run_offloaded(self, block: int, compute: float) -> tuple[float, float]:
+        ring = self.ring
+        if block not in ring.where:
+            issued = self.issue(block)
+            assert issued, "one block runs at a time, so a slot that is not in use always exists"
+        slot = ring.where[block]
+        start = max(self.compute_at, ring.ready_at[slot])
+        ring.state[slot] = _IN_USE
+        ring.touch(slot)
+        j, count = self.position[block], len(self.offloaded)
+        for step in range(1, self.depth + 1):
+            if not self.cyclic and j + step >= count:
+                break
+            target = self.offloaded[(j + step) % count]
+            if target not in ring.where:
+                self.issue(target)
+        if not self.costs.overlap:
+            start = max(start, self.compute_at)
+        end = start + compute
+        self.compute_at = end
+        ring.state[slot] = _CACHED
+        ring.free_at[slot] = end
+        ring.touch(slot)
+        return start, end
+
+    def step(self) -> tuple[list[float], list[float]]:
+        self.step_begin = self.compute_at
+        self.compute_at += self.costs.other_ms
+        starts, ends = [], []
+        for block, compute in enumerate(self.costs.compute_ms):
+            if block in self.resident:
+                start = self.compute_at
+                self.compute_at = start + compute
+                starts.append(start)
+                ends.append(self.compute_at)
+            else:
+                start, end = self.run_offloaded(block, compute)
+                starts.append(start)
+                ends.append(end)
+        return starts, ends
+
+
+def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, cyclic: bool = True,
+                  steps: int = STEADY_STEPS) -> StepTimeline:
+    """The steady-state step of the pipeline with ``resident`` blocks kept and ``depth`` copied ahead."""
+    if depth < 0:
+        raise OffloadConfigError(f"fastoffload: simulate_step's depth must be an integer >= 0, got {depth}")
+    pipeline = _Pipeline(costs, resident, depth, cyclic)
+    if not pipeline.offloaded:
+        compute = costs.total_compute_ms()
+        starts, ends, total = [], [], 0.0
+        for c in costs.compute_ms:
+            starts.append(costs.other_ms + total)
+            total += c
+            ends.append(costs.other_ms + total)
+        return StepTimeline(compute, compute, 0.0, 0, 0, tuple(starts), tuple(ends))
+    begin = 0.0
+    starts: list[float] = []
+    ends: list[float] = []
+    for _ in range(max(1, steps)):
+        begin = pipeline.compute_at
+        copies, copied = pipeline.copies, pipeline.copied_bytes
+        starts, ends = pipeline.step()
+    step_ms = pipeline.compute_at - begin
+    compute = costs.total_compute_ms()
+    return StepTimeline(step_ms=step_ms, compute_ms=compute, exposed_ms=max(0.0, step_ms - compute),
+                        copies=pipeline.copies - copies, copied_bytes=pipeline.copied_bytes - copied,
+                        block_start=tuple(s - begin for s in starts), block_end=tuple(e - begin for e in ends))
+
+
+__all__ = ["STEADY_STEPS", "StepTimeline", "simulate_step"]

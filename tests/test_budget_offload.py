@@ -1,0 +1,223 @@
+"""Budgets, resident sets and plans through enable_layerwise_offload, bit for bit against the resident model.
+
+Both backends, with the host as the device (CI) and, marked ``cuda``, on a GPU.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import fastoffload_ext as fo
+from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.planning import BlockCosts, OffloadPlan, module_packed_bytes, plan_offload
+
+from ._models import OFFLOAD_DEVICES, Block, make_pair, params_equal, place_outside_blocks
+from ._trees import has_hooks
+
+BACKENDS = ["ext", "python"]
+N = 6
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cpu") if name == "cpu" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _setup(device: str, n: int = N, seed: int = 0):
+    model, reference = make_pair(n, seed=seed)
+    model.requires_grad_(False)
+    reference.requires_grad_(False).to(_device(device))
+    place_outside_blocks(model, device)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(seed + 1)).to(_device(device))
+    return model, reference, x
+
+
+def _run_exactly(model, reference, x, steps: int = 3) -> None:
+    with torch.inference_mode():
+        want = reference(x)
+        for _ in range(steps):
+            assert torch.equal(model(x), want)
+
+
+def _finish(model, reference) -> None:
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    assert not any(has_hooks(block) for block in model.blocks)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("resident, depth", [
+    ((), 1), ((0,), 2), ((5,), 1), ((1, 3), 1), ((0, 2, 4), 3), ((1, 2, 3, 4), 2), ((0, 1, 2, 3, 4), 1),
+    (tuple(range(N)), 1), ((2, 5), 0),
+])
+def test_any_resident_set_and_depth_is_bit_exact(device: str, backend: str, resident: tuple[int, ...],
+                                                 depth: int) -> None:
+    model, reference, x = _setup(device)
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, resident_blocks=list(resident),
+                                        prefetch_depth=depth)
+    assert group.resident == resident and group.resident_blocks == len(resident)
+    assert group.offloaded_indices == tuple(i for i in range(N) if i not in resident)
+    for index, block in enumerate(model.blocks):
+        # Resident blocks are on the device and never hooked; the others hold placeholders.
+        assert has_hooks(block) == (index not in resident)
+        assert all((p.numel() > 0) == (index in resident) for p in block.parameters())
+    _run_exactly(model, reference, x)
+    assert group.stats()["resident"] == list(resident)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extra_blocks", [0, 1, 3, N])
+def test_device_budget_plans_within_it_and_is_bit_exact(device: str, backend: str, extra_blocks: int) -> None:
+    model, reference, x = _setup(device)
+    budget = (2 + extra_blocks) * BLOCK_BYTES
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, device_budget=budget)
+    plan = group.plan
+    assert isinstance(plan, OffloadPlan) and plan.device_budget == budget
+    assert plan.device_bytes <= budget and not plan.calibrated
+    # Bytes only (nothing measured yet): the most blocks resident that the budget allows, at depth 1.
+    expected = N if extra_blocks >= N else extra_blocks
+    assert len(plan.resident) == expected and group.resident == plan.resident
+    assert plan.prefetch_depth == 1 and group.prefetch_depth == min(1, N - len(plan.resident))  # clamped when none is offloaded
+    _run_exactly(model, reference, x)
+    stats = group.stats()
+    assert stats["plan"]["resident"] == list(plan.resident)
+    if backend == "ext" and group.engine is not None:
+        held = stats["num_slots"] * stats["slot_bytes"] + sum(module_packed_bytes(model.blocks[i]) for i in plan.resident)
+        assert held <= budget
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_from_plan_offload_is_applied_as_it_is(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    costs = BlockCosts([1.0, 0.1, 1.0, 0.1, 1.0, 0.1], [BLOCK_BYTES] * N, 1e-3)  # transfer-bound
+    plan = plan_offload(costs, 5 * BLOCK_BYTES)
+    assert len(plan.resident) == 3
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, plan=plan)
+    assert group.plan is plan and group.resident == plan.resident and group.prefetch_depth == plan.prefetch_depth
+    _run_exactly(model, reference, x)
+    assert group.stats()["plan"] == plan.as_dict()
+    _finish(model, reference)
+
+
+def test_no_budget_keeps_fastvideo_defaults() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu")
+    assert group.plan is None and group.resident == () and group.prefetch_depth == 1
+    assert group.stats()["plan"] is None
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_residency_without_a_budget_uses_free_memory(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks="auto",
+                                        prefetch_depth="auto")
+    assert group.plan is not None and group.resident == tuple(range(N))  # a tiny model fits the host
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calibrate_measures_every_block_and_replans_bit_exactly(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * BLOCK_BYTES)
+
+    def step() -> None:
+        model(x)
+
+    costs = group.calibrate(step, repeats=3)
+    assert costs.calibrated and costs.blocks == N and all(c > 0 for c in costs.compute_ms)
+    assert costs.block_bytes == (BLOCK_BYTES,) * N and not costs.overlap and costs.h2d_gbps > 0
+    current = fo.get_offload_group(model)
+    assert current.plan.calibrated and current.plan.device_bytes <= 4 * BLOCK_BYTES
+    assert current.costs == costs
+    # The timing hooks are gone again: resident blocks have no manager, offloaded ones only the offload hook.
+    for index, block in enumerate(model.blocks):
+        assert has_hooks(block) == (index not in current.resident)
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replan_to_another_layout_reapplies_and_the_old_group_is_refused(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES)
+    first = group.resident
+    # A table in which blocks 0-2 are half the size: all six fit in five full blocks of budget.
+    costs = BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3)
+    fresh = group.replan(costs)
+    assert fresh is fo.get_offload_group(model) and fresh is not group
+    assert first == (0, 1, 2) and fresh.resident == tuple(range(N))  # 4.5 blocks of bytes fit the budget
+    assert fresh.plan.calibrated and fresh.plan.device_bytes <= 5 * BLOCK_BYTES and fresh.costs == costs
+    _run_exactly(model, reference, x)
+    message = ("fastoffload: this offload group is no longer the one on its model (offload was disabled or "
+               "re-planned); use get_offload_group(model) for the current one")
+    with pytest.raises(OffloadStateError, match=re.escape(message)):
+        group.replan(costs)
+    # The same costs again: same layout, so nothing is re-applied.
+    assert fresh.replan(costs) is fresh
+    _finish(model, reference)
+
+
+def test_replan_without_costs_is_refused() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", device_budget=4 * BLOCK_BYTES)
+    with pytest.raises(OffloadStateError, match=re.escape(
+            "fastoffload: nothing to re-plan from: call group.calibrate(step) first, or pass a BlockCosts table")):
+        group.replan()
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+def test_a_fixed_layout_is_not_replanned() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", resident_blocks=2)
+    costs = group.calibrate(lambda: model(x), repeats=3)  # measures, leaves the layout alone
+    assert fo.get_offload_group(model) is group and group.costs == costs and group.resident == (0, 1)
+    with pytest.raises(OffloadStateError, match=re.escape(
+            "fastoffload: this offload has a fixed layout (enabled without device_budget or 'auto'), so there is "
+            "nothing to re-plan; enable with device_budget=... or resident_blocks='auto' to let the planner choose")):
+        group.replan(costs)
+    assert not group.observe_step(1e9)
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+def test_observe_step_flags_drift_beyond_the_tolerance() -> None:
+    model, reference, _ = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", device_budget=4 * BLOCK_BYTES)
+    assert group.observe_step(1.0)  # a bytes-only plan never vouches for a step
+    costs = BlockCosts([1.0] * N, [BLOCK_BYTES] * N, 1.0, overlap=False)
+    fresh = group.replan(costs)
+    predicted = fresh.plan.predicted_step_ms
+    assert not fresh.observe_step(predicted * 1.05) and fresh.observe_step(predicted * 1.5)
+    _finish(model, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_peak_memory_stays_within_the_budget(backend: str) -> None:
+    model, reference, x = _setup("cuda", n=8)
+    with torch.inference_mode():
+        want = reference(x)
+    reserve = 64 * 1024  # activations of a 2x5x16 input, the allocator's rounding of each parameter
+    budget = 5 * BLOCK_BYTES + reserve
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    group = fo.enable_layerwise_offload(model, device="cuda", backend=backend, device_budget=budget,
+                                        activation_reserve=reserve)
+    assert len(group.resident) == 3 and group.plan.device_bytes <= budget
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    _finish(model, reference)

@@ -1,0 +1,255 @@
+"""The residency planner and the pipeline simulation on synthetic cost tables (pure functions, no engine)."""
+from __future__ import annotations
+
+import itertools
+import random
+import re
+
+import pytest
+
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning import BlockCosts, OffloadPlan, plan_offload, simulate_step
+
+MiB = 1024**2
+BLOCK = 100 * MiB
+GBPS = 50.0
+COPY_MS = BLOCK / (GBPS * 1e6)  # 2.097 ms per block
+
+
+def uniform(n: int, compute_ms: float, activation: int = 0, other_ms: float = 0.0) -> BlockCosts:
+    return BlockCosts([compute_ms] * n, [BLOCK] * n, GBPS, other_ms=other_ms, activation_bytes=activation)
+
+
+def random_costs(rng: random.Random, n: int) -> BlockCosts:
+    return BlockCosts([rng.uniform(0.2, 4.0) for _ in range(n)], [rng.choice((1, 2, 3)) * 40 * MiB for _ in range(n)],
+                      GBPS, other_ms=rng.uniform(0.0, 1.0), activation_bytes=rng.choice((0, 10 * MiB)))
+
+
+def footprint(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int]:
+    """(device bytes, host bytes), computed here independently of the planner."""
+    off = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
+    slots = (depth + 1) * max(off) if off else 0
+    return sum(costs.block_bytes[b] for b in resident) + slots + costs.activation_bytes, sum(off)
+
+
+def brute_force(costs: BlockCosts, budget: int | None, host_budget: int | None = None,
+                depths: tuple[int, ...] = (1, 2, 3)) -> float | None:
+    best = None
+    for r in range(costs.blocks + 1):
+        for chosen in itertools.combinations(range(costs.blocks), r):
+            for depth in depths:
+                device, host = footprint(costs, frozenset(chosen), depth)
+                if (budget is not None and device > budget) or (host_budget is not None and host > host_budget):
+                    continue
+                ms = simulate_step(costs, chosen, depth).step_ms
+                best = ms if best is None else min(best, ms)
+    return best
+
+
+# ---- the simulation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compute_ms", [0.5, COPY_MS, 5.0])
+def test_uniform_pipeline_runs_at_the_slower_of_compute_and_copy(compute_ms: float) -> None:
+    costs = uniform(8, compute_ms)
+    timeline = simulate_step(costs, [], 1)
+    assert timeline.step_ms == pytest.approx(8 * max(compute_ms, COPY_MS), rel=1e-9)
+    assert timeline.copies == 8 and timeline.copied_bytes == 8 * BLOCK
+
+
+def test_all_resident_costs_compute_only_and_no_copy() -> None:
+    costs = uniform(4, 1.0, other_ms=0.5)
+    timeline = simulate_step(costs, range(4), 2)
+    assert timeline.step_ms == pytest.approx(4.5) and timeline.copies == 0 and timeline.exposed_ms == 0.0
+
+
+def test_host_as_device_serialises_copies_with_compute() -> None:
+    costs = BlockCosts([1.0] * 4, [BLOCK] * 4, GBPS, overlap=False)
+    assert simulate_step(costs, [], 1).step_ms == pytest.approx(4 * (1.0 + COPY_MS))
+    assert simulate_step(costs, [0], 1).step_ms == pytest.approx(4.0 + 3 * COPY_MS)
+    assert simulate_step(costs, [0, 2], 3).step_ms == pytest.approx(4.0)  # four slots keep both offloaded blocks
+
+
+def test_a_short_window_exposes_its_copy_and_depth_borrows_from_a_long_one() -> None:
+    # Block 1 is fast, block 2's copy must hide behind it alone at depth 1; at depth 2 it starts during block 0.
+    costs = BlockCosts([3.0, 0.1, 3.0, 3.0], [BLOCK] * 4, GBPS)
+    shallow = simulate_step(costs, [], 1)
+    deep = simulate_step(costs, [], 2)
+    assert shallow.exposed_ms == pytest.approx(COPY_MS - 0.1, rel=1e-6)
+    assert deep.step_ms == pytest.approx(9.1, rel=1e-9) and deep.exposed_ms == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_list_that_fits_the_slots_is_copied_once() -> None:
+    costs = uniform(2, 0.1)
+    assert simulate_step(costs, [], 2).copies == 0  # three slots hold both blocks after the first step
+
+
+def test_non_cyclic_steps_start_with_a_synchronous_load() -> None:
+    costs = uniform(4, 5.0)
+    assert simulate_step(costs, [], 1, cyclic=False).step_ms == pytest.approx(COPY_MS + 20.0)
+    assert simulate_step(costs, [], 1, cyclic=True).step_ms == pytest.approx(20.0)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_on_small_tables_by_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = random_costs(rng, rng.randint(2, 6))
+    total = sum(costs.block_bytes)
+    for fraction in (0.3, 0.6, 1.0, 2.0):
+        budget = int(fraction * total) + 4 * max(costs.block_bytes) + costs.activation_bytes
+        plan = plan_offload(costs, budget)
+        assert plan.predicted_step_ms == pytest.approx(brute_force(costs, budget), rel=1e-9, abs=1e-9)
+        assert plan.device_bytes == footprint(costs, frozenset(plan.resident), plan.prefetch_depth)[0] <= budget
+
+
+@pytest.mark.parametrize("n, compute_ms", [(9, 0.5), (9, 1.8), (10, 1.0), (12, 2.0)])
+def test_heuristic_search_is_within_3_percent_of_brute_force(n: int, compute_ms: float) -> None:
+    costs = uniform(n, compute_ms)
+    for resident_fraction in (0.2, 0.5, 0.8):
+        budget = int(resident_fraction * n) * BLOCK + 3 * BLOCK
+        plan = plan_offload(costs, budget, exhaustive_limit=0)
+        assert plan.candidates > 0
+        assert plan.predicted_step_ms <= 1.03 * brute_force(costs, budget, depths=(1, 2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_monotone_in_budget_and_never_over_it(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    costs = random_costs(rng, 14 if seed % 2 else 7)
+    floor = 2 * max(costs.block_bytes) + costs.activation_bytes
+    previous = None
+    for budget in range(floor, sum(costs.block_bytes) + 5 * max(costs.block_bytes), 20 * MiB):
+        plan = plan_offload(costs, budget)
+        assert plan.device_bytes <= budget
+        assert plan.resident_bytes + plan.num_slots * plan.slot_bytes + plan.activation_bytes == plan.device_bytes
+        if previous is not None:
+            assert plan.predicted_step_ms <= previous + 1e-9
+        previous = plan.predicted_step_ms
+
+
+def test_host_budget_forces_blocks_resident_and_is_respected() -> None:
+    costs = uniform(6, 0.1)
+    plan = plan_offload(costs, 10 * BLOCK, host_budget=2 * BLOCK)
+    assert plan.host_bytes <= 2 * BLOCK and len(plan.resident) >= 4
+    assert plan.predicted_step_ms == pytest.approx(brute_force(costs, 10 * BLOCK, 2 * BLOCK))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stable_under_measurement_noise(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    clean = uniform(16, 1.0)
+    budget = 8 * BLOCK + 3 * BLOCK
+    best = plan_offload(clean, budget).predicted_step_ms
+    noisy = BlockCosts([c * rng.uniform(0.8, 1.2) for c in clean.compute_ms], clean.block_bytes,
+                       GBPS * rng.uniform(0.9, 1.1))
+    plan = plan_offload(noisy, budget)
+    # The layout chosen on noisy figures, run on the true ones, is as good as the true optimum within 5 %.
+    assert simulate_step(clean, plan.resident, plan.prefetch_depth).step_ms <= 1.05 * best
+
+
+def test_half_the_bytes_resident_halves_a_transfer_bound_step_at_the_ideal() -> None:
+    costs = uniform(16, 0.5)  # transfer-bound: copy 2.1 ms per block against 0.5 ms of compute
+    everything = plan_offload(costs, 2 * BLOCK)
+    half = plan_offload(costs, 8 * BLOCK + 2 * BLOCK)
+    assert everything.resident == () and everything.prefetch_depth == 1
+    assert len(half.resident) == 8
+    assert half.predicted_step_ms <= 1.05 * half.ideal_ms
+    assert half.predicted_step_ms <= 0.55 * everything.predicted_step_ms
+
+
+def test_compute_bound_hides_every_copy_and_still_uses_the_budget() -> None:
+    tight = plan_offload(uniform(8, 5.0), 2 * BLOCK)
+    assert tight.resident == () and tight.prefetch_depth == 1 and tight.num_slots == 2
+    assert "compute-bound" in tight.why and tight.predicted_step_ms == pytest.approx(40.0)
+    # Residency costs nothing the simulation sees, and it saves what it does not see (hook cost, copies).
+    roomy = plan_offload(uniform(8, 5.0), 5 * BLOCK)
+    assert len(roomy.resident) == 3 and roomy.predicted_step_ms == pytest.approx(40.0)
+
+
+def test_uncalibrated_costs_keep_the_most_bytes_resident_at_depth_1() -> None:
+    costs = BlockCosts([0.0] * 10, [BLOCK] * 10, GBPS, calibrated=False)
+    plan = plan_offload(costs, 6 * BLOCK)
+    assert len(plan.resident) == 4 and plan.prefetch_depth == 1 and not plan.calibrated
+    assert plan.why.startswith("not calibrated")
+    assert plan.drifted(1.0)  # an uncalibrated prediction never vouches for a step
+
+
+def test_everything_fits_means_nothing_is_copied() -> None:
+    plan = plan_offload(uniform(4, 0.1), 4 * BLOCK)
+    assert plan.resident == (0, 1, 2, 3) and plan.num_slots == 0 and plan.slot_bytes == 0
+    assert plan.why == "every block fits the budget: nothing is copied"
+
+
+def test_no_budget_plans_everything_resident() -> None:
+    assert plan_offload(uniform(3, 0.1)).resident == (0, 1, 2)
+
+
+def test_fixed_depth_and_fixed_resident_set() -> None:
+    costs = uniform(8, 0.5)
+    assert plan_offload(costs, 20 * BLOCK, prefetch_depth=3).prefetch_depth == 3
+    plan = plan_offload(costs, 20 * BLOCK, resident=[1, 5])
+    assert plan.resident == (1, 5) and plan.prefetch_depth in (1, 2, 3)
+
+
+def test_drift_tolerance() -> None:
+    plan = plan_offload(uniform(4, 1.0), 3 * BLOCK)
+    assert not plan.drifted(plan.predicted_step_ms * 1.1)
+    assert plan.drifted(plan.predicted_step_ms * 1.2) and plan.drifted(plan.predicted_step_ms * 0.8)
+    assert isinstance(plan, OffloadPlan) and plan.as_dict()["resident"] == list(plan.resident)
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+REFUSALS = [
+    pytest.param(dict(device_budget=BLOCK), re.escape(
+        "fastoffload: device_budget 100.0 MiB is smaller than what offload needs at least: 2 slots x 100.0 MiB (the "
+        "largest block) + 10.0 MiB activation reserve = 210.0 MiB. Raise device_budget to at least 210.0 MiB, lower "
+        "prefetch_depth, or lower activation_reserve"), id="device_budget_below_two_slots"),
+    pytest.param(dict(device_budget=5 * BLOCK, resident=[0, 1, 2]), re.escape(
+        "fastoffload: device_budget 500.0 MiB is too small for 3 resident blocks (300.0 MiB) + 2 slots x 100.0 MiB + "
+        "10.0 MiB activation reserve = 510.0 MiB; keep fewer blocks resident, use resident_blocks='auto', or raise "
+        "device_budget"), id="fixed_resident_over_budget"),
+    pytest.param(dict(device_budget=3 * BLOCK, host_budget=BLOCK), re.escape(
+        "fastoffload: host_budget 100.0 MiB is too small: no resident set that fits device_budget 300.0 MiB leaves "
+        "the offloaded blocks' pinned copies within it (all 4 blocks need 400.0 MiB). Raise host_budget (free host "
+        "memory), or raise device_budget so that more blocks stay resident"), id="host_budget_too_small"),
+    pytest.param(dict(device_budget="1GiB"), re.escape(
+        "fastoffload: plan_offload's device_budget must be None or bytes >= 0 (parse strings with "
+        "planning.parse_size), got '1GiB'"), id="string_budget_to_the_pure_function"),
+    pytest.param(dict(resident=[4]), re.escape(
+        "fastoffload: resident block indices must be integers in 0..3, got [4]"), id="resident_index_out_of_range"),
+    pytest.param(dict(device_budget=10 * BLOCK, resident=[0], host_budget=BLOCK), re.escape(
+        "fastoffload: host_budget 100.0 MiB cannot hold the 300.0 MiB of pinned host copies that the 3 offloaded blocks "
+        "need; keep more blocks resident, or raise host_budget"), id="fixed_resident_over_host_budget"),
+    pytest.param(dict(max_depth=0), re.escape(
+        "fastoffload: plan_offload's max_depth must be an integer >= 1, got 0"), id="max_depth_zero"),
+    pytest.param(dict(prefetch_depth=-1), re.escape(
+        "fastoffload: plan_offload's prefetch_depth must be None or an integer >= 0, got -1"), id="negative_depth"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", REFUSALS)
+def test_refusals(kwargs: dict, message: str) -> None:
+    with pytest.raises(OffloadConfigError) as raised:
+        plan_offload(uniform(4, 1.0, activation=10 * MiB), **kwargs)
+    assert re.fullmatch(message, str(raised.value)), str(raised.value)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_simulate_refuses_a_negative_depth() -> None:
+    with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: simulate_step's depth must be an integer >= 0, "
+                                                           "got -1")):
+        simulate_step(uniform(2, 1.0), [], -1)
+
+
+def test_bad_cost_tables() -> None:
+    with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: BlockCosts needs one compute time per block: "
+                                                           "got 2 compute times for 3 blocks")):
+        BlockCosts([1.0, 1.0], [1, 2, 3], GBPS)
+    with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: BlockCosts h2d_gbps must be > 0 (GB/s), "
+                                                           "got 0.0")):
+        BlockCosts([1.0], [1], 0.0)
+    with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: BlockCosts compute times and bytes must be "
+                                                           ">= 0, got compute [-1.0], bytes [1], other 0.0")):
+        BlockCosts([-1.0], [1], GBPS)
