@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "budgets")
+SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "budgets",
+            "disk")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget.
 SECTION_TIMEOUTS = {
@@ -42,6 +43,7 @@ SECTION_TIMEOUTS = {
     "ranks": (600, 300),
     "codec": (600, 300),
     "budgets": (900, 420),
+    "disk": (900, 400),
 }
 
 

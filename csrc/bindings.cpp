@@ -10,6 +10,7 @@
 
 #include "codec.h"
 #include "codec_launch.h"
+#include "disk_reader.h"
 #include "offload_engine.h"
 #include "pinned_pool.h"
 #include "shared_segment.h"
@@ -185,6 +186,55 @@ py::dict codec_inspect(const at::Tensor& src) {
   return d;
 }
 
+py::dict reader_stats(const DiskReader& reader) {
+  const ReaderStats s = reader.stats();
+  py::dict d;
+  d["jobs"] = s.jobs;
+  d["chunks"] = s.chunks;
+  d["bytes_read"] = s.bytes_read;
+  d["direct_bytes"] = s.direct_bytes;
+  d["buffered_bytes"] = s.buffered_bytes;
+  d["busy_seconds"] = s.busy_seconds;
+  d["threads"] = reader.threads();
+  d["chunk_bytes"] = reader.chunk_bytes();
+  return d;
+}
+
+py::dict disk_stats(const OffloadEngine& engine) {
+  const DiskTierStats s = engine.disk_stats();
+  py::dict d;
+  d["reads"] = s.reads;
+  d["waits"] = s.waits;
+  d["wait_seconds"] = s.wait_seconds;
+  d["out_of_order"] = s.out_of_order;
+  d["staging_count"] = s.staging_count;
+  d["staging_bytes"] = s.staging_bytes;
+  return d;
+}
+
+// (file, offset, nbytes, dest_offset) tuples read into the uint8 CPU tensor `dest`, without the GIL.
+void reader_read(DiskReader& reader, const std::vector<std::tuple<size_t, uint64_t, size_t, size_t>>& spans,
+                 const at::Tensor& dest) {
+  TORCH_CHECK(dest.device().is_cpu() && dest.scalar_type() == at::kByte && dest.is_contiguous(),
+              "fastoffload: read() needs a contiguous uint8 CPU tensor as its destination, got ", dest.toString());
+  std::vector<FileRange> ranges;
+  ranges.reserve(spans.size());
+  for (const auto& [file, offset, nbytes, dest_offset] : spans) {
+    TORCH_CHECK(dest_offset + nbytes <= static_cast<size_t>(dest.numel()), "fastoffload: read() range of ",
+                std::to_string(nbytes), " bytes at ", std::to_string(dest_offset), " does not fit the ",
+                std::to_string(dest.numel()), "-byte destination");
+    FileRange range;
+    range.file = file;
+    range.offset = offset;
+    range.nbytes = nbytes;
+    range.dest_offset = dest_offset;
+    range.name = "<bytes>";
+    ranges.push_back(std::move(range));
+  }
+  uint8_t* data = dest.data_ptr<uint8_t>();
+  without_gil([&] { reader.read(std::move(ranges), data); });
+}
+
 void* drop_gil_if_held() { return PyGILState_Check() ? static_cast<void*>(PyEval_SaveThread()) : nullptr; }
 
 void take_gil_back(void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
@@ -304,6 +354,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
 
+  py::class_<DiskReader, std::shared_ptr<DiskReader>>(
+      m, "DiskReader", "Reads checkpoint byte ranges on threads of its own (O_DIRECT where allowed).")
+      .def(py::init([](size_t threads, size_t chunk_bytes, const std::string& mode) {
+             return std::make_shared<DiskReader>(threads, chunk_bytes, parse_read_mode(mode));
+           }),
+           py::arg("threads") = 4, py::arg("chunk_bytes") = 8 << 20, py::arg("mode") = "auto")
+      .def("open", &DiskReader::open, py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def("path", &DiskReader::path, py::arg("file"))
+      .def("file_size", &DiskReader::file_size, py::arg("file"))
+      .def("direct", &DiskReader::direct, py::arg("file"))
+      .def("check_unchanged", &DiskReader::check_unchanged, py::arg("file"))
+      .def("read", &reader_read, py::arg("spans"), py::arg("dest"))
+      .def("stats", &reader_stats)
+      .def("_inject_errors", &DiskReader::inject_errors, py::arg("after"), py::arg("count"), py::arg("error_number"))
+      .def("_set_delay_us", &DiskReader::set_delay_us, py::arg("micros"))
+      .def_property_readonly("threads", &DiskReader::threads)
+      .def_property_readonly("chunk_bytes", &DiskReader::chunk_bytes);
+
   py::class_<OffloadEngine>(m, "OffloadEngine", "One offloaded block list on one device.")
       .def(py::init([](at::Device device, size_t num_slots, std::shared_ptr<PinnedPool> pool) {
              return warnings_to_python([&] { return std::make_unique<OffloadEngine>(device, num_slots, std::move(pool)); });
@@ -325,6 +393,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "is_shared", [](const OffloadEngine& e, int64_t block) { return e.is_shared(checked_block(e, block)); },
           py::arg("block"))
+      .def("set_reader", &OffloadEngine::set_reader, py::arg("reader"))
+      .def(
+          "add_block_from_file",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans) {
+            return without_gil([&] { return e.add_block_from_file(names, params, shapes, spans); });
+          },
+          py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def(
+          "add_block_on_disk",
+          [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans) {
+            return without_gil([&] { return e.add_block_on_disk(names, params, shapes, spans); });
+          },
+          py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def("start_disk_tier", [](OffloadEngine& e, size_t count) { without_gil([&] { e.start_disk_tier(count); }); },
+           py::arg("count"))
+      .def(
+          "is_on_disk", [](const OffloadEngine& e, int64_t block) { return e.is_on_disk(checked_block(e, block)); },
+          py::arg("block"))
+      .def("disk_stats", &disk_stats)
+      .def("finish_loading", [](OffloadEngine& e) { without_gil([&] { e.finish_loading(); }); })
+      .def_property_readonly("reader", &OffloadEngine::reader)
       .def(
           "block_digests",
           [](const OffloadEngine& e, int64_t block) { return e.block_digests(checked_block(e, block)); },
@@ -339,7 +430,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // The per-step calls keep the GIL (see the top of this file).
       .def(
           "acquire",
-          [](OffloadEngine& e, int64_t block) { warnings_to_python([&] { e.acquire(checked_block(e, block)); }); },
+          [](OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            // Only a disk-tier block whose read has not finished can make acquire wait; the GIL is
+            // dropped for that case alone, since doing it on every call would cost more than the call.
+            if (e.acquire_may_wait(b)) without_gil([&] { e.acquire(b); });
+            else warnings_to_python([&] { e.acquire(b); });
+          },
           py::arg("block"))
       .def(
           "prefetch",
@@ -451,7 +548,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "host_view",
           [](const OffloadEngine& e, int64_t block, int64_t index) {
-            return e.host_view(checked_block(e, block), checked_index(index));
+            const size_t b = checked_block(e, block);
+            const size_t j = checked_index(index);
+            // A disk-tier block's tensor is read from the checkpoint.
+            return without_gil([&] { return e.host_view(b, j); });
           },
           py::arg("block"), py::arg("index"))
       .def(

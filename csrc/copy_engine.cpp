@@ -255,6 +255,24 @@ void CopyEngine::synchronize_copies() {
 #endif
 }
 
+void CopyEngine::record_on_copy(Event& event) {
+  if (is_host()) return;
+#ifdef FASTOFFLOAD_WITH_CUDA
+  C10_CUDA_CHECK(cudaEventRecord(as_event(event.handle_), as_stream(copy_stream_)));
+  event.recorded_ = true;
+  event.epoch_ = capture_epoch_;
+#endif
+}
+
+void CopyEngine::host_wait(Event& event) const {
+  if (is_host() || !event.recorded_) return;
+#ifdef FASTOFFLOAD_WITH_CUDA
+  // Called from reader threads, which have no current device of their own.
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
+  C10_CUDA_CHECK(cudaEventSynchronize(as_event(event.handle_)));
+#endif
+}
+
 void CopyEngine::begin_capture() {
   TORCH_CHECK(!capturing(), "fastoffload: a capture is already in progress on this engine");
   if (is_host()) return;

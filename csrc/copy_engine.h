@@ -66,6 +66,10 @@ class CopyEngine {
   double elapsed_ms(Event& start, Event& end) const;
   // Host blocks until every copy issued so far has completed.
   void synchronize_copies();
+  // Record `event` on the copy stream (after the copies issued so far).
+  void record_on_copy(Event& event);
+  // Host blocks until `event` (if ever recorded) has completed. Safe from any thread.
+  void host_wait(Event& event) const;
   // CUDA-graph capture of an offloaded forward on the current stream. Inside a capture an event
   // recorded before it cannot be waited on, so:
   //   - each copy first makes the copy stream wait on the capturing stream (this forks the copy

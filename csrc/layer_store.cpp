@@ -4,6 +4,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
@@ -181,6 +182,117 @@ size_t LayerStore::add_shared(const std::vector<std::string>& names, const std::
   return blocks_.size() - 1;
 }
 
+StoredBlock LayerStore::plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                       const std::vector<std::vector<int64_t>>& shapes,
+                                       const std::vector<FileSpan>& spans, const DiskReader& reader) const {
+  TORCH_CHECK(names.size() == tensors.size() && shapes.size() == tensors.size() && spans.size() == tensors.size(),
+              "fastoffload: got ", std::to_string(names.size()), " names, ", std::to_string(shapes.size()),
+              " shapes and ", std::to_string(spans.size()), " file ranges for ", std::to_string(tensors.size()),
+              " tensors");
+  StoredBlock block;
+  size_t offset = 0;
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    TORCH_CHECK(tensors[j].defined(), "fastoffload: parameter '", names[j], "' is undefined");
+    TensorLayout entry;
+    entry.name = names[j];
+    entry.dtype = tensors[j].scalar_type();
+    entry.sizes = shapes[j];
+    entry.strides.assign(shapes[j].size(), 1);
+    int64_t numel = 1;
+    for (size_t d = shapes[j].size(); d-- > 0;) {
+      TORCH_CHECK(shapes[j][d] >= 0, "fastoffload: tensor '", names[j], "' has a negative size");
+      entry.strides[d] = std::max<int64_t>(numel, 1);
+      numel *= shapes[j][d];
+    }
+    entry.nbytes = static_cast<size_t>(numel) * c10::elementSize(entry.dtype);
+    const auto& [file, file_offset, nbytes] = spans[j];
+    TORCH_CHECK(nbytes == entry.nbytes, "fastoffload: tensor '", names[j], "' in ", reader.path(file), " holds ",
+                std::to_string(nbytes), " bytes, but the model's parameter needs ", std::to_string(entry.nbytes),
+                " (", c10::toString(entry.dtype), "); the checkpoint does not match the model");
+    entry.offset = offset;
+    offset = align_up(offset + entry.nbytes);
+    FileRange range;
+    range.file = file;
+    range.offset = file_offset;
+    range.nbytes = nbytes;
+    range.dest_offset = entry.offset;
+    range.name = names[j];
+    block.ranges.push_back(std::move(range));
+    block.layout.push_back(std::move(entry));
+  }
+  block.bytes = offset;
+  block.tensors = tensors;
+  return block;
+}
+
+size_t LayerStore::add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                 const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                                 DiskReader& reader) {
+  StoredBlock block = plan_from_file(names, tensors, shapes, spans, reader);
+  block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
+  std::shared_ptr<PoolAllocation> keep_alive = block.host;
+  block.host_bytes = at::from_blob(
+      block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  // Written in place by the reader: the pages are faulted in with their final contents, then pinned.
+  reader.read(block.ranges, static_cast<uint8_t*>(block.host->data()));
+  if (pool_->pins() && !pool_->allows_pageable_fallback()) {
+    // Overlapped with the next block's read. (A pageable fallback warns, which must happen on the
+    // caller's thread to reach Python, so that case pins here.)
+    std::shared_ptr<PinnedPool> pool = pool_;
+    std::shared_ptr<PoolAllocation> host = block.host;
+    pending_pins_.push_back(std::async(std::launch::async, [pool, host] { pool->pin(*host); }));
+  } else {
+    pool_->pin(*block.host);
+  }
+  blocks_.push_back(std::move(block));
+  return blocks_.size() - 1;
+}
+
+void LayerStore::finish_pins() {
+  std::vector<std::future<void>> pending;
+  pending.swap(pending_pins_);
+  std::exception_ptr first;
+  for (auto& pin : pending) {
+    try {
+      pin.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                               const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                               const DiskReader& reader) {
+  StoredBlock block = plan_from_file(names, tensors, shapes, spans, reader);
+  block.on_disk = true;
+  blocks_.push_back(std::move(block));
+  return blocks_.size() - 1;
+}
+
+at::Tensor LayerStore::read_block(size_t index, DiskReader& reader) const {
+  const StoredBlock& stored = block(index);
+  at::Tensor bytes = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  reader.read(stored.ranges, bytes.data_ptr<uint8_t>());
+  return bytes;
+}
+
+at::Tensor LayerStore::read_tensor(size_t index, size_t j, DiskReader& reader) const {
+  const StoredBlock& stored = block(index);
+  TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
+  TensorLayout at_zero = stored.layout[j];
+  at_zero.offset = 0;
+  at::Tensor bytes = at::empty({static_cast<int64_t>(std::max<size_t>(at_zero.nbytes, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  FileRange range = stored.ranges.at(j);
+  range.dest_offset = 0;
+  reader.read({range}, bytes.data_ptr<uint8_t>());
+  return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, at_zero);
+}
+
 void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                          bool pin) {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
@@ -215,6 +327,8 @@ void LayerStore::remove(size_t index) {
 
 at::Tensor LayerStore::host_view(size_t index, size_t j) const {
   const StoredBlock& stored = block(index);
+  TORCH_CHECK(!stored.on_disk, "fastoffload: block ", std::to_string(index),
+              " is in the disk tier and has no host copy; read its tensors with read_tensor()");
   TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
   const at::Tensor bytes = raw_bytes(index, false);
   return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
@@ -274,6 +388,8 @@ void LayerStore::drop_packed(size_t index) {
 
 at::Tensor LayerStore::raw_bytes(size_t index, bool verify) const {
   const StoredBlock& stored = block(index);
+  TORCH_CHECK(!stored.on_disk, "fastoffload: block ", std::to_string(index),
+              " is in the disk tier and has no host copy; its bytes are read from the checkpoint");
   if (stored.has_raw()) return stored.host_bytes;
   at::Tensor bytes = at::empty({static_cast<int64_t>(stored.bytes)}, at::TensorOptions().dtype(at::kByte));
   codec::decode_block(static_cast<const uint8_t*>(stored.packed->data()), stored.packed_bytes, bytes.data_ptr<uint8_t>(),
@@ -291,6 +407,13 @@ const StoredBlock& LayerStore::block(size_t index) const {
 size_t LayerStore::max_block_bytes() const {
   size_t result = 0;
   for (const auto& b : blocks_) result = std::max(result, b.bytes);
+  return result;
+}
+
+size_t LayerStore::max_disk_block_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_)
+    if (b.on_disk) result = std::max(result, b.bytes);
   return result;
 }
 

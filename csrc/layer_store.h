@@ -8,13 +8,16 @@
 #pragma once
 
 #include <cstddef>
+#include <future>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "disk_reader.h"
 #include "codec.h"
 #include "pinned_pool.h"
 
@@ -38,6 +41,8 @@ struct StoredBlock {
   bool removed = false;
   bool shared = false;        // `host` lives in a shared segment (see add_shared)
   bool shared_owner = false;  // ...which this process created and filled
+  bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
+  std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
   // Owner of a shared block only: digest_bytes() of each tensor's packed bytes, computed while packing
   // (the other ranks compare theirs, from tensor_digests(), before they map the copy). Empty otherwise.
   std::vector<uint64_t> digests;
@@ -50,6 +55,9 @@ struct StoredBlock {
   bool has_raw() const { return host != nullptr; }
   bool has_packed() const { return packed != nullptr; }
 };
+
+// Where tensor j of a block lives in a checkpoint: (file index in the DiskReader, byte offset, byte count).
+using FileSpan = std::tuple<size_t, uint64_t, size_t>;
 
 // Layout of `tensors` packed back to back; throws a c10::Error naming the tensor when one cannot be
 // stored (meta, sparse, quantized or storage-less tensors).
@@ -73,6 +81,26 @@ class LayerStore {
   // maps it; nothing is copied.
   size_t add_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                     const std::string& segment_name, bool owner);
+  // Packs a block straight from a checkpoint: tensor j has `shapes[j]` (contiguous) and the dtype of
+  // `tensors[j]` (whose own values are ignored: they may be empty placeholders), and its bytes are
+  // `spans[j]`. The bytes are read into the block's region by `reader` and the region is pinned after;
+  // no other copy of them exists. On any error (short file, read failure) nothing is added.
+  size_t add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                       const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                       DiskReader& reader);
+  // Registers a block of the disk tier: laid out like add_from_file, but no host region at all; its
+  // bytes are read from `spans` each time it is needed (see DiskTier).
+  size_t add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                     const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                     const DiskReader& reader);
+  // add_from_file pins each region on a thread of its own while the next block is read (pinning costs
+  // about as much as reading); this waits for those pins and throws the first failure. Call it before
+  // any region is copied or freed.
+  void finish_pins();
+  // The packed bytes of an on-disk block, read now into a new CPU tensor.
+  at::Tensor read_block(size_t index, DiskReader& reader) const;
+  // Tensor j of an on-disk block, read now into a new CPU tensor.
+  at::Tensor read_tensor(size_t index, size_t j, DiskReader& reader) const;
   // Replaces block `index` with the current values of `tensors` (which may be different objects,
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
   void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
@@ -103,6 +131,8 @@ class LayerStore {
   const StoredBlock& block(size_t index) const;
   size_t size() const { return blocks_.size(); }
   size_t max_block_bytes() const;
+  // Largest block of the disk tier (0 when there is none).
+  size_t max_disk_block_bytes() const;
   size_t max_packed_bytes() const;
   size_t total_bytes() const;
   const std::shared_ptr<PinnedPool>& pool() const { return pool_; }
@@ -113,8 +143,13 @@ class LayerStore {
   StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                    const std::string& segment_name = std::string(), bool owner = true, bool pin = true);
 
+  StoredBlock plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
+                             const DiskReader& reader) const;
+
   std::shared_ptr<PinnedPool> pool_;
   std::vector<StoredBlock> blocks_;
+  std::vector<std::future<void>> pending_pins_;
 };
 
 // A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`

@@ -68,6 +68,10 @@ OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_pt
 
 OffloadEngine::~OffloadEngine() {
   try {
+    store_.finish_pins();
+  } catch (...) {
+  }
+  try {
     copy_.synchronize_copies();
   } catch (...) {
     // Destructors must not throw; at interpreter exit CUDA may already be shut down.
@@ -201,6 +205,67 @@ size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, co
   return index;
 }
 
+void OffloadEngine::set_reader(std::shared_ptr<DiskReader> reader) {
+  TORCH_CHECK(reader != nullptr, "fastoffload: set_reader needs a DiskReader");
+  TORCH_CHECK(disk_ == nullptr || reader == reader_, "fastoffload: the disk tier already reads through another reader");
+  reader_ = std::move(reader);
+}
+
+size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                          const std::vector<std::vector<int64_t>>& shapes,
+                                          const std::vector<FileSpan>& spans) {
+  GateHold hold = waiting_gate();
+  TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
+  const size_t index = store_.add_from_file(names, params, shapes, spans, *reader_);
+  travel_.push_back(Travel::kRaw);  // checkpoint blocks are not compressed
+  finish_add(index);
+  return index;
+}
+
+size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::vector<FileSpan>& spans) {
+  GateHold hold = waiting_gate();
+  TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_on_disk needs set_reader() first");
+  TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
+  const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
+  if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
+  disk_->add_block(index, store_.block(index).ranges);
+  travel_.push_back(Travel::kRaw);
+  finish_add(index);
+  return index;
+}
+
+void OffloadEngine::start_disk_tier(size_t count) {
+  GateHold hold = waiting_gate();
+  TORCH_CHECK(disk_ != nullptr, "fastoffload: start_disk_tier: no block was added to the disk tier");
+  size_t disk_blocks = 0;
+  for (size_t b = 0; b < store_.size(); ++b)
+    if (!removed_[b] && store_.block(b).on_disk) disk_blocks += 1;
+  finish_loading();
+  copy_.synchronize_copies();  // the old staging buffers may still be read by copies in flight
+  disk_->start(std::max<size_t>(1, std::min(count, disk_blocks)), store_.max_disk_block_bytes(), *store_.pool());
+}
+
+void OffloadEngine::check_not_on_disk(size_t block, const char* what) const {
+  TORCH_CHECK(!store_.block(block).on_disk, "fastoffload: block ", std::to_string(block), " cannot be ", what,
+              ": it is in the disk tier (its weights are read from the checkpoint every step, and there is no host "
+              "copy to rebuild). Raise host_budget so that it fits in host memory, or mutate before enabling offload");
+}
+
+const void* OffloadEngine::copy_source(size_t block) {
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.on_disk) return stored.has_raw() ? stored.host->data() : nullptr;  // nullptr: it travels compressed
+  TORCH_CHECK(disk_ != nullptr && disk_->started(), "fastoffload: block ", std::to_string(block),
+              " is in the disk tier, which was not started (start_disk_tier)");
+  return disk_->take(block, /*wait=*/true);
+}
+
+bool OffloadEngine::acquire_may_wait(size_t block) const {
+  if (disk_ == nullptr || block >= store_.size() || removed_[block] || materialized_[block]) return false;
+  return store_.block(block).on_disk && ring_.slot_of(block) < 0 && !disk_->ready(block);
+}
+
 void OffloadEngine::make_private(size_t block) {
   GateHold hold = waiting_gate();
   check_block(block);
@@ -242,6 +307,7 @@ void OffloadEngine::ensure_staging() {
 }
 
 void OffloadEngine::ensure_slots() {
+  finish_loading();
   if (!views_stale_ && ring_.slot_bytes() >= store_.max_block_bytes()) return;
   // Packed sizes change only where views go stale too (a block added or repacked).
   ensure_staging();
@@ -269,6 +335,8 @@ void OffloadEngine::check_grad(size_t block) const {
 }
 
 void OffloadEngine::issue_copy(size_t block, size_t slot) {
+  // First: a disk-tier read that failed throws here, before the slot changes hands.
+  const void* source = copy_source(block);
   ring_.assign(slot, block);
   Slot& s = ring_.slot(slot);
   const StoredBlock& stored = store_.block(block);
@@ -284,14 +352,14 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
   }
   if (travel_[block] == Travel::kMeasuring && copy_.is_host()) {
     const auto start = std::chrono::steady_clock::now();
-    copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready);
+    copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready);
     chooser_.add_host_copy(block, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
     return;
   }
   Event* timing_start = travel_[block] == Travel::kMeasuring ? chooser_.copy_start(block) : nullptr;
   Event* timing_end = travel_[block] == Travel::kMeasuring ? chooser_.copy_end(block) : nullptr;
-  copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready, timing_start,
-                       timing_end);
+  copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready, timing_start, timing_end);
+  if (stored.on_disk) disk_->consumed(block);
 }
 
 void OffloadEngine::check_bindings(size_t block) const {
@@ -383,6 +451,9 @@ bool OffloadEngine::prefetch(size_t block) {
   if (materialized_[block]) return false;
   ensure_slots();
   if (ring_.slot_of(block) >= 0) return false;
+  // A disk-tier block whose read is still running is copied by its own acquire (or a later prefetch).
+  if (store_.block(block).on_disk && (disk_ == nullptr || !disk_->started() || disk_->take(block, false) == nullptr))
+    return false;
   generation_ += 1;
   const int64_t slot = ring_.choose_slot(block);
   if (slot < 0) {
@@ -415,8 +486,10 @@ bool OffloadEngine::release(size_t block) {
 void OffloadEngine::materialize(size_t block) {
   GateHold hold = waiting_gate();
   check_block(block);
+  finish_loading();
   if (materialized_[block]) return;
   check_not_shared(block, "materialized for mutation");
+  check_not_on_disk(block, "materialized for mutation");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward; enter mutate_params_scope() between forwards, not inside one");
@@ -436,7 +509,9 @@ void OffloadEngine::materialize(size_t block) {
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
   GateHold hold = waiting_gate();
   check_block(block);
+  finish_loading();
   check_not_shared(block, "repacked");
+  check_not_on_disk(block, "repacked");
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward and cannot be repacked now");
@@ -456,6 +531,11 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
 void OffloadEngine::restore(size_t block, at::Device target) {
   GateHold hold = waiting_gate();
   check_block(block);
+  try {
+    finish_loading();
+  } catch (const c10::Error&) {
+    // Restoring reads the host copy, which is valid whether or not it got pinned.
+  }
   const StoredBlock& stored = store_.block(block);
   const int64_t slot = ring_.slot_of(block);
   const bool running = slot >= 0 && ring_.slot(slot).state == SlotState::kInUse;
@@ -463,7 +543,9 @@ void OffloadEngine::restore(size_t block, at::Device target) {
   values.reserve(stored.layout.size());
   const bool live = running || materialized_[block];
   // Decoded once for the whole block when it is stored compressed.
-  const at::Tensor host = live ? at::Tensor() : store_.raw_bytes(block, verify_);
+  const at::Tensor host = live                ? at::Tensor()
+                          : stored.on_disk ? store_.read_block(block, *reader_)
+                                           : store_.raw_bytes(block, verify_);
   for (size_t j = 0; j < stored.layout.size(); ++j) {
     // Current values: a running or materialized block's live tensors (they may have been changed in
     // place), otherwise the host copy.
@@ -495,7 +577,12 @@ void OffloadEngine::restore(size_t block, at::Device target) {
 
 void OffloadEngine::close() {
   GateHold hold = waiting_gate();
+  try {
+    finish_loading();  // no pin may still run on a region freed below
+  } catch (const c10::Error&) {
+  }
   copy_.synchronize_copies();
+  if (disk_ != nullptr) disk_->drain();
   for (size_t b = 0; b < store_.size(); ++b) {
     if (removed_[b]) continue;
     ring_.forget_block(b);
@@ -523,6 +610,8 @@ void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, 
 
 void OffloadEngine::begin_capture() {
   GateHold hold = step_gate();
+  TORCH_CHECK(disk_ == nullptr, "fastoffload: an offload with a disk tier cannot be captured in a CUDA graph (its "
+              "reads run on host threads, outside any stream); raise host_budget so every block fits in host memory");
   copy_.begin_capture();
   generation_ += 1;
 }
@@ -580,6 +669,7 @@ bool OffloadEngine::is_shared(size_t block) const {
 
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   auto lock = gate_.enter_read();
+  if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
   at::Tensor view = store_.host_view(block, j);
   if (!store_.block(block).shared) return view;
   return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
@@ -587,8 +677,15 @@ at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
 
 std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   auto lock = gate_.enter_read();
-  std::vector<at::Tensor> views = store_.host_views(block);
   const StoredBlock& stored = store_.block(block);
+  if (stored.on_disk) {
+    const at::Tensor bytes = store_.read_block(block, *reader_);
+    std::vector<at::Tensor> read;
+    for (const TensorLayout& entry : stored.layout)
+      read.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
+    return read;
+  }
+  std::vector<at::Tensor> views = store_.host_views(block);
   if (!stored.shared) return views;
   for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
   return views;

@@ -27,6 +27,8 @@
 
 #include "binder.h"
 #include "copy_engine.h"
+#include "disk_reader.h"
+#include "disk_tier.h"
 #include "layer_store.h"
 #include "pinned_pool.h"
 #include "slot_ring.h"
@@ -78,6 +80,26 @@ class OffloadEngine {
   size_t add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                           const std::string& segment_name, bool owner);
 
+  // Checkpoint-backed blocks (see LayerStore::add_from_file): the reader opens the files and reads the
+  // bytes; set it before adding such blocks.
+  void set_reader(std::shared_ptr<DiskReader> reader);
+  // Packs a block straight from the checkpoint into its pinned region (the host tier).
+  size_t add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                             const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
+  // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
+  size_t add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                           const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
+  // Allocates the disk tier's staging ring (`count` buffers of the largest disk block) and starts
+  // reading ahead. Call once every block is added.
+  void start_disk_tier(size_t count);
+  // Waits until every block added from a file is pinned (see LayerStore::finish_pins); throws a pin
+  // failure. Every path that copies or frees a region calls it first.
+  void finish_loading() { store_.finish_pins(); }
+  bool is_on_disk(size_t block) const { return store_.block(block).on_disk; }
+  // Whether acquire(block) would wait for a disk read (so that the caller can release its locks first).
+  bool acquire_may_wait(size_t block) const;
+  DiskTierStats disk_stats() const { return disk_ ? disk_->stats() : DiskTierStats(); }
+  const std::shared_ptr<DiskReader>& reader() const { return reader_; }
   // Compression of the blocks added from now on (and of blocks repacked later). verify: check every
   // compressed block's checksum whenever the host decodes it (debug and tests; costs a pass over it).
   void set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options);
@@ -170,6 +192,9 @@ class OffloadEngine {
   void ensure_slots();
   void issue_copy(size_t block, size_t slot);
   void check_grad(size_t block) const;
+  void check_not_on_disk(size_t block, const char* what) const;
+  // The bytes to copy for `block`: its host region, or its disk-tier staging buffer (waited for).
+  const void* copy_source(size_t block);
   void encode_new(size_t block);
   void decide_travel();
   void ensure_staging();
@@ -191,6 +216,10 @@ class OffloadEngine {
   bool views_stale_ = true;
   uint64_t generation_ = 0;
   EngineStats stats_;
+  // Declared last so that the disk tier (whose reads write into pool memory and whose waits use the copy
+  // engine's events) is torn down first.
+  std::shared_ptr<DiskReader> reader_;
+  std::unique_ptr<DiskTier> disk_;
 };
 
 }  // namespace fastoffload

@@ -369,10 +369,10 @@ void PinnedPool::release(size_t slab_id, size_t offset, size_t size) {
 }
 
 void PinnedPool::pin(PoolAllocation& allocation) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   auto it = slabs_.find(allocation.slab_id_);
   TORCH_CHECK(it != slabs_.end(), "fastoffload: internal error: pin() of an allocation whose slab is gone");
-  Slab& slab = it->second;
+  Slab& slab = it->second;  // stays valid unlocked: `allocation` keeps the slab, and map nodes do not move
   // A shared slab is exclusive on every pool; only a pinning pool registers it.
   if (slab.pinned || !slab.exclusive || !pins()) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
@@ -381,6 +381,10 @@ void PinnedPool::pin(PoolAllocation& allocation) {
   if (limit_bytes_ != 0 && stats_.pinned_bytes + slab.size > limit_bytes_) {
     error = "the pool's limit of " + mib(limit_bytes_) + " MiB would be exceeded";
   } else {
+    // Counted before registering, so that concurrent pins respect the limit. The registration runs
+    // unlocked: a checkpoint build pins block k on another thread while block k+1 is allocated and read.
+    stats_.pinned_bytes += slab.size;
+    lock.unlock();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     unsigned int flags = cudaHostRegisterPortable;
     if (slab.segment != nullptr && slab.segment->read_only()) flags |= read_only_register_flag(device_index_);
@@ -389,12 +393,13 @@ void PinnedPool::pin(PoolAllocation& allocation) {
       error = cudaGetErrorString(status);
       (void)cudaGetLastError();
     }
+    lock.lock();
+    if (!error.empty()) stats_.pinned_bytes -= slab.size;
   }
   stats_.pin_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (error.empty()) {
     slab.pinned = true;
     allocation.pinned_ = true;
-    stats_.pinned_bytes += slab.size;
     return;
   }
   fail_or_warn_pin(allow_pageable_fallback_, slab.size, backing_name(Backing::kRegister), error, stats_.pinned_bytes);

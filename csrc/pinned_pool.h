@@ -126,6 +126,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   int device_index() const { return device_index_; }
   Backing backing() const { return backing_; }
   bool pins() const { return device_index_ >= 0 && backing_ != Backing::kPageable; }
+  bool allows_pageable_fallback() const { return allow_pageable_fallback_; }
 
  private:
   friend class PoolAllocation;

@@ -6,7 +6,7 @@ and says what to do.
 """
 from __future__ import annotations
 
-__all__ = ["FastOffloadError", "OffloadConfigError", "OffloadStateError"]
+__all__ = ["CheckpointError", "FastOffloadError", "OffloadConfigError", "OffloadStateError"]
 
 
 class FastOffloadError(Exception):
@@ -19,3 +19,7 @@ class OffloadConfigError(FastOffloadError, ValueError):
 
 class OffloadStateError(FastOffloadError, RuntimeError):
     """An operation that the current offload state does not allow (raised with nothing lost)."""
+
+
+class CheckpointError(OffloadConfigError):
+    """A checkpoint that offload cannot build from: missing, truncated, or not matching the model."""

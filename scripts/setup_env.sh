@@ -15,10 +15,11 @@ if ! have torch; then
   pip_install "$TORCH_SPEC"
 fi
 missing=()
-# module:package pairs. The first four are pyproject.toml's "test" extra (tests import the benchmarks' toy
-# model, hence psutil and tabulate); `make bench` adds the rest of the "bench" extra through EXTRA_MODULES.
-for pair in pytest:pytest hypothesis:hypothesis psutil:psutil tabulate:tabulate ninja:ninja setuptools:setuptools \
-    wheel:wheel ${EXTRA_MODULES:-}; do
+# module:package pairs. The first five are pyproject.toml's "test" extra (tests import the benchmarks' toy
+# model, hence psutil and tabulate); safetensors is what weights= reads checkpoints with (and the tests write
+# them with); `make bench` adds the rest of the "bench" extra through EXTRA_MODULES.
+for pair in pytest:pytest hypothesis:hypothesis psutil:psutil tabulate:tabulate safetensors:safetensors \
+    ninja:ninja setuptools:setuptools wheel:wheel ${EXTRA_MODULES:-}; do
   have "${pair%%:*}" || missing+=("${pair##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -45,7 +45,7 @@ def _public(obj: object) -> set[str]:
 def test_stub_declares_exactly_what_is_bound() -> None:
     stub = _stub_names()
     assert stub[""] == _public(_C)
-    for cls in (_C.PinnedPool, _C.OffloadEngine):
+    for cls in (_C.PinnedPool, _C.OffloadEngine, _C.DiskReader):
         assert stub[cls.__name__] - {"__init__"} == _public(cls), cls.__name__
 
 

@@ -45,6 +45,7 @@ class LayerwiseOffloadGroup:
         self.compress_mode = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
         self.states: list[BlockOffloadState] = []
         self.original_devices: list[torch.device] = []
+        self.checkpoint: Any = None  # storage.source.CheckpointSource when built with weights=
 
     def stats(self) -> dict[str, Any]:
         """Sizes and counters of this offload, for logs and benchmarks."""
@@ -84,8 +85,15 @@ class LayerwiseOffloadGroup:
     def _engine_stats(self) -> dict[str, Any]:
         engine_stats = dict(self.engine.stats())
         pool_stats = dict(self.engine.pool.stats())
+        disk: dict[str, Any] = {}
+        if self.checkpoint is not None:
+            disk_stats = dict(self.engine.disk_stats())
+            disk = dict(disk_blocks=sum(1 for state in self.states if getattr(state, "on_disk", False)),
+                        disk_reads=disk_stats["reads"], disk_waits=disk_stats["waits"],
+                        staging_bytes=disk_stats["staging_count"] * disk_stats["staging_bytes"],
+                        bytes_read=dict(self.engine.reader.stats())["bytes_read"])
         handles = [getattr(state, "handle", None) for state in self.states]
-        return dict(**codec.summarize(codec.block_stats(self.engine, handles), self.compress_mode),
+        return disk | dict(**codec.summarize(codec.block_stats(self.engine, handles), self.compress_mode),
                     pinned_bytes=pool_stats["pinned_bytes"], host_reserved_bytes=pool_stats["reserved_bytes"],
                     pin_seconds=pool_stats["pin_seconds"], slot_bytes=engine_stats["slot_bytes"],
                     num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],

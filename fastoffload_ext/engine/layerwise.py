@@ -72,6 +72,9 @@ from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_B
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.storage.options import DiskOptions
+from fastoffload_ext.storage.source import CheckpointSource
+from fastoffload_ext.storage.state import CheckpointOffloadState
 from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                              process_group: Any = None, compress: bool | str = False,
                              device_budget: int | str | None = None, host_budget: int | str | None = "auto",
                              activation_reserve: int | str | None = None,
-                             plan: OffloadPlan | None = None) -> LayerwiseOffloadGroup | None:
+                             plan: OffloadPlan | None = None, weights: Any = None,
+                             disk_options: DiskOptions | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -135,6 +139,12 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
             for "auto" and 0 for a given budget.
         plan: an :class:`OffloadPlan` from ``plan_offload`` to apply as it is (instead of
             ``resident_blocks``/``prefetch_depth``); checked against ``device_budget`` when one is given.
+        weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
+            ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
+            then be built on the meta device: block weights are read straight into pinned host memory,
+            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. With an
+            integer ``host_budget``, the blocks beyond it stay on disk and are read every step.
+        disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -154,8 +164,10 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                      pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
                                      process_group=process_group, compress=compress, device_budget=device_budget,
-                                     host_budget=host_budget, activation_reserve=activation_reserve, plan=plan)
+                                     host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
+                                     weights=weights, disk_options=disk_options)
         _check_model(model, options)
+        checkpoint = _prepare_checkpoint(model, options)
         offloaded = options.offloaded
         was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
         engine = _build_engine(options)
@@ -163,6 +175,9 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                       options.prefetch_depth, options.resident, options.cyclic, engine)
         group.compress_mode = options.compress if engine is not None else "off"
         group.plan = options.plan
+        if checkpoint is not None and engine is not None:
+            checkpoint.open_files(engine)
+            group.checkpoint = checkpoint
         group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
             backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
             allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
@@ -197,7 +212,7 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
-    check_devices(list(blocks), 0, options.device)
+    check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
     check_tied_parameters(model, options.list_name, blocks, set(offloaded))
 
 
@@ -214,7 +229,17 @@ def _build_engine(options: OffloadOptions) -> Any:
     return engine
 
 
+def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> CheckpointSource | None:
+    """With ``weights``: the checkpoint read and checked against the model (nothing changes yet)."""
+    if options.weights is None or not options.offloaded:
+        return None
+    return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
+                                    options.weights, options.host_budget_bytes, options.disk_options)
+
+
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
+    if group.engine is not None and group.checkpoint is not None:
+        return CheckpointOffloadState(group.engine, group.device, group.checkpoint)
     if group.engine is None:
         state = LayerwiseOffloadState(stream, group.device)
         # One forward at a time per model (threads.py): every block of the model shares one gate.
@@ -259,14 +284,20 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
     try:
         if share is not None:
             share.before_attach(options.offloaded)  # other ranks wait here for the owner's packed copy
+        if group.checkpoint is not None:
+            group.checkpoint.load_resident(group.model_ref, group.device)
         for block in options.offloaded:
             attached.append((block, _attach_one(group, block, stream)))
         if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
             group.share = None  # the ranks fell back to one copy each
+        if group.checkpoint is not None:
+            group.checkpoint.start(group.engine)
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
         _roll_back(group, attached, block)
+        if group.checkpoint is not None:
+            group.checkpoint.roll_back()
         raise
 
 

@@ -89,10 +89,12 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                          "weights exist")
 
 
-def check_devices(blocks: list[nn.Module], offset: int, device: torch.device) -> None:
-    """Every parameter has values, on the host or on ``device``."""
+def check_devices(blocks: list[nn.Module], offset: int, device: torch.device, from_file: bool = False) -> None:
+    """Every parameter has values, on the host or on ``device`` (or, ``from_file``, comes from a checkpoint)."""
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters():
+            if param.device.type == "meta" and from_file:
+                continue
             if param.device.type == "meta":
                 raise OffloadConfigError(f"parameter {offset + index}.{name} is on the meta device and has no values "
                                          "to offload; materialize the model first (e.g. to_empty(device=...) then "

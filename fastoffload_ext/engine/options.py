@@ -17,6 +17,8 @@ from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
+from fastoffload_ext.storage.options import DiskOptions, check_storage_arguments
+from fastoffload_ext.planning.budgets import parse_size
 from fastoffload_ext.planning.layout import check_prefetch_depth, resolve_layout
 from fastoffload_ext.planning.plan import OffloadPlan
 
@@ -54,6 +56,10 @@ class OffloadOptions:
     compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
     plan: OffloadPlan | None = None  # the planner's plan behind ``resident``/``prefetch_depth``, if any
     settings: dict[str, Any] | None = None  # the budget arguments, resolved, for a later re-plan
+
+    weights: Any = None  # a checkpoint to build from (storage/); None: the model's own tensors
+    host_budget_bytes: int | None = None  # an int host_budget: the disk tier keeps the rest on disk
+    disk_options: DiskOptions | None = None
 
     @property
     def offloaded_indices(self) -> tuple[int, ...]:
@@ -166,7 +172,8 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
                        compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
-                       activation_reserve: Any = None, plan: Any = None) -> OffloadOptions:
+                       activation_reserve: Any = None, plan: Any = None, weights: Any = None,
+                       disk_options: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
 
     The resident set and depth come from ``planning.layout``: as given without a budget, from the
@@ -176,18 +183,28 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     check_flags(is_replace, allow_pageable_fallback)
     list_name, blocks = find_block_list(model)
     check_block_kinds(list(blocks), list_name, 0)  # before the layout, which sizes every block
+    # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
+    # limit for the planner to refuse.
+    disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
     layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
-                            prefetch_depth=prefetch_depth, device_budget=device_budget, host_budget=host_budget,
+                            prefetch_depth=prefetch_depth, device_budget=device_budget,
+                            host_budget=None if weights is not None else host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
     if compress is True and share_host_copy == "auto":
         share_host_copy = False  # an explicit compress=True wins over sharing by default
+    share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
     sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
     compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
+    if weights is not None and compress_mode != "off":
+        raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
+                                 "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
                           process_group=process_group, compress=compress_mode, plan=layout.plan,
-                          settings=layout.settings)
+                          settings=layout.settings, weights=weights,
+                          host_budget_bytes=disk_budget if isinstance(disk_budget, int) else None,
+                          disk_options=disk_options)

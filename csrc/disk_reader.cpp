@@ -1,0 +1,400 @@
+#include "disk_reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include <c10/util/Exception.h>
+
+namespace fastoffload {
+
+namespace {
+
+// O_DIRECT needs offsets, lengths and addresses aligned to the device's logical block; 4 KiB covers
+// every block size in use (512 B and 4 KiB).
+constexpr size_t kDirectAlignment = 4096;
+// Ranges of one file closer than this are read as one request (the gap is read and dropped).
+constexpr uint64_t kMergeGap = 64 * 1024;
+// Smallest request a job is cut into: below about 1 MiB a request costs more than it moves.
+constexpr size_t kMinChunk = 1 << 20;
+
+uint64_t align_down(uint64_t value) { return value / kDirectAlignment * kDirectAlignment; }
+uint64_t align_up(uint64_t value) { return (value + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment; }
+
+std::string error_text(int error_number) { return std::string(std::strerror(error_number)); }
+
+}  // namespace
+
+ReadMode parse_read_mode(const std::string& name) {
+  if (name == "auto") return ReadMode::kAuto;
+  if (name == "direct") return ReadMode::kDirect;
+  if (name == "buffered") return ReadMode::kBuffered;
+  TORCH_CHECK(false, "fastoffload: read mode must be 'auto', 'direct' or 'buffered', got '", name, "'");
+}
+
+struct DiskReader::File {
+  std::string path;
+  int fd = -1;         // buffered
+  int direct_fd = -1;  // O_DIRECT, or -1
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  uint64_t inode = 0;
+  std::atomic<bool> direct_refused{false};  // the file system refused an O_DIRECT read: buffered from then on
+  ~File() {
+    if (fd >= 0) ::close(fd);
+    if (direct_fd >= 0) ::close(direct_fd);
+  }
+};
+
+struct DiskReader::Chunk {
+  struct Piece {
+    uint64_t offset;  // in the file
+    size_t nbytes;
+    uint8_t* dest;
+    const std::string* name;
+  };
+  size_t file = 0;
+  uint64_t begin = 0;  // first byte needed
+  uint64_t end = 0;    // one past the last byte needed
+  std::vector<Piece> pieces;
+  std::shared_ptr<ReadJob> job;
+  std::shared_ptr<std::vector<FileRange>> ranges;  // keeps the piece names alive
+};
+
+bool ReadJob::failed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !error_.empty();
+}
+
+std::string ReadJob::error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
+    : chunk_bytes_(static_cast<size_t>(align_up(std::max<size_t>(chunk_bytes, kDirectAlignment)))), mode_(mode) {
+  TORCH_CHECK(threads >= 1 && threads <= 256, "fastoffload: read_threads must be between 1 and 256, got ",
+              std::to_string(threads));
+  workers_.reserve(threads);
+  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+DiskReader::~DiskReader() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& worker : workers_) worker.join();
+}
+
+size_t DiskReader::open(const std::string& path) {
+  std::lock_guard<std::mutex> lock(files_mutex_);
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (files_[i]->path == path) return i;
+  auto file = std::make_unique<File>();
+  file->path = path;
+  file->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(file->fd >= 0, "fastoffload: cannot open checkpoint file ", path, ": ", error_text(errno));
+  struct stat st {};
+  TORCH_CHECK(::fstat(file->fd, &st) == 0, "fastoffload: cannot stat checkpoint file ", path, ": ", error_text(errno));
+  file->size = static_cast<uint64_t>(st.st_size);
+  file->mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000LL + st.st_mtim.tv_nsec;
+  file->inode = static_cast<uint64_t>(st.st_ino);
+  (void)::posix_fadvise(file->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  if (mode_ != ReadMode::kBuffered) {
+    file->direct_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    const int open_errno = errno;
+    TORCH_CHECK(file->direct_fd >= 0 || mode_ != ReadMode::kDirect, "fastoffload: read_mode='direct' but ", path,
+                " cannot be opened with O_DIRECT (", error_text(open_errno),
+                "); its file system does not support direct I/O. Use read_mode='auto' to fall back to buffered reads");
+  }
+  files_.push_back(std::move(file));
+  return files_.size() - 1;
+}
+
+DiskReader::File& DiskReader::file_at(size_t index) const {
+  std::lock_guard<std::mutex> lock(files_mutex_);
+  TORCH_CHECK(index < files_.size(), "fastoffload: internal error: no opened file ", std::to_string(index));
+  return *files_[index];
+}
+
+const std::string& DiskReader::path(size_t file) const { return file_at(file).path; }
+uint64_t DiskReader::file_size(size_t file) const { return file_at(file).size; }
+bool DiskReader::direct(size_t file) const {
+  const File& f = file_at(file);
+  return f.direct_fd >= 0 && !f.direct_refused;
+}
+
+void DiskReader::check_unchanged(size_t index) const {
+  const File& file = file_at(index);
+  struct stat st {};
+  const bool same_path = ::stat(file.path.c_str(), &st) == 0;
+  const int64_t mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000LL + st.st_mtim.tv_nsec;
+  TORCH_CHECK(same_path && static_cast<uint64_t>(st.st_size) == file.size && mtime_ns == file.mtime_ns &&
+                  static_cast<uint64_t>(st.st_ino) == file.inode,
+              "fastoffload: checkpoint file ", file.path, same_path ? " changed" : " disappeared",
+              " after offload was enabled (it had ", std::to_string(file.size), " bytes",
+              same_path ? ", now " + std::to_string(static_cast<uint64_t>(st.st_size)) : std::string(),
+              ", or its modification time moved); the weights read from it now could differ from the ones "
+              "checked at enable. Restore the file, or disable offload and enable it again");
+}
+
+std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std::vector<FileRange>>& owned,
+                                                       uint8_t* dest, const std::shared_ptr<ReadJob>& job,
+                                                       size_t limit) const {
+  // Sorted by file position, so neighbouring tensors merge into one request.
+  std::vector<const FileRange*> order;
+  for (const auto& r : *owned)
+    if (r.nbytes > 0) order.push_back(&r);
+  std::sort(order.begin(), order.end(), [](const FileRange* a, const FileRange* b) {
+    return a->file != b->file ? a->file < b->file : a->offset < b->offset;
+  });
+  std::vector<Chunk> chunks;
+  for (const FileRange* r : order) {
+    TORCH_CHECK(r->offset + r->nbytes <= file_at(r->file).size, "fastoffload: tensor '", r->name, "' ends at byte ",
+                std::to_string(r->offset + r->nbytes), " but ", file_at(r->file).path, " has only ",
+                std::to_string(file_at(r->file).size), " bytes: the file is truncated");
+    for (size_t done = 0; done < r->nbytes;) {
+      const size_t piece = std::min(r->nbytes - done, limit);
+      const uint64_t at = r->offset + done;
+      Chunk* current = chunks.empty() ? nullptr : &chunks.back();
+      const bool fits = current != nullptr && current->file == r->file && at >= current->end &&
+                        at - current->end <= kMergeGap && at + piece - current->begin <= limit;
+      if (!fits) {
+        chunks.emplace_back();
+        current = &chunks.back();
+        current->file = r->file;
+        current->begin = at;
+        current->job = job;
+        current->ranges = owned;
+      }
+      current->pieces.push_back({at, piece, dest + r->dest_offset + done, &r->name});
+      current->end = at + piece;
+      done += piece;
+    }
+  }
+  return chunks;
+}
+
+std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8_t* dest,
+                                            std::function<void()> prepare) {
+  auto job = std::make_shared<ReadJob>();
+  auto owned = std::make_shared<std::vector<FileRange>>(std::move(ranges));
+  std::vector<size_t> files;
+  for (const auto& r : *owned)
+    if (std::find(files.begin(), files.end(), r.file) == files.end()) files.push_back(r.file);
+  for (size_t f : files) check_unchanged(f);
+
+  // A job smaller than threads x chunk_bytes is cut finer, so that every worker has a request in flight
+  // (a block of a small model would otherwise be one or two requests).
+  uint64_t total = 0;
+  for (const auto& r : *owned) total += r.nbytes;
+  const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
+  const size_t limit = std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
+  std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.jobs += 1;
+  }
+  job->pending_ = chunks.size() + (prepare ? 1 : 0);
+  if (job->pending_ == 0) {
+    job->done_ = true;
+    return job;
+  }
+  auto finish_one = [](ReadJob& j, const std::string& error, size_t count) {
+    std::lock_guard<std::mutex> lock(j.mutex_);
+    if (!error.empty() && j.error_.empty()) j.error_ = error;
+    j.pending_ -= count;
+    if (j.pending_ == 0) {
+      j.done_ = true;
+      j.cv_.notify_all();
+    }
+  };
+  auto shared_chunks = std::make_shared<std::vector<Chunk>>(std::move(chunks));
+  auto enqueue_chunks = [this, shared_chunks, finish_one]() {
+    for (size_t c = 0; c < shared_chunks->size(); ++c) {
+      push([this, shared_chunks, c, finish_one](uint8_t*& bounce) {
+        const Chunk& chunk = (*shared_chunks)[c];
+        std::string error;
+        try {
+          run_chunk(chunk, bounce);
+        } catch (const c10::Error& e) {
+          error = e.what_without_backtrace();
+        } catch (const std::exception& e) {
+          error = std::string("fastoffload: read failed: ") + e.what();
+        }
+        finish_one(*chunk.job, error, 1);
+      });
+    }
+  };
+  if (!prepare) {
+    enqueue_chunks();
+    return job;
+  }
+  push([job, prepare, enqueue_chunks, finish_one, n = shared_chunks->size()](uint8_t*&) {
+    std::string error;
+    try {
+      prepare();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = std::string("fastoffload: ") + e.what();
+    }
+    if (!error.empty()) {
+      finish_one(*job, error, n + 1);  // nothing is read into a destination that may still be in use
+      return;
+    }
+    enqueue_chunks();
+    finish_one(*job, std::string(), 1);
+  });
+  return job;
+}
+
+void DiskReader::wait(ReadJob& job) {
+  std::unique_lock<std::mutex> lock(job.mutex_);
+  job.cv_.wait(lock, [&] { return job.done_; });
+  TORCH_CHECK(job.error_.empty(), job.error_);
+}
+
+bool DiskReader::done(const ReadJob& job) {
+  std::lock_guard<std::mutex> lock(job.mutex_);
+  return job.done_;
+}
+
+void DiskReader::read(std::vector<FileRange> ranges, uint8_t* dest) {
+  auto job = submit(std::move(ranges), dest);
+  wait(*job);
+}
+
+void DiskReader::push(std::function<void(uint8_t*&)> task) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queue_.push_back(std::move(task));
+  }
+  queue_cv_.notify_one();
+}
+
+void DiskReader::worker_loop() {
+  uint8_t* bounce = nullptr;  // this worker's aligned buffer for O_DIRECT reads, made on first use
+  for (;;) {
+    std::function<void(uint8_t*&)> task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) break;  // stopping, and every queued read has run
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task(bounce);
+  }
+  std::free(bounce);
+}
+
+void DiskReader::maybe_fail(const File& file, const Chunk& chunk) {
+  uint64_t delay = 0;
+  int error_number = 0;
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    delay = delay_us_;
+    if (fail_count_ > 0) {
+      if (fail_after_ > 0) {
+        fail_after_ -= 1;
+      } else {
+        fail_count_ -= 1;
+        error_number = fail_errno_;
+      }
+    }
+  }
+  if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+  TORCH_CHECK(error_number == 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
+              std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path, ") failed: ",
+              error_text(error_number), ". Check the disk; nothing was changed, and a later read tries again");
+}
+
+void DiskReader::run_chunk(const Chunk& chunk, uint8_t*& bounce) {
+  File& file = file_at(chunk.file);
+  const auto start = std::chrono::steady_clock::now();
+  maybe_fail(file, chunk);
+  bool direct = file.direct_fd >= 0 && !file.direct_refused;
+  if (direct) {
+    if (bounce == nullptr) {
+      bounce = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlignment, chunk_bytes_ + 2 * kDirectAlignment));
+      TORCH_CHECK(bounce != nullptr, "fastoffload: cannot allocate a ", std::to_string(chunk_bytes_),
+                  "-byte read buffer");
+    }
+    direct = read_direct(file, chunk, bounce);
+    if (!direct) file.direct_refused = true;  // benign race: every worker reaches the same answer
+  }
+  if (!direct) read_buffered(file, chunk);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  uint64_t bytes = 0;
+  for (const auto& piece : chunk.pieces) bytes += piece.nbytes;
+  stats_.chunks += 1;
+  stats_.bytes_read += bytes;
+  (direct ? stats_.direct_bytes : stats_.buffered_bytes) += bytes;
+  stats_.busy_seconds += seconds;
+}
+
+bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
+  const uint64_t first = align_down(chunk.begin);
+  const uint64_t length = align_up(chunk.end) - first;
+  uint64_t got = 0;
+  while (got < length) {
+    const ssize_t n = ::pread(file.direct_fd, bounce + got, length - got, static_cast<off_t>(first + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL && got == 0) return false;  // refused at read time (alignment rules differ)
+    TORCH_CHECK(n >= 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
+                std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path, ") failed: ",
+                error_text(errno));
+    if (n == 0) break;
+    got += static_cast<uint64_t>(n);
+  }
+  TORCH_CHECK(first + got >= chunk.end, "fastoffload: ", file.path, " ends at byte ", std::to_string(first + got),
+              ", before the end of tensor '", *chunk.pieces.back().name, "' (byte ", std::to_string(chunk.end),
+              "): the file is truncated or was rewritten after offload was enabled");
+  for (const auto& piece : chunk.pieces) std::memcpy(piece.dest, bounce + (piece.offset - first), piece.nbytes);
+  return true;
+}
+
+void DiskReader::read_buffered(File& file, const Chunk& chunk) {
+  for (const auto& piece : chunk.pieces) {
+    size_t got = 0;
+    while (got < piece.nbytes) {
+      const ssize_t n = ::pread(file.fd, piece.dest + got, piece.nbytes - got, static_cast<off_t>(piece.offset + got));
+      if (n < 0 && errno == EINTR) continue;
+      TORCH_CHECK(n >= 0, "fastoffload: reading tensor '", *piece.name, "' (bytes ", std::to_string(piece.offset),
+                  "..", std::to_string(piece.offset + piece.nbytes), " of ", file.path, ") failed: ", error_text(errno));
+      TORCH_CHECK(n > 0, "fastoffload: ", file.path, " ends at byte ", std::to_string(piece.offset + got),
+                  ", before the end of tensor '", *piece.name, "' (byte ", std::to_string(piece.offset + piece.nbytes),
+                  "): the file is truncated or was rewritten after offload was enabled");
+      got += static_cast<size_t>(n);
+    }
+  }
+}
+
+void DiskReader::inject_errors(uint64_t after, uint64_t count, int error_number) {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  fail_after_ = after;
+  fail_count_ = count;
+  fail_errno_ = error_number;
+}
+
+void DiskReader::set_delay_us(uint64_t micros) {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  delay_us_ = micros;
+}
+
+ReaderStats DiskReader::stats() const {
+  std::lock_guard<std::mutex> lock(stats_mutex_);
+  return stats_;
+}
+
+}  // namespace fastoffload

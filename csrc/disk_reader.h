@@ -1,0 +1,144 @@
+// DiskReader: reads byte ranges of checkpoint files into host memory on threads of its own.
+//
+// A read job is a list of file ranges (one per tensor) and a destination region; each range lands at
+// its own offset in the region. The job is cut into chunks (adjacent ranges of one file merged, at most
+// chunk_bytes each) which the worker threads read in parallel, so several large requests are in flight
+// at once. With O_DIRECT (the default wherever the file system accepts it) a chunk is read at
+// block-aligned offsets into the worker's aligned bounce buffer, bypassing the page cache, and its
+// pieces are copied into place; where O_DIRECT is refused (tmpfs, some network file systems) the file
+// falls back to buffered pread straight into the destination. No caller ever holds the GIL while
+// waiting, and nothing here prints or exits: every failure is a c10::Error that names the file and
+// the tensor.
+//
+// Each opened file's size and modification time are recorded when it is opened; every later job checks
+// them again first, so a checkpoint rewritten under a running offload is refused instead of read.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fastoffload {
+
+// Bytes [offset, offset + nbytes) of file `file` go to `dest_offset` in the job's destination.
+struct FileRange {
+  size_t file = 0;
+  uint64_t offset = 0;
+  size_t nbytes = 0;
+  size_t dest_offset = 0;
+  std::string name;  // the tensor, for error messages
+};
+
+enum class ReadMode { kAuto, kDirect, kBuffered };
+ReadMode parse_read_mode(const std::string& name);
+
+struct ReaderStats {
+  uint64_t jobs = 0;
+  uint64_t chunks = 0;
+  uint64_t bytes_read = 0;      // bytes requested by jobs (what landed in destinations)
+  uint64_t direct_bytes = 0;    // of which read with O_DIRECT
+  uint64_t buffered_bytes = 0;  // of which read through the page cache
+  double busy_seconds = 0.0;    // summed over workers: time inside read calls and copies
+};
+
+class ReadJob;
+
+class DiskReader {
+ public:
+  // threads: worker count (>= 1). chunk_bytes: largest single read (rounded up to the block size).
+  DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode);
+  ~DiskReader();
+  DiskReader(const DiskReader&) = delete;
+  DiskReader& operator=(const DiskReader&) = delete;
+
+  // Opens `path` for reading (O_DIRECT when the mode and the file system allow it) and returns its
+  // index. Opening the same path twice returns the same index.
+  size_t open(const std::string& path);
+  // Throws when file `file` no longer has the size and modification time it had when opened.
+  void check_unchanged(size_t file) const;
+  const std::string& path(size_t file) const;
+  uint64_t file_size(size_t file) const;
+  bool direct(size_t file) const;
+
+  // Starts reading `ranges` into `dest` (which must stay valid until the job is done). `prepare`, when
+  // set, runs on a worker before any byte is written (e.g. to wait until `dest` may be overwritten).
+  std::shared_ptr<ReadJob> submit(std::vector<FileRange> ranges, uint8_t* dest,
+                                  std::function<void()> prepare = nullptr);
+  // Blocks until `job` is done; throws its error, if any.
+  static void wait(ReadJob& job);
+  static bool done(const ReadJob& job);
+  // Reads synchronously (submit + wait).
+  void read(std::vector<FileRange> ranges, uint8_t* dest);
+
+  // Fault injection for tests: after `after` more chunk reads succeed, the next `count` fail with
+  // errno `error_number`.
+  void inject_errors(uint64_t after, uint64_t count, int error_number);
+  // Fault injection for tests: every chunk read first sleeps this long (a disk shared with others).
+  void set_delay_us(uint64_t micros);
+
+  ReaderStats stats() const;
+  size_t threads() const { return workers_.size(); }
+  size_t chunk_bytes() const { return chunk_bytes_; }
+
+ private:
+  struct File;
+  struct Chunk;
+
+  void worker_loop();
+  void run_chunk(const Chunk& chunk, uint8_t*& bounce);
+  // read_direct answers false when the file system refuses O_DIRECT (the caller falls back); both
+  // throw on any other failure.
+  bool read_direct(File& file, const Chunk& chunk, uint8_t* bounce);
+  void read_buffered(File& file, const Chunk& chunk);
+  void maybe_fail(const File& file, const Chunk& chunk);
+  File& file_at(size_t index) const;
+  void push(std::function<void(uint8_t*&)> task);
+  // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
+  std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
+                                 const std::shared_ptr<ReadJob>& job, size_t limit) const;
+
+  size_t chunk_bytes_;
+  ReadMode mode_;
+  std::vector<std::unique_ptr<File>> files_;
+  mutable std::mutex files_mutex_;
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void(uint8_t*&)>> queue_;  // a task gets its worker's bounce buffer
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+
+  mutable std::mutex stats_mutex_;
+  ReaderStats stats_;
+  uint64_t fail_after_ = 0;
+  uint64_t fail_count_ = 0;
+  int fail_errno_ = 0;
+  uint64_t delay_us_ = 0;
+};
+
+// One submitted read. Shared between the submitter and the workers.
+class ReadJob {
+ public:
+  bool failed() const;
+  std::string error() const;
+
+ private:
+  friend class DiskReader;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  size_t pending_ = 0;  // chunks (plus the start task) not yet finished
+  bool done_ = false;
+  std::string error_;
+};
+
+}  // namespace fastoffload

@@ -1,0 +1,89 @@
+// DiskTier: the blocks that stay on disk, streamed every step through a small ring of pinned staging
+// buffers: disk -> staging (reader threads) -> device slot (the copy stream) -> compute.
+//
+// The ring runs ahead of the forward in the order the blocks were registered (the forward order,
+// wrapping around like the slot prefetch): as soon as the copy out of a staging buffer has been
+// issued, the buffer is handed to the reader for the next disk block not yet staged. The reader's
+// worker first waits (on its own thread) for the event recorded after that copy, so a buffer is never
+// overwritten while the copy engine still reads it; the thread that enqueues compute never waits for
+// the device. It waits for the disk only when a block it must run now has not been read yet, which is
+// when the device would have to wait for that read anyway, and so a read error is raised before any
+// kernel can use the bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "copy_engine.h"
+#include "disk_reader.h"
+#include "pinned_pool.h"
+
+namespace fastoffload {
+
+struct DiskTierStats {
+  uint64_t reads = 0;          // block reads submitted
+  uint64_t waits = 0;          // takes that had to wait for their read
+  double wait_seconds = 0.0;   // host time spent in those waits
+  uint64_t out_of_order = 0;   // takes of a block that was not staged (read on demand)
+  size_t staging_count = 0;
+  size_t staging_bytes = 0;    // each
+};
+
+class DiskTier {
+ public:
+  DiskTier(std::shared_ptr<DiskReader> reader, CopyEngine& copy);
+  ~DiskTier();
+  DiskTier(const DiskTier&) = delete;
+  DiskTier& operator=(const DiskTier&) = delete;
+
+  // Registers `block` (in forward order) with where its tensors are; dest offsets are packed offsets.
+  void add_block(size_t block, std::vector<FileRange> ranges);
+  bool has(size_t block) const { return position_.count(block) != 0; }
+  // Allocates `count` staging buffers of `bytes` each from `pool` and starts the first reads. Calling it
+  // again (more blocks, larger blocks) waits for the reads in flight and starts over.
+  void start(size_t count, size_t bytes, PinnedPool& pool);
+  bool started() const { return !staging_.empty(); }
+
+  // The staging bytes of `block`, fully read. wait=false: nullptr when the read has not finished yet.
+  // Throws the read's error (the buffer is then free again and the block is read anew next time).
+  const uint8_t* take(size_t block, bool wait);
+  // The copy out of `block`'s staging buffer has been issued on the copy stream: the buffer takes the
+  // next read once that copy completes.
+  void consumed(size_t block);
+  // Whether `block` is staged and its read has finished (take(block, false) would not be null, or would
+  // be null only because the read failed).
+  bool ready(size_t block) const;
+  // Waits for every read in flight (their errors are dropped: nobody will use those bytes).
+  void drain();
+
+  DiskTierStats stats() const;
+  const std::shared_ptr<DiskReader>& reader() const { return reader_; }
+
+ private:
+  struct Staging {
+    std::shared_ptr<PoolAllocation> memory;
+    std::unique_ptr<Event> copied;  // recorded on the copy stream after the copy out of this buffer
+    int64_t block = -1;             // the block being read into it or held by it; -1: free
+    std::shared_ptr<ReadJob> job;
+  };
+
+  int64_t staged_index(size_t block) const;
+  void submit(Staging& staging, size_t block);
+  void refill();
+  // A buffer for an on-demand read: a free one, else the one holding the block furthest ahead.
+  Staging& evict_for(size_t block);
+
+  std::shared_ptr<DiskReader> reader_;
+  CopyEngine& copy_;
+  std::vector<size_t> order_;                      // disk blocks in forward order
+  std::unordered_map<size_t, size_t> position_;    // block -> index in order_
+  std::vector<std::vector<FileRange>> ranges_;     // by index in order_
+  std::vector<Staging> staging_;
+  size_t next_ = 0;  // index in order_ of the next block to stage
+  DiskTierStats stats_;
+};
+
+}  // namespace fastoffload

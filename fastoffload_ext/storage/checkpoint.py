@@ -1,0 +1,158 @@
+"""Where every tensor of a safetensors checkpoint lives: file, byte offset, byte count, dtype, shape.
+
+A checkpoint is one ``.safetensors`` file, a sharded checkpoint named by its ``*.index.json``, or a
+folder holding either (a diffusers component folder such as ``transformer/``, or a transformers model
+folder). The format's metadata comes from the ``safetensors`` library itself: it validates the header
+when a file is opened (a truncated or padded file is refused there), lists the tensors in file order
+(``offset_keys``) and gives each one's dtype and shape. The library also guarantees that the data
+section is covered exactly, tensor after tensor, with no gap, so each tensor's offset is the sum of the
+sizes before it and the data section starts ``sum(sizes)`` bytes before the end of the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastoffload_ext.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Checkpoint", "TensorEntry", "open_checkpoint", "safetensors_module"]
+
+# Preferred names when a folder holds several candidates (diffusers first, then transformers).
+_INDEX_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
+_FILE_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint: bytes [offset, offset + nbytes) of ``path``."""
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Every tensor of a checkpoint by name, and the files it spans (with their sizes when read)."""
+
+    source: str
+    entries: dict[str, TensorEntry]
+    file_sizes: dict[str, int]
+
+    def get(self, name: str) -> TensorEntry | None:
+        return self.entries.get(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries.values())
+
+
+def safetensors_module() -> Any:
+    """The safetensors package (imported on first use: offload without weights= does not need it)."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as error:
+        raise CheckpointError("fastoffload: weights= reads safetensors checkpoints and needs the safetensors package: "
+                              "pip install safetensors") from error
+    return safetensors
+
+
+def _one_file(path: str) -> tuple[dict[str, TensorEntry], int]:
+    st = safetensors_module()
+    SafetensorError, safe_open, _getdtype = st.SafetensorError, st.safe_open, st.torch._getdtype
+    try:
+        size = os.path.getsize(path)
+        with safe_open(path, framework="pt") as handle:
+            names = list(handle.offset_keys())
+            specs = [(handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape())) for name in names]
+    except FileNotFoundError as error:
+        raise CheckpointError(f"fastoffload: checkpoint file {path} does not exist; check the weights= path "
+                              "(a sharded checkpoint's index names every shard, which must sit beside it)") from error
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"fastoffload: {path} is not a readable safetensors file ({error}); it may be "
+                              "truncated or still being written: re-download or re-save it") from error
+    sizes = []
+    entries: dict[str, TensorEntry] = {}
+    for name, (dtype_name, shape) in zip(names, specs):
+        try:
+            dtype = _getdtype(dtype_name)
+        except KeyError as error:
+            raise CheckpointError(f"fastoffload: tensor '{name}' in {path} has dtype {dtype_name}, which torch "
+                                  "cannot hold; convert the checkpoint") from error
+        sizes.append(math.prod(shape) * dtype.itemsize)
+        entries[name] = TensorEntry(name, path, 0, sizes[-1], dtype, shape)
+    offset = size - sum(sizes)
+    for name, nbytes in zip(names, sizes):
+        entries[name] = TensorEntry(name, path, offset, nbytes, entries[name].dtype, entries[name].shape)
+        offset += nbytes
+    return entries, size
+
+
+def _index_files(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except FileNotFoundError as error:
+        raise CheckpointError(f"fastoffload: checkpoint index {index} does not exist; check the weights= path") from error
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"fastoffload: {index} is not a safetensors index (a JSON object with a "
+                              f"'weight_map'): {error}") from error
+    return sorted({str(index.parent / shard) for shard in weight_map.values()})
+
+
+def _pick(folder: Path, pattern: str, preferred: tuple[str, ...]) -> list[Path]:
+    found = sorted(folder.glob(pattern))
+    for name in preferred:
+        if folder / name in found:
+            return [folder / name]
+    return found
+
+
+def _files_of(path: Path) -> list[str]:
+    if path.name.endswith(".index.json"):
+        return _index_files(path)
+    if not path.is_dir():
+        if not path.exists():
+            raise CheckpointError(f"fastoffload: checkpoint {path} does not exist; pass weights= a .safetensors file, "
+                                  "an *.index.json of a sharded checkpoint, or a folder holding one")
+        return [str(path)]
+    indexes = _pick(path, "*.safetensors.index.json", _INDEX_NAMES)
+    if len(indexes) == 1:
+        return _index_files(indexes[0])
+    files = _pick(path, "*.safetensors", _FILE_NAMES)
+    if len(indexes) > 1 or (len(files) > 1 and not indexes):
+        listed = ", ".join(p.name for p in (indexes or files))
+        raise CheckpointError(f"fastoffload: folder {path} holds several checkpoints ({listed}); pass weights= the "
+                              "one to use")
+    if not files:
+        raise CheckpointError(f"fastoffload: folder {path} holds no .safetensors file or *.safetensors.index.json; "
+                              "pass weights= a checkpoint")
+    return [str(files[0])]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Reads the metadata of every file of the checkpoint at ``path`` (no tensor data)."""
+    files = _files_of(Path(path))
+    entries: dict[str, TensorEntry] = {}
+    sizes: dict[str, int] = {}
+    for file in files:
+        found, sizes[file] = _one_file(file)
+        for name, entry in found.items():
+            if name in entries:
+                raise CheckpointError(f"fastoffload: tensor '{name}' is in both {entries[name].path} and {file}; "
+                                      "the checkpoint's shards overlap")
+            entries[name] = entry
+    logger.info("Checkpoint %s: %d tensors in %d file(s)", path, len(entries), len(files))
+    return Checkpoint(str(path), entries, sizes)

@@ -1,0 +1,63 @@
+"""Knobs of the disk reader and the disk tier, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastoffload_ext.errors import OffloadConfigError
+
+__all__ = ["READ_MODES", "DiskOptions", "check_storage_arguments"]
+
+READ_MODES = ("auto", "direct", "buffered")
+
+
+def _positive_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OffloadConfigError(f"fastoffload: DiskOptions.{name} must be an integer between {low} and {high}, "
+                                 f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """How checkpoint bytes are read.
+
+    staging_buffers: pinned buffers of the largest block that the disk tier reads ahead into (the
+        look-ahead, in blocks); they count against ``host_budget``.
+    read_threads: reader threads, each with one request in flight.
+    chunk_bytes: the largest single read request.
+    read_mode: "auto" (O_DIRECT where the file system accepts it, else buffered), "direct" (O_DIRECT or
+        an error) or "buffered" (through the page cache).
+    """
+
+    staging_buffers: int = 2
+    read_threads: int = 4
+    chunk_bytes: int = 8 << 20
+    read_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive_int("staging_buffers", self.staging_buffers, 1, 64)
+        _positive_int("read_threads", self.read_threads, 1, 256)
+        _positive_int("chunk_bytes", self.chunk_bytes, 4096, 1 << 30)
+        if self.read_mode not in READ_MODES:
+            raise OffloadConfigError(f"fastoffload: DiskOptions.read_mode must be one of "
+                                     f"{', '.join(map(repr, READ_MODES))}, got {self.read_mode!r}")
+
+
+def check_storage_arguments(weights: Any, disk_options: Any, backend: str, share_host_copy: bool | str) -> bool | str:
+    """Refusals of ``weights``/``disk_options`` before anything changes; returns the ``share_host_copy`` to
+    use (building from a checkpoint gives each process its own host copy)."""
+    if weights is None:
+        if disk_options is not None:
+            raise OffloadConfigError("fastoffload: disk_options needs weights=: the blocks that do not fit in host "
+                                     "memory are read from the checkpoint file")
+        return share_host_copy
+    if backend != "ext":
+        raise OffloadConfigError("fastoffload: weights= needs the compiled core (backend 'ext'); the python backend "
+                                 "builds from a materialized model: load the state dict first")
+    if share_host_copy is True:
+        raise OffloadConfigError("fastoffload: weights= and share_host_copy=True cannot be combined yet: each rank "
+                                 "reads its own host copy from the checkpoint")
+    if disk_options is not None and not isinstance(disk_options, DiskOptions):
+        raise OffloadConfigError(f"fastoffload: disk_options must be a fastoffload_ext.storage.DiskOptions, got "
+                                 f"{type(disk_options).__name__}")
+    return False

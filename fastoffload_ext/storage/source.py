@@ -1,0 +1,204 @@
+"""Building an offload from a checkpoint instead of from a materialized model.
+
+``enable_layerwise_offload(model, weights=PATH)`` accepts a model built on the meta device (or with
+empty weights) and fills it from ``PATH``:
+- every offloaded block is packed straight from the file into its pinned region by the compiled core's
+  reader (host tier), or registered to be read every step (disk tier, when ``host_budget`` is smaller
+  than the blocks); no pageable copy of a block ever exists;
+- every other parameter and every buffer (the resident blocks, embeddings, norms outside the list) is
+  read from the file onto the offload device directly.
+
+Everything the checkpoint must provide is checked before anything changes: a tensor missing from it,
+or with another shape or dtype than the model's, is refused with an error naming the tensor and the
+file. A failure later (a short read, Ctrl-C) undoes what was loaded, so the model is as it was.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext import _backend
+from fastoffload_ext.errors import CheckpointError
+from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
+from fastoffload_ext.storage.options import DiskOptions
+from fastoffload_ext.storage.tiers import TierPlan, check_host_budget, plan_tiers
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockSource", "CheckpointSource"]
+
+
+@dataclass(frozen=True)
+class BlockSource:
+    """Where one offloaded block's parameters are in the checkpoint."""
+
+    names: tuple[str, ...]     # the block's parameter names (relative to the block)
+    entries: tuple[TensorEntry, ...]
+    on_disk: bool
+
+    def shapes(self) -> list[list[int]]:
+        return [list(entry.shape) for entry in self.entries]
+
+
+def _mismatch(entry: TensorEntry, tensor: torch.Tensor, kind: str) -> CheckpointError:
+    return CheckpointError(
+        f"fastoffload: tensor '{entry.name}' in {entry.path} has shape {list(entry.shape)} and dtype {entry.dtype}, "
+        f"but the model's {kind} has shape {list(tensor.shape)} and dtype {tensor.dtype}; build the model with "
+        "the checkpoint's config and dtype (e.g. torch_dtype=...), or pass the matching checkpoint")
+
+
+def _missing(checkpoint: Checkpoint, name: str, kind: str) -> CheckpointError:
+    sample = ", ".join(sorted(checkpoint.entries)[:3])
+    return CheckpointError(
+        f"fastoffload: the model's {kind} '{name}' is not in checkpoint {checkpoint.source} ({len(checkpoint.entries)} "
+        f"tensors, e.g. {sample}); the checkpoint does not match the model (another architecture, or names with "
+        "another prefix)")
+
+
+def _aligned(nbytes: int, alignment: int) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+class CheckpointSource:
+    """The plan for filling one model from one checkpoint; ``enable_layerwise_offload`` drives it."""
+
+    def __init__(self, checkpoint: Checkpoint, blocks: list[BlockSource], resident: dict[str, TensorEntry],
+                 tiers: TierPlan, options: DiskOptions) -> None:
+        self.checkpoint = checkpoint
+        self.blocks = blocks
+        self.resident = resident  # model-level name -> entry, for everything that is not offloaded
+        self.tiers = tiers
+        self.options = options
+        self.reader: Any = None
+        self.file_index: dict[str, int] = {}
+        self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
+        self._next_block = 0
+
+    # Before anything changes.
+    @classmethod
+    def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, offloaded: list[int], weights: Any,
+                host_budget: object, options: DiskOptions | None) -> CheckpointSource:
+        options = options if options is not None else DiskOptions()
+        budget = check_host_budget(host_budget)
+        checkpoint = open_checkpoint(weights)
+        sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
+        resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
+        tiers = plan_tiers(block_bytes, budget, options.staging_buffers)
+        sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
+        return cls(checkpoint, sources, resident, tiers, options)
+
+    @staticmethod
+    def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
+                       offloaded: list[int]) -> tuple[list[BlockSource], list[int]]:
+        alignment = int(_backend.require_ext().build_info()["alignment"])
+        sources, sizes = [], []
+        for index in offloaded:
+            names, entries = [], []
+            for name, param in blocks[index].named_parameters():
+                key = f"{list_name}.{index}.{name}"
+                entry = checkpoint.get(key)
+                if entry is None:
+                    raise _missing(checkpoint, key, "parameter")
+                if entry.dtype != param.dtype or tuple(entry.shape) != tuple(param.shape):
+                    raise _mismatch(entry, param, "parameter")
+                names.append(name)
+                entries.append(entry)
+            sources.append(BlockSource(tuple(names), tuple(entries), False))
+            sizes.append(sum(_aligned(entry.nbytes, alignment) for entry in entries))
+        return sources, sizes
+
+    @staticmethod
+    def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, str]]:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            yield name, param, "parameter"
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            if buffer is not None:
+                yield name, buffer, "buffer"
+
+    @classmethod
+    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str,
+                          offloaded_indices: list[int]) -> dict[str, TensorEntry]:
+        offloaded = {f"{list_name}.{i}." for i in offloaded_indices}
+        resident: dict[str, TensorEntry] = {}
+        for name, tensor, kind in cls._named_tensors(model):
+            block_prefix = name.split(".", 2)[:2]
+            is_offloaded_param = kind == "parameter" and ".".join(block_prefix) + "." in offloaded
+            if is_offloaded_param:
+                continue
+            entry = checkpoint.get(name)
+            if entry is None:
+                if tensor.is_meta:
+                    if kind == "buffer":
+                        raise CheckpointError(
+                            f"fastoffload: buffer '{name}' is on the meta device and not in checkpoint "
+                            f"{checkpoint.source}, so it has no values; build the model with its buffers on the "
+                            "CPU (e.g. accelerate's init_empty_weights(include_buffers=False))")
+                    raise _missing(checkpoint, name, kind)
+                continue  # a real tensor the checkpoint does not hold (a computed buffer): kept as it is
+            if entry.dtype != tensor.dtype or tuple(entry.shape) != tuple(tensor.shape):
+                raise _mismatch(entry, tensor, kind)
+            resident[name] = entry
+        return resident
+
+    # Changes, each undone by roll_back().
+    def open_files(self, engine: Any) -> None:
+        """The reader of the engine, with every file of the checkpoint opened (size and mtime recorded)."""
+        core = _backend.require_ext()
+        opts = self.options
+        self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
+        for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
+            self.file_index[path] = self.reader.open(path)
+        engine.set_reader(self.reader)
+
+    def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
+        return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
+
+    def next_block(self) -> BlockSource:
+        block = self.blocks[self._next_block]
+        self._next_block += 1
+        return block
+
+    def load_resident(self, model: nn.Module, device: torch.device) -> None:
+        """Every non-offloaded parameter and every buffer, read from the checkpoint onto ``device``."""
+        by_file: dict[str, list[str]] = {}
+        for name, entry in self.resident.items():
+            by_file.setdefault(entry.path, []).append(name)
+        replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        safe_open = safetensors_module().safe_open
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device=str(device)) as handle:
+                for name in names:
+                    self._assign(model, name, lambda n=name: handle.get_tensor(n), replaced)
+        logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
+
+    def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, nn.Parameter]) -> None:
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        if leaf in module._parameters:
+            old = module._parameters[leaf]
+            new = replaced.get(id(old))
+            if new is None:
+                new = nn.Parameter(load(), requires_grad=old.requires_grad)
+                replaced[id(old)] = new
+            self._undo.append((module, "parameter", leaf, old))
+            module._parameters[leaf] = new
+        else:
+            self._undo.append((module, "buffer", leaf, module._buffers[leaf]))
+            module._buffers[leaf] = load()
+
+    def start(self, engine: Any) -> None:
+        """Waits for the host tier's pinning (overlapped with the reads) and starts the disk tier, if any."""
+        engine.finish_loading()
+        if self.tiers.disk:
+            engine.start_disk_tier(self.tiers.staging_buffers)
+
+    def roll_back(self) -> None:
+        """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""
+        for module, kind, key, old in reversed(self._undo):
+            (module._parameters if kind == "parameter" else module._buffers)[key] = old
+        self._undo.clear()

@@ -1,0 +1,96 @@
+"""Offload state of a block whose weights come from a checkpoint file (ext backend).
+
+It behaves like ``ExtLayerwiseOffloadState`` once attached; what differs is where the bytes come
+from: ``on_init`` hands the engine the block's file ranges instead of tensors, so the host copy is read
+straight from disk into pinned memory (host tier), or not kept at all (disk tier: read every step).
+
+A model built on the meta device cannot have its parameters rebound to real memory in place (a meta
+tensor's storage is of another kind), so each meta parameter is first replaced by an empty real one of
+the same dtype and ``requires_grad``; on failure, and on a detach back to the meta device, the original
+parameters are put back.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState
+from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.storage.source import BlockSource, CheckpointSource
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointOffloadState", "DISK_MUTATION_ERROR"]
+
+DISK_MUTATION_ERROR = ("fastoffload: this block is in the disk tier: its weights are read from the checkpoint every "
+                       "step and it has no host copy that mutate_params_scope could rebuild. Raise host_budget so "
+                       "that it fits in host memory, or apply the change to the checkpoint")
+
+
+class CheckpointOffloadState(ExtLayerwiseOffloadState):
+    """A block packed from (host tier) or streamed from (disk tier) a checkpoint."""
+
+    def __init__(self, engine: Any, device: torch.device, source: CheckpointSource) -> None:
+        super().__init__(engine, device)
+        self.source = source
+        self.block: BlockSource = source.next_block()
+        self._originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    @property
+    def on_disk(self) -> bool:
+        return self.block.on_disk
+
+    def _replace_meta_parameters(self, module: nn.Module) -> list[torch.Tensor]:
+        params = []
+        for name in self.block.names:
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix)
+            param = owner._parameters[leaf]
+            if param.is_meta:
+                empty = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
+                self._originals.append((owner, leaf, param))
+                owner._parameters[leaf] = empty
+                param = empty
+            params.append(param)
+        return params
+
+    def _put_back_originals(self) -> None:
+        for owner, leaf, param in reversed(self._originals):
+            owner._parameters[leaf] = param
+        self._originals.clear()
+
+    @torch.compiler.disable
+    def on_init(self, module: nn.Module) -> None:
+        self.module_ref = module
+        self.param_names = list(self.block.names)
+        params = self._replace_meta_parameters(module)
+        add = self.engine.add_block_on_disk if self.block.on_disk else self.engine.add_block_from_file
+        try:
+            # The engine names tensors by their checkpoint keys, which is what its read errors must say.
+            keys = [entry.name for entry in self.block.entries]
+            self.handle = add(keys, params, self.block.shapes(), self.source.spans(self.block))
+        except BaseException:
+            self._put_back_originals()
+            raise
+
+    def begin_mutation(self) -> None:
+        if self.block.on_disk:
+            raise OffloadStateError(DISK_MUTATION_ERROR)
+        super().begin_mutation()
+
+    def restore(self, module: nn.Module, device: torch.device) -> None:
+        if torch.device(device).type != "meta":
+            super().restore(module, device)
+            return
+        # Rolled back before the model ever had values: drop the engine's copy, give back the meta params.
+        super().restore(module, torch.device("cpu"))
+        self._put_back_originals()
+
+    def host_bytes(self) -> int:
+        return 0 if self.block.on_disk else super().host_bytes()
+
+    def weight_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.block.entries)

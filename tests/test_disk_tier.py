@@ -1,0 +1,103 @@
+"""The disk tier: blocks beyond host_budget read every step through pinned staging, bit-exact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.storage import DiskOptions, plan_tiers
+from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+from tests._models import OFFLOAD_DEVICES, params_equal
+
+
+def test_plan_keeps_everything_in_host_memory_when_it_fits() -> None:
+    plan = plan_tiers([100] * 4, 400, 2)
+    assert plan.host == (0, 1, 2, 3) and plan.disk == () and plan.staging_bytes == 0
+    assert plan_tiers([100] * 4, None, 2).disk == ()
+
+
+def test_plan_spreads_the_disk_blocks_and_stays_under_budget() -> None:
+    plan = plan_tiers([100] * 8, 600, 2)  # 2 staging + 4 host blocks
+    assert len(plan.host) == 4 and len(plan.disk) == 4
+    assert plan.host == (1, 3, 5, 7) and plan.disk == (0, 2, 4, 6)
+    assert plan.host_bytes == 600 and plan.staging_buffers == 2
+    for budget in range(200, 900, 50):
+        assert plan_tiers([100] * 8, budget, 2).host_bytes <= budget
+    assert plan_tiers([100, 300, 100], 300, 1).disk == (0, 1, 2)  # one 300-byte staging buffer, nothing else fits
+
+
+def test_plan_refuses_a_budget_below_the_staging_ring() -> None:
+    with pytest.raises(OffloadConfigError, match="host_budget=150 bytes cannot hold even the disk tier's staging ring "
+                                                 "\\(2 buffer\\(s\\) of the largest block, 100 bytes each = 200\\)"):
+        plan_tiers([100] * 4, 150, 2)
+
+
+def _twice_the_budget(tmp_path: Path, n_blocks: int = 8):
+    reference = reference_stack(n_blocks)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    total = n_blocks * block_bytes(reference)
+    return reference, path, total // 2 + 4096
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("depth,staging,cyclic", [(1, 1, True), (1, 2, True), (2, 3, True), (3, 2, False)])
+def test_model_twice_the_host_budget_is_bit_exact(tmp_path: Path, device: str, depth: int, staging: int,
+                                                  cyclic: bool) -> None:
+    reference, path, budget = _twice_the_budget(tmp_path)
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device=device, weights=path, host_budget=budget, prefetch_depth=depth,
+                                     cyclic=cyclic, disk_options=DiskOptions(staging_buffers=staging))
+    disk = [s for s in group.states if s.on_disk]
+    assert len(disk) >= 4  # at least half the model stays on disk
+    stats = group.engine.pool.stats()
+    assert stats["in_use_bytes"] <= budget  # host tier + staging, nothing more pinned
+    x = inputs().to(device)
+    reference = reference.to(device)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(4):
+            assert torch.equal(model(x), expected)
+    disk_stats = group.engine.disk_stats()
+    assert disk_stats["reads"] >= 4 * len(disk) and disk_stats["staging_count"] == min(staging, len(disk))
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
+
+
+def test_blocks_run_out_of_order(tmp_path: Path) -> None:
+    reference, path, budget = _twice_the_budget(tmp_path)
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    x = inputs()
+    with torch.no_grad():
+        for i in (5, 0, 6, 6, 2, 7, 1):
+            assert torch.equal(model.blocks[i](x), reference.blocks[i](x))
+        assert torch.equal(model(x), reference(x))
+    assert group.engine.disk_stats()["out_of_order"] > 0
+
+
+def test_disk_tier_through_the_page_cache(tmp_path: Path) -> None:
+    reference, path, budget = _twice_the_budget(tmp_path)
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget,
+                                     disk_options=DiskOptions(read_mode="buffered", read_threads=1, chunk_bytes=4096))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(inputs()), reference(inputs()))
+    assert group.engine.reader.stats()["direct_bytes"] == 0
+
+
+def test_disk_blocks_report_no_host_bytes(tmp_path: Path) -> None:
+    reference, path, budget = _twice_the_budget(tmp_path)
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    for state in group.states:
+        assert (state.host_bytes() == 0) == state.on_disk
+        assert state.weight_bytes() == block_bytes(reference)
+    # The seed's dict of host tensors still works for a disk block: read from the file on demand.
+    disk = next(s for s in group.states if s.on_disk)
+    index = group.states.index(disk)
+    for name, tensor in disk.cpu_named_parameters.items():
+        assert torch.equal(tensor, reference.blocks[index].get_parameter(name))

@@ -1,0 +1,151 @@
+"""Building an offload straight from a safetensors checkpoint: layouts, bit-exact forwards, argument errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+from fastoffload_ext._backend import require_ext
+from fastoffload_ext.errors import CheckpointError, OffloadConfigError
+from fastoffload_ext.storage import DiskOptions, open_checkpoint
+from tests._checkpoints import inputs, meta_stack, reference_stack, write_sharded, write_single
+from tests._models import OFFLOAD_DEVICES, Stack, params_equal
+
+
+
+def _run_equal(model: torch.nn.Module, reference: torch.nn.Module, device: str, steps: int = 2) -> None:
+    x = inputs()
+    reference = reference.to(device)
+    with torch.no_grad():
+        expected = reference(x.to(device))
+        for _ in range(steps):
+            assert torch.equal(model(x.to(device)), expected)
+
+
+def test_offsets_are_the_bytes_of_each_tensor(tmp_path: Path) -> None:
+    reference = reference_stack(3)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    checkpoint = open_checkpoint(path)
+    raw = path.read_bytes()
+    state = reference.state_dict()
+    assert set(checkpoint.entries) == set(state)
+    for name, tensor in state.items():
+        entry = checkpoint.entries[name]
+        expected = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        assert raw[entry.offset:entry.offset + entry.nbytes] == expected
+        assert entry.dtype == tensor.dtype and entry.shape == tuple(tensor.shape)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("depth,resident", [(1, 0), (2, 1), (3, 0)])
+def test_meta_model_from_single_file_is_bit_exact(tmp_path: Path, device: str, depth: int, resident: int) -> None:
+    reference = reference_stack(5)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(5)
+    group = enable_layerwise_offload(model, device=device, weights=path, prefetch_depth=depth, resident_blocks=resident)
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.proj_in.weight.device.type == device and model.blocks[0].qkv.weight.device.type == device
+    _run_equal(model, reference, device)
+    assert group.stats()["offloaded_blocks"] == 5 - resident
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
+
+
+@pytest.mark.parametrize("layout", ["index", "folder_index", "folder_file"])
+def test_sharded_and_folder_checkpoints(tmp_path: Path, layout: str) -> None:
+    reference = reference_stack(4)
+    if layout == "index":
+        weights: Path = write_sharded(reference, tmp_path / "ckpt", stem="model")
+    elif layout == "folder_index":
+        write_sharded(reference, tmp_path / "transformer")
+        weights = tmp_path / "transformer"
+    else:
+        (tmp_path / "transformer").mkdir()
+        write_single(reference, tmp_path / "transformer" / "diffusion_pytorch_model.safetensors")
+        weights = tmp_path / "transformer"
+    model = meta_stack(4)
+    enable_layerwise_offload(model, device="cpu", weights=weights)
+    _run_equal(model, reference, "cpu")
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_model_with_empty_weights_is_filled(tmp_path: Path) -> None:
+    reference = reference_stack(3)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = Stack(3, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    enable_layerwise_offload(model, device="cpu", weights=path)
+    _run_equal(model, reference, "cpu")
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct", "auto"])
+def test_read_modes_give_the_same_bytes(tmp_path: Path, mode: str) -> None:
+    reference = reference_stack(3)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    core = require_ext()
+    probe = core.DiskReader(1, 4096, "auto")
+    if mode == "direct" and not probe.direct(probe.open(str(path))):
+        pytest.skip("this file system refuses O_DIRECT")  # said, not silent: the auto case still runs
+    model = meta_stack(3)
+    options = DiskOptions(read_mode=mode, chunk_bytes=4096, read_threads=3)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, disk_options=options)
+    _run_equal(model, reference, "cpu")
+    stats = group.engine.reader.stats()
+    assert stats["bytes_read"] > 0
+    if mode == "buffered":
+        assert stats["direct_bytes"] == 0
+
+
+def test_reader_splits_and_merges_ranges(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    core = require_ext()
+    for mode in ("auto", "buffered"):
+        reader = core.DiskReader(3, 8192, mode)
+        f = reader.open(str(path))
+        assert reader.open(str(path)) == f
+        spans = [(f, 5, 20_000, 0), (f, 20_010, 7, 20_001), (f, 250_001, 49_999, 30_000), (f, 100_000, 0, 0)]
+        dest = torch.zeros(80_000, dtype=torch.uint8)
+        reader.read(spans, dest)
+        assert torch.equal(dest[:20_000], data[5:20_005])
+        assert torch.equal(dest[20_001:20_008], data[20_010:20_017])
+        assert torch.equal(dest[30_000:79_999], data[250_001:300_000])
+        assert reader.stats()["bytes_read"] == 20_000 + 7 + 49_999
+
+
+def test_argument_errors() -> None:
+    model = meta_stack(2)
+    with pytest.raises(OffloadConfigError, match="fastoffload: disk_options needs weights="):
+        enable_layerwise_offload(model, device="cpu", disk_options=DiskOptions())
+    with pytest.raises(OffloadConfigError, match="fastoffload: weights= needs the compiled core"):
+        enable_layerwise_offload(model, device="cpu", backend="python", weights="x.safetensors")
+    with pytest.raises(OffloadConfigError, match="DiskOptions.staging_buffers must be an integer between 1 and 64"):
+        DiskOptions(staging_buffers=0)
+    with pytest.raises(OffloadConfigError, match="DiskOptions.read_mode must be one of"):
+        DiskOptions(read_mode="mmap")
+    with pytest.raises(OffloadConfigError, match="host_budget"):
+        enable_layerwise_offload(model, device="cpu", weights="x.safetensors", host_budget=-1)
+    with pytest.raises(RuntimeError, match="fastoffload: read mode must be 'auto', 'direct' or 'buffered'"):
+        require_ext().DiskReader(1, 4096, "mmap")
+
+
+def test_folder_with_several_checkpoints_is_refused(tmp_path: Path) -> None:
+    reference = reference_stack(2)
+    write_single(reference, tmp_path / "a.safetensors")
+    write_single(reference, tmp_path / "b.safetensors")
+    with pytest.raises(CheckpointError, match="holds several checkpoints \\(a.safetensors, b.safetensors\\)"):
+        open_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="holds no .safetensors file"):
+        open_checkpoint(_empty(tmp_path))
+
+
+def _empty(tmp_path: Path) -> Path:
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder

@@ -1,0 +1,203 @@
+"""Checkpoint faults: each a clear error naming the file and the tensor, nothing half-built, nothing leaked."""
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
+from fastoffload_ext.engine.hooks import ModuleHookManager
+from fastoffload_ext.errors import CheckpointError, OffloadConfigError, OffloadStateError
+from fastoffload_ext.storage.source import CheckpointSource
+from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+from tests._models import params_equal
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _untouched(model: torch.nn.Module) -> None:
+    """The failed enable left the meta model exactly as it was."""
+    assert all(p.is_meta for p in model.parameters())
+    assert get_offload_group(model) is None
+    assert all(ModuleHookManager.get_from(m) is None for m in model.modules())
+
+
+@pytest.fixture()
+def checkpoint(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    reference = reference_stack(6)
+    return reference, write_single(reference, tmp_path / "model.safetensors")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    model = meta_stack(2)
+    with pytest.raises(CheckpointError, match=f"fastoffload: checkpoint {tmp_path}/nope.safetensors does not exist"):
+        enable_layerwise_offload(model, device="cpu", weights=tmp_path / "nope.safetensors")
+    _untouched(model)
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    from tests._checkpoints import write_sharded
+    index = write_sharded(reference_stack(3), tmp_path / "ckpt", shards=2)
+    shard = sorted((tmp_path / "ckpt").glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"checkpoint file {shard} does not exist"):
+        enable_layerwise_offload(meta_stack(3), device="cpu", weights=index)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    state = reference_stack(3).state_dict()
+    del state["blocks.1.up.weight"]
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    model = meta_stack(3)
+    with pytest.raises(CheckpointError, match=f"parameter 'blocks.1.up.weight' is not in checkpoint {path}"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+
+
+def test_truncated_file(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    _, path = checkpoint
+    os.truncate(path, path.stat().st_size - 100)
+    model = meta_stack(6)
+    with pytest.raises(CheckpointError, match=f"fastoffload: {path} is not a readable safetensors file .*truncated"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_shape_or_dtype_differs(tmp_path: Path, change: str) -> None:
+    state = reference_stack(3).state_dict()
+    state["blocks.2.o.weight"] = (state["blocks.2.o.weight"][:, :16].contiguous() if change == "shape"
+                                  else state["blocks.2.o.weight"].float())
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    model = meta_stack(3)
+    expected = "\\[32, 16\\] and dtype torch.bfloat16" if change == "shape" else "\\[32, 32\\] and dtype torch.float32"
+    with pytest.raises(CheckpointError, match=f"tensor 'blocks.2.o.weight' in {path} has shape {expected}, but the "
+                                              "model's parameter has shape \\[32, 32\\] and dtype torch.bfloat16"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+
+
+def test_meta_buffer_without_values(tmp_path: Path) -> None:
+    reference = reference_stack(2)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(2)
+    model.register_buffer("table", torch.empty(4, device="meta"), persistent=False)
+    with pytest.raises(CheckpointError, match="buffer 'table' is on the meta device and not in checkpoint"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+
+
+def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _, path = checkpoint
+    opened = CheckpointSource.open_files
+
+    def failing(self: CheckpointSource, engine: object) -> None:
+        opened(self, engine)
+        self.reader._inject_errors(3, 1, errno.EIO)  # the fourth read request of the enable fails
+
+    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    before = _threads()
+    model = meta_stack(6)
+    with pytest.raises(RuntimeError, match=f"fastoffload: reading tensor 'blocks\\.\\d\\.[a-z.]+' \\(bytes "
+                                           f"\\d+\\.\\.\\d+ of {path}\\) failed: Input/output error"):
+        enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=1)
+    _untouched(model)
+    gc.collect()
+    assert _threads() <= before  # the reader's threads ended with the engine (others may have ended too)
+
+
+@pytest.mark.parametrize("budget_blocks", [3])
+def test_read_error_mid_step_then_recovers(checkpoint: tuple[torch.nn.Module, Path], budget_blocks: int) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget_blocks * block_bytes(reference) + 8192)
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(model(x), expected)
+        group.engine.reader._inject_errors(2, 1, errno.EIO)
+        with pytest.raises(RuntimeError, match=f"fastoffload: reading tensor '[a-z0-9_.]+' \\(bytes \\d+\\.\\.\\d+ of "
+                                               f"{path}\\) failed: Input/output error\\. Check the disk; nothing was changed"):
+            for _ in range(3):
+                model(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_file_changed_after_enable(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    x = inputs()
+    stat = path.stat()
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(model(x), expected)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        with pytest.raises(RuntimeError, match=f"fastoffload: checkpoint file {path} changed after offload was "
+                                               "enabled .*disable offload and enable it again"):
+            for _ in range(2):
+                model(x)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    shutil.copy(path, tmp_path / "copy.safetensors")
+    os.replace(tmp_path / "copy.safetensors", path)  # another file (inode) under the same name
+    with torch.no_grad(), pytest.raises(RuntimeError, match=f"checkpoint file {path} changed after offload"):
+        for _ in range(2):
+            model(inputs())
+
+
+def test_slow_disk_slows_but_stays_exact(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    group.engine.reader._set_delay_us(20_000)
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    reader = group.engine.reader.stats()
+    assert reader["busy_seconds"] >= 0.02 * reader["chunks"]  # every read of the steps above was slowed
+
+
+def test_budget_below_the_staging_ring(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    with pytest.raises(OffloadConfigError, match="host_budget=1000 bytes cannot hold even the disk tier's staging ring"):
+        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=1000)
+    _untouched(model)
+
+
+def test_mutation_of_a_disk_block_is_refused(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    hooks = [ModuleHookManager.get_from(b).get_forward_hook("LayerwiseOffloadHook") for b in model.blocks]
+    on_disk = [h for h, s in zip(hooks, group.states) if s.on_disk]
+    with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier"):
+        with on_disk[0].mutate_params_scope():
+            pass
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
