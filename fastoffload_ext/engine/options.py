@@ -15,7 +15,7 @@ from torch import nn
 
 from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.model_checks import find_block_list
+from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_list
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.layout import check_prefetch_depth, resolve_layout
 from fastoffload_ext.planning.plan import OffloadPlan
@@ -175,6 +175,7 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
     check_flags(is_replace, allow_pageable_fallback)
     list_name, blocks = find_block_list(model)
+    check_block_kinds(list(blocks), list_name, 0)  # before the layout, which sizes every block
     layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
                             prefetch_depth=prefetch_depth, device_budget=device_budget, host_budget=host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
