@@ -77,9 +77,25 @@ class BlockCosts:
         return dataclasses.replace(self, activation_bytes=int(activation_bytes))
 
 
+def _sized(module: nn.Module) -> list[nn.Parameter]:
+    # A lazy module's parameters have no size yet; enable refuses them with its own message later.
+    return [p for p in module.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)]
+
+
 def module_packed_bytes(module: nn.Module) -> int:
     """The packed size of a block's parameters (what one copy of it moves)."""
-    return packed_bytes([p.numel() * p.element_size() for p in module.parameters()])
+    return packed_bytes([p.numel() * p.element_size() for p in _sized(module)])
 
 
-__all__ = ["PACK_ALIGNMENT", "BlockCosts", "module_packed_bytes", "packed_bytes"]
+def module_host_bytes(module: nn.Module) -> int:
+    """Bytes of the block's parameters that sit in host memory now."""
+    return sum(p.numel() * p.element_size() for p in _sized(module) if p.device.type == "cpu")
+
+
+def module_device_bytes(module: nn.Module, device: object) -> int:
+    """Bytes of the block's parameters already on ``device``."""
+    return sum(p.numel() * p.element_size() for p in _sized(module) if p.device == device)
+
+
+__all__ = ["PACK_ALIGNMENT", "BlockCosts", "module_device_bytes", "module_host_bytes", "module_packed_bytes",
+           "packed_bytes"]

@@ -21,7 +21,7 @@ from torch import nn
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.budgets import AUTO, format_bytes, parse_size
 from fastoffload_ext.planning.calibration import cached_h2d_gbps
-from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes
+from fastoffload_ext.planning.costs import BlockCosts, module_device_bytes, module_host_bytes, module_packed_bytes
 from fastoffload_ext.planning.memory import device_free_bytes, probe_host
 from fastoffload_ext.planning.plan import OffloadPlan
 from fastoffload_ext.planning.planner import plan_offload
@@ -79,7 +79,7 @@ def _offload_bytes(blocks: Sequence[nn.Module]) -> list[int]:
 
 def _host_credit(blocks: Sequence[nn.Module]) -> int:
     """Bytes the blocks hold in host memory now: packing frees them block by block, so they count as free."""
-    return sum(p.numel() * p.element_size() for block in blocks for p in block.parameters() if p.device.type == "cpu")
+    return sum(module_host_bytes(block) for block in blocks)
 
 
 def default_costs(blocks: Sequence[nn.Module], device: torch.device, activation_bytes: int) -> BlockCosts:
@@ -96,8 +96,7 @@ def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torc
     if reserve is None:
         reserve = costs.activation_bytes if costs is not None and costs.calibrated else None
     if device_budget == AUTO:
-        free = device_free_bytes(device) + sum(p.numel() * p.element_size() for block in blocks
-                                               for p in block.parameters() if p.device == device)
+        free = device_free_bytes(device) + sum(module_device_bytes(block, device) for block in blocks)
         if reserve is None:
             reserve = int(free * AUTO_RESERVE_FRACTION)
         device_budget = free
