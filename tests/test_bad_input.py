@@ -530,7 +530,7 @@ CASES = [
                "device='cpu'")),
     # Pipeline-level helpers.
     Case("apply_offload_config_checks_options_before_loading", _apply_config_with_a_bad_option, ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got -1")),
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got -1")),
     Case("copy_deepcopy_pickle_of_a_lazy_module", _copies_of_a_lazy_module),
     Case("resolve_a_config_holding_a_lock", _resolve_a_config_holding_a_lock),
     # Sharing the host copy between ranks (the multi-rank cases are in tests/test_sharing.py).

@@ -389,7 +389,8 @@ EAGER_LAYERWISE = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_lo
 
 
 @pytest.mark.parametrize("options, error, message", [
-    ({"prefetch_depth": -1}, ValueError, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got -1"),
+    ({"prefetch_depth": -1}, ValueError, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\) or 'auto', "
+                                          r"got -1"),
     ({"prefetch_dept": 2}, TypeError, r"fastoffload: layerwise_options does not fit enable_layerwise_offload \(got "
                                       r"an unexpected keyword argument 'prefetch_dept'\); pass only its keyword "
                                       r"arguments"),
