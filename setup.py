@@ -163,7 +163,7 @@ def main() -> None:
         name=PACKAGE,
         version=VERSION,
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
-        package_data={PACKAGE: ["py.typed", "_build_info.json"]},
+        package_data={PACKAGE: ["py.typed", "_build_info.json", "_C.pyi"]},
         ext_modules=[extension],
         cmdclass={"build_ext": BuildWithRecord},
         python_requires=">=3.10",

@@ -32,7 +32,27 @@ void* map_pages(size_t nbytes) {
   return base == MAP_FAILED ? nullptr : base;
 }
 
+void* map_pages_or_fail(size_t nbytes, size_t reserved_bytes) {
+  void* base = map_pages(nbytes);
+  TORCH_CHECK(base != nullptr, "fastoffload: could not map ", mib(nbytes), " MiB of host memory (", mib(reserved_bytes),
+              " MiB already reserved by this pool); the host is out of memory");
+  return base;
+}
+
 #ifdef FASTOFFLOAD_WITH_CUDA
+// A failed pin: an error by default; with allow_pageable_fallback a warning, and the caller keeps the
+// memory pageable.
+void fail_or_warn_pin(bool allow_pageable_fallback, size_t nbytes, const char* backing, const std::string& error,
+                      size_t pinned_bytes) {
+  TORCH_CHECK(allow_pageable_fallback, "fastoffload: pinning ", mib(nbytes), " MiB of host memory (", backing,
+              ") failed: ", error, ". This pool already holds ", mib(pinned_bytes),
+              " MiB pinned. Free host memory or raise the locked-memory limit (ulimit -l), or pass "
+              "allow_pageable_fallback=True to continue with pageable memory (host-to-device copies then run at "
+              "pageable speed, roughly 5-8 GB/s instead of ~50).");
+  TORCH_WARN("fastoffload: pinning ", mib(nbytes), " MiB failed (", error,
+             "); falling back to pageable memory, so copies from this slab run at pageable speed.");
+}
+
 // Pins nbytes with the given backing; returns nullptr and the CUDA error text on failure.
 void* pin_pages(Backing backing, size_t nbytes, std::string& error) {
   if (backing == Backing::kHostAlloc) {
@@ -199,9 +219,7 @@ size_t PinnedPool::add_slab(size_t nbytes, bool defer_pin) {
   slab.size = size;
   const auto start = std::chrono::steady_clock::now();
   if (defer_pin) {
-    slab.base = map_pages(size);
-    TORCH_CHECK(slab.base != nullptr, "fastoffload: could not map ", mib(size), " MiB of host memory (",
-                mib(stats_.reserved_bytes), " MiB already reserved by this pool); the host is out of memory");
+    slab.base = map_pages_or_fail(size, stats_.reserved_bytes);
     slab.backing = Backing::kRegister;
     slab.exclusive = true;
   } else if (pins()) {
@@ -217,21 +235,13 @@ size_t PinnedPool::add_slab(size_t nbytes, bool defer_pin) {
       slab.backing = backing_;
       slab.pinned = true;
     } else {
-      TORCH_CHECK(allow_pageable_fallback_, "fastoffload: pinning ", mib(size), " MiB of host memory (", backing_name(backing_),
-                  ") failed: ", error, ". This pool already holds ", mib(stats_.pinned_bytes),
-                  " MiB pinned. Free host memory or raise the locked-memory limit (ulimit -l), or pass "
-                  "allow_pageable_fallback=True to continue with pageable memory (host-to-device copies "
-                  "then run at pageable speed, roughly 5-8 GB/s instead of ~50).");
-      TORCH_WARN("fastoffload: pinning ", mib(size), " MiB failed (", error, "); falling back to pageable memory, "
-                 "so copies from this slab run at pageable speed.");
+      fail_or_warn_pin(allow_pageable_fallback_, size, backing_name(backing_), error, stats_.pinned_bytes);
       stats_.fallback_slabs += 1;
     }
 #endif
   }
   if (slab.base == nullptr) {
-    slab.base = map_pages(size);
-    TORCH_CHECK(slab.base != nullptr, "fastoffload: could not map ", mib(size), " MiB of host memory (", mib(stats_.reserved_bytes),
-                " MiB already reserved by this pool); the host is out of memory");
+    slab.base = map_pages_or_fail(size, stats_.reserved_bytes);
     slab.backing = Backing::kPageable;
   }
   stats_.pin_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -337,13 +347,7 @@ void PinnedPool::pin(PoolAllocation& allocation) {
     stats_.pinned_bytes += slab.size;
     return;
   }
-  TORCH_CHECK(allow_pageable_fallback_, "fastoffload: pinning ", mib(slab.size), " MiB of host memory (register) failed: ",
-              error, ". This pool already holds ", mib(stats_.pinned_bytes),
-              " MiB pinned. Free host memory or raise the locked-memory limit (ulimit -l), or pass "
-              "allow_pageable_fallback=True to continue with pageable memory (host-to-device copies then run at "
-              "pageable speed, roughly 5-8 GB/s instead of ~50).");
-  TORCH_WARN("fastoffload: pinning ", mib(slab.size), " MiB failed (", error,
-             "); falling back to pageable memory, so copies from this slab run at pageable speed.");
+  fail_or_warn_pin(allow_pageable_fallback_, slab.size, backing_name(Backing::kRegister), error, stats_.pinned_bytes);
   slab.backing = Backing::kPageable;
   stats_.fallback_slabs += 1;
 #endif

@@ -16,8 +16,6 @@
 namespace fastoffload {
 namespace {
 
-constexpr const char* kPrefix = "fastoffload-";
-
 std::string errno_text(int error) { return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")"; }
 
 void* map_shared(int fd, size_t nbytes) {
@@ -27,8 +25,8 @@ void* map_shared(int fd, size_t nbytes) {
 
 // The owner pid in "fastoffload-<pid>-...", or -1 when the entry is not ours.
 long owner_pid_of(const char* entry) {
-  const size_t prefix = std::strlen(kPrefix);
-  if (std::strncmp(entry, kPrefix, prefix) != 0) return -1;
+  const size_t prefix = std::strlen(kSegmentPrefix);
+  if (std::strncmp(entry, kSegmentPrefix, prefix) != 0) return -1;
   char* end = nullptr;
   const long pid = std::strtol(entry + prefix, &end, 10);
   if (end == entry + prefix || *end != '-' || pid <= 0) return -1;
@@ -39,7 +37,7 @@ long owner_pid_of(const char* entry) {
 
 void check_segment_name(const std::string& name) {
   TORCH_CHECK(name.size() > 1 && name.size() <= 200 && name[0] == '/' && name.find('/', 1) == std::string::npos &&
-                  name.compare(1, std::strlen(kPrefix), kPrefix) == 0,
+                  name.compare(1, std::strlen(kSegmentPrefix), kSegmentPrefix) == 0,
               "fastoffload: a shared segment name must look like '/fastoffload-<pid>-<hex>-<index>' (one leading '/', "
               "at most 200 characters), got '", name, "'");
 }

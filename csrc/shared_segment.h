@@ -53,6 +53,9 @@ class SharedSegment {
   bool linked_;
 };
 
+// Every segment name starts with '/' and this prefix (Python reads it as _C.SEGMENT_PREFIX).
+constexpr const char* kSegmentPrefix = "fastoffload-";
+
 // Throws unless `name` is "/fastoffload-<pid>-<hex>-<index>"-shaped: a leading '/', no other '/',
 // the "fastoffload-" prefix, at most 200 characters.
 void check_segment_name(const std::string& name);

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.layerwise import LayerwiseOffloadGroup, get_offload_group
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def cyclic_slot_assignment(n_blocks: int, prefetch_depth: int) -> tuple[list[int
     numbered from 0, so every run is at least a window long and no window sees a slot twice.
     """
     if n_blocks < 1:
-        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+        raise OffloadConfigError(f"n_blocks must be >= 1, got {n_blocks}")
     window = prefetch_depth + 1
     if n_blocks <= window:
         return list(range(n_blocks)), n_blocks
@@ -76,7 +77,7 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
     if isinstance(static, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
             got = (f"{tuple(fresh.shape)} {fresh.dtype}" if isinstance(fresh, torch.Tensor) else type(fresh).__name__)
-            raise ValueError(f"{where} must match the captured input, {tuple(static.shape)} {static.dtype}, got {got}; "
+            raise OffloadConfigError(f"{where} must match the captured input, {tuple(static.shape)} {static.dtype}, got {got}; "
                              "capture another OffloadedCUDAGraph for other shapes")
         static.copy_(fresh)
     elif isinstance(static, (list, tuple)):
@@ -86,7 +87,7 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
         for key in static:
             _copy_inputs(static[key], fresh[key], f"{where}[{key!r}]")
     elif static != fresh:
-        raise ValueError(f"{where} is not a tensor and differs from the captured value ({static!r} vs {fresh!r}); "
+        raise OffloadConfigError(f"{where} is not a tensor and differs from the captured value ({static!r} vs {fresh!r}); "
                          "capture another graph for it")
 
 
@@ -97,16 +98,16 @@ class OffloadedCUDAGraph:
                  pool: Any = None, **example_kwargs: Any) -> None:
         group = get_offload_group(model)
         if group is None:
-            raise ValueError("OffloadedCUDAGraph needs a model with layerwise offload enabled: call "
+            raise OffloadConfigError("OffloadedCUDAGraph needs a model with layerwise offload enabled: call "
                              "enable_layerwise_offload(model, backend='ext') first")
         if group.backend != "ext" or group.engine is None:
-            raise ValueError(f"OffloadedCUDAGraph needs backend='ext' (static device slots), but this model uses "
+            raise OffloadConfigError(f"OffloadedCUDAGraph needs backend='ext' (static device slots), but this model uses "
                              f"backend={group.backend!r}; the python backend allocates new device tensors every "
                              "step, which a graph cannot replay")
         if group.device.type != "cuda":
-            raise ValueError(f"OffloadedCUDAGraph needs a CUDA device, but offload runs on {group.device}")
+            raise OffloadConfigError(f"OffloadedCUDAGraph needs a CUDA device, but offload runs on {group.device}")
         if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (the first step allocates slots), got {warmup_steps}")
+            raise OffloadConfigError(f"warmup_steps must be >= 1 (the first step allocates slots), got {warmup_steps}")
         self.model = model
         self.group: LayerwiseOffloadGroup = group
         self.engine = group.engine
@@ -143,7 +144,7 @@ class OffloadedCUDAGraph:
     def replay(self) -> Any:
         """Replay with whatever the static inputs hold now; returns the static output."""
         if self.engine.generation != self.generation:
-            raise RuntimeError("the offloaded model ran eagerly (or was changed) since this graph was captured, so its "
+            raise OffloadStateError("the offloaded model ran eagerly (or was changed) since this graph was captured, so its "
                                "slots no longer hold what the graph expects; call recapture() before replaying")
         self.graph.replay()
         return self.static_output

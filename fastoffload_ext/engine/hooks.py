@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from fastoffload_ext.errors import OffloadConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -126,10 +128,10 @@ class ModuleHookManager:
     def _check_manager_attached(self) -> None:
         attached = self.get_from(self.module)
         if attached is None:
-            raise ValueError("ModuleHookManager is not attached to the module; use "
+            raise OffloadConfigError("ModuleHookManager is not attached to the module; use "
                              "ModuleHookManager.get_from_or_default(module).")
         if attached is not self:
-            raise ValueError("A different ModuleHookManager is attached to the module; use "
+            raise OffloadConfigError("A different ModuleHookManager is attached to the module; use "
                              "ModuleHookManager.get_from(module).")
 
     def append_forward_hook(self, hook: ForwardHook) -> None:
@@ -137,7 +139,7 @@ class ModuleHookManager:
         self._check_manager_attached()
         name = hook.name()
         if name in self.forward_hooks:
-            raise ValueError(f"Hook with name {name} is already registered; use replace_forward_hook to swap it.")
+            raise OffloadConfigError(f"Hook with name {name} is already registered; use replace_forward_hook to swap it.")
         self.forward_hooks[name] = hook
         try:
             hook.on_attach(self.module)
@@ -150,10 +152,10 @@ class ModuleHookManager:
         ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``."""
         self._check_manager_attached()
         if name not in self.forward_hooks:
-            raise ValueError(f"No hook with name {name} found; use append_forward_hook to add it.")
+            raise OffloadConfigError(f"No hook with name {name} found; use append_forward_hook to add it.")
         new_name = new_hook.name()
         if new_name != name and new_name in self.forward_hooks:
-            raise ValueError(f"Hook with name {new_name} is already registered.")
+            raise OffloadConfigError(f"Hook with name {new_name} is already registered.")
         old_hook = self.forward_hooks[name]
         old_hook.on_detach(self.module)
         self.forward_hooks = {(new_name if key == name else key): (new_hook if key == name else hook)
@@ -165,7 +167,7 @@ class ModuleHookManager:
         """Removes the hook called ``name``, calling its ``on_detach`` first when ``run_detach``."""
         self._check_manager_attached()
         if name not in self.forward_hooks:
-            raise ValueError(f"No hook with name {name} found.")
+            raise OffloadConfigError(f"No hook with name {name} found.")
         if run_detach:
             self.forward_hooks[name].on_detach(self.module)
         del self.forward_hooks[name]

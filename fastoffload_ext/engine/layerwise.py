@@ -20,7 +20,7 @@ statistics) are moved to the offload device and stay there, and modules outside 
 caller's business, as with FastVideo.
 
 Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
-(see ``offload_state.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
+(see ``messages.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
 
 Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
 is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
@@ -34,9 +34,7 @@ would silently turn the other into a placeholder).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,248 +42,18 @@ from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
-from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
+from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
+from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
+from fastoffload_ext.engine.hooks import ModuleHookManager
+from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
+from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
+                                            resolve_device, validate_arguments)
+from fastoffload_ext.engine.python_state import LayerwiseOffloadState
+from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.errors import OffloadConfigError
 
 logger = logging.getLogger(__name__)
-
-GROUP_ATTRIBUTE = "_fastoffload_group"
-BACKENDS = ("auto", "ext", "python")
-PIN_BACKINGS = ("host_alloc", "register", "pageable")
-# mmap + cudaHostRegister: measured on the H200 (2026-11-29, one fresh 1 GiB allocation) at 382 ms/GiB
-# against 622 ms/GiB for cudaHostAlloc, with the same H2D bandwidth from either (55.4 vs 55.5 GB/s at
-# 1 GiB, 54.5 vs 54.8 at 16 MiB).
-DEFAULT_PIN_BACKING = "register"
-
-
-class LayerwiseOffloadHook(ForwardHook):
-    """Loads a block's weights before its forward and drops them after (FastVideo's hook)."""
-
-    def __init__(self, state: LayerwiseOffloadState) -> None:
-        self.state = state
-        self.detach_device: torch.device | None = None  # where on_detach puts the parameters
-
-    @classmethod
-    def name(cls) -> str:
-        return "LayerwiseOffloadHook"
-
-    def on_attach(self, module: nn.Module) -> None:
-        self.state.on_init(module)
-
-    def on_detach(self, module: nn.Module) -> None:
-        device = self.detach_device if self.detach_device is not None else self.state.device
-        self.state.restore(module, device)
-
-    # The entry points are compiler boundaries: torch.compile must not trace into host-side weight
-    # movement (stream waits, copies, rebinding). Without the boundary dynamo would break the graph
-    # inside the hook once per block per step, fragmenting a compiled block and blocking CUDA-graph
-    # capture; with it, the hook is one opaque eager call and the block body stays one region.
-    @torch.compiler.disable
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        state = self.state
-        state._acquire()
-        try:
-            for target in state.prefetch_targets:
-                target._prefetch()
-        except BaseException:
-            state._release()  # the manager only cleans up hooks whose pre_forward completed
-            raise
-        return args, kwargs
-
-    @torch.compiler.disable
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        self.state._release()
-        return output
-
-    @contextlib.contextmanager
-    def mutate_params_scope(self) -> Iterator[None]:
-        """The block's weights are on the device, as ordinary tensors, for the whole scope.
-
-        Change them in place (LoRA merge) or replace submodules (adapter conversion adds parameters):
-        on exit, the host copy is rebuilt from whatever parameters the block has then, and offload
-        resumes. The rebuild also runs when the scope exits with an exception.
-        """
-        self.state.begin_mutation()
-        try:
-            yield
-        finally:
-            self.state.end_mutation()
-            group = _group_of_state(self.state)
-            if group is not None:
-                group._claim(self.state)
-
-
-def _group_of_state(state: LayerwiseOffloadState) -> LayerwiseOffloadGroup | None:
-    return getattr(state, "_group", None)
-
-
-class LayerwiseOffloadGroup:
-    """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
-
-    def __init__(self, model: nn.Module, list_name: str, blocks: nn.ModuleList, device: torch.device, backend: str,
-                 prefetch_depth: int, resident_blocks: int, cyclic: bool, engine: Any = None) -> None:
-        self.model_ref = model
-        self.list_name = list_name
-        self.blocks = blocks
-        self.device = device
-        self.backend = backend
-        self.prefetch_depth = prefetch_depth
-        self.resident_blocks = resident_blocks
-        self.cyclic = cyclic
-        self.engine = engine
-        self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
-        self.states: list[LayerwiseOffloadState] = []
-        self.original_devices: list[torch.device] = []
-        self._owner: dict[int, str] = {}  # id(param) -> "list.i.name", for the tied-weight check
-
-    def _claim(self, state: LayerwiseOffloadState) -> None:
-        """Re-registers the parameters of ``state``'s block (after a mutation may have changed them)."""
-        index = self.states.index(state)
-        prefix = f"{self.list_name}.{self.resident_blocks + index}."
-        self._owner = {key: where for key, where in self._owner.items() if not where.startswith(prefix)}
-        for name, param in state.module_ref.named_parameters():
-            self._owner[id(param)] = prefix + name
-
-    def stats(self) -> dict[str, Any]:
-        """Sizes and counters of this offload, for logs and benchmarks."""
-        weight_bytes = sum(_weight_bytes(state) for state in self.states)
-        result: dict[str, Any] = {
-            "backend": self.backend,
-            "device": str(self.device),
-            "blocks": len(self.blocks),
-            "offloaded_blocks": len(self.states),
-            "resident_blocks": self.resident_blocks,
-            "prefetch_depth": self.prefetch_depth,
-            "cyclic": self.cyclic,
-            "weight_bytes": weight_bytes,
-            "host_bytes": sum(state.host_bytes() for state in self.states),
-        }
-        if self.engine is not None:
-            engine_stats = dict(self.engine.stats())
-            pool_stats = dict(self.engine.pool.stats())
-            result.update(pinned_bytes=pool_stats["pinned_bytes"], host_reserved_bytes=pool_stats["reserved_bytes"],
-                          pin_seconds=pool_stats["pin_seconds"], slot_bytes=engine_stats["slot_bytes"],
-                          num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],
-                          bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],
-                          prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"],
-                          shared_bytes=pool_stats["shared_bytes"], shared_owned_bytes=pool_stats["shared_owned_bytes"],
-                          shared_by=self.share.shared_by if self.share is not None else 0,
-                          shared_owner=self.share is not None and self.share.owner)
-        else:
-            # torch's caching host allocator rounds every pinned tensor up to a power of two.
-            pinned = 0
-            if self.device.type == "cuda":
-                pinned = sum(1 << max(int(t.untyped_storage().nbytes()) - 1, 0).bit_length()
-                             for state in self.states for t in state.cpu_named_parameters.values())
-            result.update(pinned_bytes=pinned, host_reserved_bytes=max(pinned, result["host_bytes"]),
-                          slot_bytes=0, num_slots=0)
-        return result
-
-    def __repr__(self) -> str:
-        return (f"<LayerwiseOffloadGroup {self.list_name}: {len(self.states)} of {len(self.blocks)} blocks offloaded "
-                f"to {self.device} by backend {self.backend!r}, prefetch_depth={self.prefetch_depth}>")
-
-
-def _weight_bytes(state: LayerwiseOffloadState) -> int:
-    if isinstance(state, ExtLayerwiseOffloadState):
-        if state.handle is None or state.engine.is_removed(state.handle):
-            return 0
-        return sum(v.numel() * v.element_size() for v in state.cpu_named_parameters.values())
-    return sum(v.numel() * v.element_size() for v in state.cpu_named_parameters.values())
-
-
-def get_offload_group(model: nn.Module) -> LayerwiseOffloadGroup | None:
-    """The offload set up on ``model`` by ``enable_layerwise_offload``, or None."""
-    return getattr(model, GROUP_ATTRIBUTE, None)
-
-
-def _resolve_device(device: str | torch.device | int | None) -> torch.device | None:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return None
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
-    if resolved.type == "cpu":
-        return torch.device("cpu")
-    if resolved.type != "cuda":
-        raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: layerwise offload moves "
-                         "weights between host memory and a CUDA device ('cpu' runs the same engine with the host as "
-                         "its device, for tests)")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device {str(device)!r} was asked for but CUDA is not available; pass device='cpu' to run "
-                           "the offload engine on the host, or None to skip offloading on machines without CUDA")
-    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
-    return torch.device("cuda", index)
-
-
-def _choose_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    ext_usable = _backend.ext_available() and (device.type == "cpu" or _backend.ext_has_cuda())
-    if backend == "ext":
-        _backend.require_ext()
-        if not ext_usable:
-            raise RuntimeError("fastoffload_ext: backend='ext' on a CUDA device needs the compiled core built with "
-                               "CUDA, but it was built CPU-only; rebuild with FASTOFFLOAD_CUDA=1 pip install "
-                               "--no-build-isolation . or use backend='python'")
-        return "ext"
-    if backend == "python":
-        return "python"
-    if not ext_usable:
-        logger.info("Layerwise offload uses the python backend: %s", _backend.REASON if not _backend.ext_available()
-                    else "the compiled core was built without CUDA")
-        return "python"
-    return "ext"
-
-
-def _find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            return name, child
-    return None
-
-
-def _check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList, first_offloaded: int) -> dict[int, str]:
-    owner: dict[int, str] = {}
-    for index in range(first_offloaded, len(blocks)):
-        for name, param in blocks[index].named_parameters():
-            where = f"{list_name}.{index}.{name}"
-            if id(param) in owner:
-                raise ValueError(f"parameter {where} is the same tensor as {owner[id(param)]}: tied weights across "
-                                 "offloaded blocks are not supported (offloading one would turn the other into a "
-                                 "placeholder). Untie them (clone one), or keep those blocks resident with "
-                                 "resident_blocks")
-            owner[id(param)] = where
-    offloaded = set(owner)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) not in offloaded:
-            continue
-        if name.startswith(f"{list_name}."):
-            index = int(name[len(list_name) + 1:].split(".", 1)[0])
-            if index >= first_offloaded:
-                continue
-        raise ValueError(f"parameter {name} is the same tensor as {owner[id(param)]}, which would be offloaded: "
-                         "weights tied between an offloaded block and the rest of the model are not supported. Untie "
-                         "them (clone one), or keep that block resident with resident_blocks")
-    return owner
-
-
-def _check_devices(blocks: list[nn.Module], offset: int, device: torch.device) -> None:
-    for index, block in enumerate(blocks):
-        for name, param in block.named_parameters():
-            if param.device.type == "meta":
-                raise ValueError(f"parameter {offset + index}.{name} is on the meta device and has no values to offload;"
-                                 " materialize the model first (e.g. to_empty(device=...) then load_state_dict)")
-            if param.device.type not in ("cpu", device.type) or (param.device.type == "cuda" and param.device != device):
-                raise ValueError(f"parameter {offset + index}.{name} is on {param.device}, but offload goes to {device}: "
-                                 f"move the model to the CPU or to {device} before enabling offload")
 
 
 def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resident_blocks: int | None = None,
@@ -324,130 +92,161 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
         was skipped because CUDA is not available and no device was given.
     """
-    resolved = _resolve_device(device)
+    resolved = resolve_device(device)
     if resolved is None:
         logger.warning("CUDA is not available. Layerwise offloading is disabled.")
         return None
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise ValueError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead), got {prefetch_depth!r}")
-    if not isinstance(cyclic, bool):
-        raise ValueError(f"cyclic must be True or False, got {cyclic!r}")
-    if pinned_limit_bytes is not None and (isinstance(pinned_limit_bytes, bool) or not isinstance(pinned_limit_bytes, int)
-                                           or pinned_limit_bytes < 0):
-        raise ValueError(f"pinned_limit_bytes must be None or an integer >= 0 (bytes), got {pinned_limit_bytes!r}")
-    if pin_backing is not None and pin_backing not in PIN_BACKINGS:
-        raise ValueError(f"pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got {pin_backing!r}")
-    found = _find_block_list(model)
-    if found is None:
-        raise ValueError("No nn.ModuleList found in the model for layerwise offloading.")
-    list_name, blocks = found
-    n_resident = 0 if resident_blocks is None else resident_blocks
-    if isinstance(n_resident, bool) or not isinstance(n_resident, int) or not 0 <= n_resident <= len(blocks):
-        raise ValueError(f"resident_blocks must be an integer between 0 and the {len(blocks)} blocks of "
-                         f"{list_name!r}, got {resident_blocks!r}")
-    chosen = _choose_backend(backend, resolved)
-    sharing.resolve(share_host_copy, chosen, process_group)  # argument errors before anything changes
+    options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
+                                 cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
+                                 pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
+                                 pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
+                                 process_group=process_group)
+    _check_model(model, options)
+    offloaded = options.offloaded
+    was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
+    engine = _build_engine(options)
+    group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
+                                  options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+    group.share = _negotiate_sharing(options, engine)
+    _attach_blocks(group, options)
+    _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
+    _finish(model, group, options, was_on_cuda)
+    return group
 
+
+def _check_model(model: nn.Module, options: OffloadOptions) -> None:
+    """Refusals that depend on the model: an offload already there (or none to replace), devices, ties."""
+    blocks, resident = options.blocks, options.resident_blocks
     existing = get_offload_group(model)
-    if is_replace:
-        first = blocks[n_resident] if n_resident < len(blocks) else None
+    if options.is_replace:
+        first = blocks[resident] if resident < len(blocks) else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
-            raise AssertionError(f"Expect hook exists in {list_name} for replacement.")
+            # FastVideo's exception and text: its callers catch and match them.
+            raise AssertionError(f"Expect hook exists in {options.list_name} for replacement.")
         if existing is not None:
             disable_layerwise_offload(model)
     elif existing is not None:
-        raise ValueError(f"layerwise offload is already enabled on this model ({existing!r}); call "
-                         "disable_layerwise_offload(model) first, or pass is_replace=True")
-
-    offloaded = list(blocks)[n_resident:]
+        raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
+                                 "disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
-    _check_devices(list(blocks), 0, resolved)
-    owner = _check_tied_parameters(model, list_name, blocks, n_resident)
+    check_devices(list(blocks), 0, options.device)
+    check_tied_parameters(model, options.list_name, blocks, resident)
 
-    engine = None
-    if chosen == "ext" and offloaded:
-        core = _backend.require_ext()
-        index = -1 if resolved.type == "cpu" else resolved.index
-        pool = core.PinnedPool(index, pin_backing or DEFAULT_PIN_BACKING, pinned_limit_bytes or 0, allow_pageable_fallback, 0)
-        engine = core.OffloadEngine(resolved, prefetch_depth + 1, pool)
-    group = LayerwiseOffloadGroup(model, list_name, blocks, resolved, chosen, prefetch_depth, n_resident, cyclic, engine)
-    group._owner = owner
-    # Collective (when sharing may happen): every rank gets here with the same blocks.
-    share = sharing.negotiate(share_host_copy, chosen, process_group, offloaded, list_name, n_resident) if engine else None
+
+def _build_engine(options: OffloadOptions) -> Any:
+    """The compiled core's engine and pinned pool (ext backend with blocks to offload), else None."""
+    if options.backend != "ext" or not options.offloaded:
+        return None
+    core = _backend.require_ext()
+    index = -1 if options.device.type == "cpu" else options.device.index
+    pool = core.PinnedPool(index, options.pin_backing, options.pinned_limit_bytes, options.allow_pageable_fallback, 0)
+    return core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+
+
+def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:
+    """Whether the ranks of this host share one host copy; a collective when sharing may happen."""
+    if engine is None:
+        return None
+    share = sharing.negotiate(options.share_host_copy, options.backend, options.process_group, options.offloaded,
+                              options.list_name, options.resident_blocks)
     if share is not None:
         share.pool = engine.pool
-        group.share = share
-    stream = torch.cuda.Stream(resolved) if (chosen == "python" and resolved.type == "cuda") else None
-    was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
+    return share
 
+
+def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
+    if group.engine is None:
+        return LayerwiseOffloadState(stream, group.device)
+    state = ExtLayerwiseOffloadState(group.engine, group.device)
+    share = group.share
+    if share is not None:
+        state.shared_segment = share.segment_name(len(group.states))
+        state.shared_owner = share.owner
+        state.shared_by = share.shared_by
+    return state
+
+
+def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cuda.Stream | None) -> LayerwiseOffloadHook:
+    """Hooks ``block`` (its state takes the weights) and moves its buffers to the device."""
+    group.original_devices.append(next((p.device for p in block.parameters()), group.device))
+    state = _new_state(group, stream)
+    hook = LayerwiseOffloadHook(state)
+    manager = ModuleHookManager.get_from_or_default(block)
+    if manager.get_forward_hook(hook.name()) is not None:
+        manager.replace_forward_hook(hook.name(), hook)
+    else:
+        manager.append_forward_hook(hook)
+    group.states.append(state)
+    # Buffers are not offloaded; they must be where the block runs.
+    for module in block.modules():
+        for key, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device != group.device:
+                setattr(module, key, buffer.to(group.device))
+    return hook
+
+
+def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:
+    """Attaches every offloaded block; on any error (Ctrl-C too) every block is as it was before."""
+    share = group.share
+    stream = torch.cuda.Stream(group.device) if (group.engine is None and group.device.type == "cuda") else None
     attached: list[tuple[nn.Module, LayerwiseOffloadHook]] = []
     block: nn.Module | None = None
     try:
         if share is not None:
             share.before_attach()  # other ranks wait here for the owner's packed copy
-        for block in offloaded:
-            group.original_devices.append(next((p.device for p in block.parameters()), resolved))
-            state = (ExtLayerwiseOffloadState(engine, resolved) if engine is not None
-                     else LayerwiseOffloadState(stream, resolved))
-            if share is not None:
-                state.shared_segment = share.segment_name(len(group.states))
-                state.shared_owner = share.owner
-                state.shared_by = share.shared_by
-            state._group = group  # type: ignore[attr-defined]
-            hook = LayerwiseOffloadHook(state)
-            manager = ModuleHookManager.get_from_or_default(block)
-            if manager.get_forward_hook(hook.name()) is not None:
-                manager.replace_forward_hook(hook.name(), hook)
-            else:
-                manager.append_forward_hook(hook)
-            attached.append((block, hook))
-            group.states.append(state)
-            # Buffers are not offloaded; they must be where the block runs.
-            for module in block.modules():
-                for key, buffer in module.named_buffers(recurse=False):
-                    if buffer is not None and buffer.device != resolved:
-                        setattr(module, key, buffer.to(resolved))
+        for block in options.offloaded:
+            attached.append((block, _attach_one(group, block, stream)))
         if share is not None:
             share.after_attach()  # every rank attached: the owner unlinks the names
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks
-        # The block whose attach failed kept its parameters (attaching is all-or-nothing per block),
-        # but may have been given a hook manager: take it off again.
-        failed = ModuleHookManager.get_from(block) if block is not None else None
-        if failed is not None and not failed.forward_hooks and all(block is not b for b, _ in attached):
-            ModuleHookManager.remove_from_manager(block)
-        for (block, hook), original in zip(attached, group.original_devices):
-            hook.detach_device = original
-            manager = ModuleHookManager.get_from(block)
-            if manager is not None and manager.get_forward_hook(hook.name()) is hook:
-                manager.remove_forward_hook(hook.name())
-                if not manager.forward_hooks:
-                    ModuleHookManager.remove_from_manager(block)
-        if engine is not None:
-            engine.close()
+        _roll_back(group, attached, block)
         raise
 
-    count = len(group.states)
-    for i, state in enumerate(group.states):
-        targets = []
+
+def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, LayerwiseOffloadHook]],
+               failed_block: nn.Module | None) -> None:
+    # The block whose attach failed kept its parameters (attaching is all-or-nothing per block),
+    # but may have been given a hook manager: take it off again.
+    failed = ModuleHookManager.get_from(failed_block) if failed_block is not None else None
+    if failed is not None and not failed.forward_hooks and all(failed_block is not b for b, _ in attached):
+        ModuleHookManager.remove_from_manager(failed_block)
+    for (block, hook), original in zip(attached, group.original_devices):
+        hook.detach_device = original
+        manager = ModuleHookManager.get_from(block)
+        if manager is not None and manager.get_forward_hook(hook.name()) is hook:
+            manager.remove_forward_hook(hook.name())
+            if not manager.forward_hooks:
+                ModuleHookManager.remove_from_manager(block)
+    if group.engine is not None:
+        group.engine.close()
+
+
+def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool) -> None:
+    """Each state prefetches the next ``prefetch_depth`` states (wrapping around when ``cyclic``)."""
+    count = len(states)
+    for i, state in enumerate(states):
+        targets: list[BlockOffloadState] = []
         for step in range(1, prefetch_depth + 1):
             if not cyclic and i + step >= count:
                 break
-            target = group.states[(i + step) % count]
+            target = states[(i + step) % count]
             if target not in targets:
                 targets.append(target)
         state.prefetch_targets = targets
         state.next_state = targets[0] if targets else None
 
-    for block in list(blocks)[:n_resident]:
-        block.to(resolved)
+
+def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions, was_on_cuda: bool) -> None:
+    """Resident blocks to the device, the group onto the model."""
+    for block in list(options.blocks)[:options.resident_blocks]:
+        block.to(options.device)
     setattr(model, GROUP_ATTRIBUTE, group)
-    if was_on_cuda and resolved.type == "cuda":
+    if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
     logger.info("Layerwise offload enabled: %r", group)
-    return group
 
 
 def disable_layerwise_offload(model: nn.Module, device: str | torch.device | None = None) -> None:
@@ -459,7 +258,7 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
     """
     group = get_offload_group(model)
     if group is None:
-        raise ValueError("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")
+        raise OffloadConfigError("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")
     target = group.device if device is None else torch.device(device)
     for state in group.states:
         block = state.module_ref
@@ -486,6 +285,10 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
 
 
 __all__ = [
+    "BACKENDS",
+    "DEFAULT_PIN_BACKING",
+    "GROUP_ATTRIBUTE",
+    "PIN_BACKINGS",
     "LayerwiseOffloadGroup",
     "LayerwiseOffloadHook",
     "LayerwiseOffloadState",

@@ -52,11 +52,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
+from fastoffload_ext.errors import OffloadConfigError
+
 logger = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "fastoffload-"
-SHARED_MUTATION_ERROR = ("fastoffload: mutate_params_scope() is refused on this block: the host copy is shared by {n} "
-                         "ranks of this host; mutate before enabling offload, or enable with share_host_copy=False")
 # Values sampled per parameter for the fingerprint: enough to tell different seeds, tensor-parallel shards
 # or a per-rank adapter apart, cheap enough for thousands of parameters.
 FINGERPRINT_SAMPLES = 64
@@ -228,7 +228,7 @@ class HostShare:
 def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bool | None:
     """Validates ``share_host_copy``; True/False when decided now, None when "auto" needs the gather."""
     if not (share_host_copy is True or share_host_copy is False or share_host_copy == "auto"):
-        raise ValueError(f"share_host_copy must be True, False or 'auto', got {share_host_copy!r}")
+        raise OffloadConfigError(f"share_host_copy must be True, False or 'auto', got {share_host_copy!r}")
     if share_host_copy is False:
         return False
     import torch.distributed as dist
@@ -311,13 +311,15 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
                                        for r, (d, _) in sorted(differences.items()))
                            + "). Build the same model on every rank, or enable with share_host_copy=False")
 
+    from fastoffload_ext import _backend
+
+    core = _backend.require_ext()
     owner = owners[mine["host"]]
-    share = HostShare(group, rank, owner["rank"], local_ranks, f"/{SEGMENT_PREFIX}{owner['pid']}-{owner['token']}",
+    # The compiled core checks every segment name against its prefix: take the prefix from there.
+    share = HostShare(group, rank, owner["rank"], local_ranks, f"/{core.SEGMENT_PREFIX}{owner['pid']}-{owner['token']}",
                       len(blocks))
     if share.owner:
-        from fastoffload_ext import _backend
-
-        removed = _backend.require_ext().sweep_stale_segments()
+        removed = core.sweep_stale_segments()
         if removed:
             logger.info("fastoffload: removed %d stale shared segment(s) of dead processes from /dev/shm", removed)
         _PENDING[share.prefix] = len(blocks)

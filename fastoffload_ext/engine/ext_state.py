@@ -1,0 +1,115 @@
+"""The ``"ext"`` backend: one block is one handle into the compiled core's ``OffloadEngine``.
+
+Acquire, prefetch and release are one engine call each; the engine packs the block into one pinned
+region, copies it with one transfer into a static device slot and rebinds the parameters in C++.
+
+Differences from the python backend, each tested:
+- A grad-recording forward through an offloaded block whose parameters require grad is refused by
+  the engine (the device copy would be overwritten by a later block before backward could use it).
+- Under ``share_host_copy`` (see sharing.py) ``mutate_params_scope`` is refused with
+  ``messages.SHARED_MUTATION_ERROR``: the host copy belongs to every rank of the host.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
+from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.errors import OffloadStateError
+
+__all__ = ["ExtLayerwiseOffloadState"]
+
+
+class ExtLayerwiseOffloadState:
+    """Offload state of one block over the compiled core (backend ``"ext"``)."""
+
+    backend = "ext"
+
+    def __init__(self, engine: Any, device: torch.device, next_state: BlockOffloadState | None = None) -> None:
+        self.engine = engine
+        self.device: torch.device = torch.device(device)
+        self.next_state = next_state
+        self.prefetch_targets: list[BlockOffloadState] = [] if next_state is None else [next_state]
+        self.module_ref: nn.Module = None  # type: ignore[assignment]
+        self.handle: int | None = None
+        self.param_names: list[str] = []
+        # Set by enable_layerwise_offload when the ranks of this host share one host copy (sharing.py):
+        # the segment of this block, whether this process owns (packs) it, how many ranks map it.
+        self.shared_segment: str | None = None
+        self.shared_owner = False
+        self.shared_by = 0
+
+    def _attached(self) -> bool:
+        return self.handle is not None and not self.engine.is_removed(self.handle)
+
+    @torch.compiler.disable
+    def on_init(self, module: nn.Module) -> None:
+        self.module_ref = module
+        named = list(module.named_parameters())
+        self.param_names = [name for name, _ in named]
+        params = [p for _, p in named]
+        if self.shared_segment is not None:
+            self.handle = self.engine.add_block_shared(self.param_names, params, self.shared_segment, self.shared_owner)
+        else:
+            self.handle = self.engine.add_block(self.param_names, params)
+
+    # The seed exposes these dicts; here they are computed on demand (never on the hot path).
+    @property
+    def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
+        if not self._attached():
+            return {}
+        return {name: self.engine.host_view(self.handle, j) for j, name in enumerate(self.param_names)}
+
+    @property
+    def gpu_named_parameters(self) -> dict[str, torch.Tensor]:
+        if not self._attached() or self.engine.slot_of(self.handle) < 0:
+            return {}
+        params = dict(self.module_ref.named_parameters())
+        return {name: params[name].data for name in self.param_names if name in params}
+
+    def acquire(self) -> None:
+        self.engine.acquire(self.handle)
+
+    def prefetch(self) -> None:
+        self.engine.prefetch(self.handle)
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.engine.release(self.handle)
+
+    @torch.compiler.disable
+    def wait_and_replace_params(self) -> None:
+        self.acquire()
+
+    @torch.compiler.disable
+    def prefetch_params(self) -> None:
+        self.prefetch()
+
+    @torch.compiler.disable
+    def release_gpu_params(self) -> None:
+        self.release()
+
+    def begin_mutation(self) -> None:
+        if self.shared_segment is not None:
+            # One rank's LoRA merge would change every rank's weights under them (or, repacked
+            # privately, silently diverge from them): refused, see sharing.py.
+            raise OffloadStateError(SHARED_MUTATION_ERROR.format(n=self.shared_by))
+        self.engine.materialize(self.handle)
+
+    def end_mutation(self) -> None:
+        named = list(self.module_ref.named_parameters())
+        self.param_names = [name for name, _ in named]
+        self.engine.repack(self.handle, self.param_names, [p for _, p in named])
+
+    def restore(self, module: nn.Module, device: torch.device) -> None:
+        if self._attached():
+            self.engine.restore(self.handle, device)
+
+    def host_bytes(self) -> int:
+        return int(self.engine.block_bytes(self.handle)) if self._attached() else 0
+
+    def weight_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.cpu_named_parameters.values())

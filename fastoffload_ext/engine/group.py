@@ -1,0 +1,78 @@
+"""What ``enable_layerwise_offload`` set up on one model, kept on the model as one attribute."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine import sharing
+from fastoffload_ext.engine.state import BlockOffloadState
+
+__all__ = ["GROUP_ATTRIBUTE", "LayerwiseOffloadGroup", "get_offload_group"]
+
+GROUP_ATTRIBUTE = "_fastoffload_group"
+
+
+class LayerwiseOffloadGroup:
+    """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
+
+    def __init__(self, model: nn.Module, list_name: str, blocks: nn.ModuleList, device: torch.device, backend: str,
+                 prefetch_depth: int, resident_blocks: int, cyclic: bool, engine: Any = None) -> None:
+        self.model_ref = model
+        self.list_name = list_name
+        self.blocks = blocks
+        self.device = device
+        self.backend = backend
+        self.prefetch_depth = prefetch_depth
+        self.resident_blocks = resident_blocks
+        self.cyclic = cyclic
+        self.engine = engine
+        self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
+        self.states: list[BlockOffloadState] = []
+        self.original_devices: list[torch.device] = []
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counters of this offload, for logs and benchmarks."""
+        result: dict[str, Any] = {
+            "backend": self.backend,
+            "device": str(self.device),
+            "blocks": len(self.blocks),
+            "offloaded_blocks": len(self.states),
+            "resident_blocks": self.resident_blocks,
+            "prefetch_depth": self.prefetch_depth,
+            "cyclic": self.cyclic,
+            "weight_bytes": sum(state.weight_bytes() for state in self.states),
+            "host_bytes": sum(state.host_bytes() for state in self.states),
+        }
+        result.update(self._engine_stats() if self.engine is not None else self._python_stats(result["host_bytes"]))
+        return result
+
+    def _engine_stats(self) -> dict[str, Any]:
+        engine_stats = dict(self.engine.stats())
+        pool_stats = dict(self.engine.pool.stats())
+        return dict(pinned_bytes=pool_stats["pinned_bytes"], host_reserved_bytes=pool_stats["reserved_bytes"],
+                    pin_seconds=pool_stats["pin_seconds"], slot_bytes=engine_stats["slot_bytes"],
+                    num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],
+                    bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],
+                    prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"],
+                    shared_bytes=pool_stats["shared_bytes"], shared_owned_bytes=pool_stats["shared_owned_bytes"],
+                    shared_by=self.share.shared_by if self.share is not None else 0,
+                    shared_owner=self.share is not None and self.share.owner)
+
+    def _python_stats(self, host_bytes: int) -> dict[str, Any]:
+        # torch's caching host allocator rounds every pinned tensor up to a power of two.
+        pinned = 0
+        if self.device.type == "cuda":
+            pinned = sum(1 << max(int(t.untyped_storage().nbytes()) - 1, 0).bit_length()
+                         for state in self.states for t in state.cpu_named_parameters.values())
+        return dict(pinned_bytes=pinned, host_reserved_bytes=max(pinned, host_bytes), slot_bytes=0, num_slots=0)
+
+    def __repr__(self) -> str:
+        return (f"<LayerwiseOffloadGroup {self.list_name}: {len(self.states)} of {len(self.blocks)} blocks offloaded "
+                f"to {self.device} by backend {self.backend!r}, prefetch_depth={self.prefetch_depth}>")
+
+
+def get_offload_group(model: nn.Module) -> LayerwiseOffloadGroup | None:
+    """The offload set up on ``model`` by ``enable_layerwise_offload``, or None."""
+    return getattr(model, GROUP_ATTRIBUTE, None)

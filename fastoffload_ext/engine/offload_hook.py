@@ -1,0 +1,68 @@
+"""The forward hook that moves one block's weights: acquire before its forward, release after."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine.hooks import ForwardHook
+from fastoffload_ext.engine.state import BlockOffloadState
+
+__all__ = ["LayerwiseOffloadHook"]
+
+
+class LayerwiseOffloadHook(ForwardHook):
+    """Loads a block's weights before its forward and drops them after (FastVideo's hook)."""
+
+    def __init__(self, state: BlockOffloadState) -> None:
+        self.state = state
+        self.detach_device: torch.device | None = None  # where on_detach puts the parameters
+
+    @classmethod
+    def name(cls) -> str:
+        return "LayerwiseOffloadHook"
+
+    def on_attach(self, module: nn.Module) -> None:
+        self.state.on_init(module)
+
+    def on_detach(self, module: nn.Module) -> None:
+        device = self.detach_device if self.detach_device is not None else self.state.device
+        self.state.restore(module, device)
+
+    # The entry points are compiler boundaries: torch.compile must not trace into host-side weight
+    # movement (stream waits, copies, rebinding). Without the boundary dynamo would break the graph
+    # inside the hook once per block per step, fragmenting a compiled block and blocking CUDA-graph
+    # capture; with it, the hook is one opaque eager call and the block body stays one region.
+    @torch.compiler.disable
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        state = self.state
+        state.acquire()
+        try:
+            for target in state.prefetch_targets:
+                target.prefetch()
+        except BaseException:
+            state.release()  # the manager only cleans up hooks whose pre_forward completed
+            raise
+        return args, kwargs
+
+    @torch.compiler.disable
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self.state.release()
+        return output
+
+    @contextlib.contextmanager
+    def mutate_params_scope(self) -> Iterator[None]:
+        """The block's weights are on the device, as ordinary tensors, for the whole scope.
+
+        Change them in place (LoRA merge) or replace submodules (adapter conversion adds parameters):
+        on exit, the host copy is rebuilt from whatever parameters the block has then, and offload
+        resumes. The rebuild also runs when the scope exits with an exception.
+        """
+        self.state.begin_mutation()
+        try:
+            yield
+        finally:
+            self.state.end_mutation()

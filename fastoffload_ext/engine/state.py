@@ -1,0 +1,79 @@
+"""The contract between the offload hook and a block's offload state, and helpers both backends use.
+
+A state owns one block's weights while it is offloaded. The hook drives it through
+:class:`BlockOffloadState`: ``acquire`` before the block runs, ``prefetch`` on the blocks that run next,
+``release`` after it ran; ``begin_mutation``/``end_mutation`` around ``mutate_params_scope``; ``restore``
+at detach. Two implementations, with bit-identical results: ``python_state.LayerwiseOffloadState``
+(FastVideo's algorithm) and ``ext_state.ExtLayerwiseOffloadState`` (the compiled core).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = ["BlockOffloadState", "real_copy", "tensor_placeholder"]
+
+
+@runtime_checkable
+class BlockOffloadState(Protocol):
+    """What the hook and the offload group need from one block's state."""
+
+    backend: str
+    device: torch.device
+    module_ref: nn.Module
+    next_state: BlockOffloadState | None
+    # The states this block prefetches when it starts (next_state first); prefetch_depth long.
+    prefetch_targets: list[BlockOffloadState]
+
+    @property
+    def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
+        """The host copy of each offloaded parameter, by name (the seed's attribute)."""
+
+    def on_init(self, module: nn.Module) -> None:
+        """Takes ``module``'s parameters into host memory; each becomes a placeholder."""
+
+    def acquire(self) -> None:
+        """The block is about to run: its parameters hold their values on the device."""
+
+    def prefetch(self) -> None:
+        """Starts copying the block to the device ahead of its acquire (a no-op when loaded)."""
+
+    def release(self) -> None:
+        """The block ran: its parameters become placeholders again (a no-op when not loaded)."""
+
+    def begin_mutation(self) -> None:
+        """``mutate_params_scope`` starts: the parameters become ordinary device tensors."""
+
+    def end_mutation(self) -> None:
+        """``mutate_params_scope`` ends: the host copy is rebuilt from the block's parameters now."""
+
+    def restore(self, module: nn.Module, device: torch.device) -> None:
+        """Every parameter back as a real tensor on ``device`` with its current values."""
+
+    def host_bytes(self) -> int:
+        """Host memory held for this block."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of the block's offloaded parameters (0 once restored)."""
+
+    # The seed's names for acquire, prefetch and release.
+    def wait_and_replace_params(self) -> None: ...
+
+    def prefetch_params(self) -> None: ...
+
+    def release_gpu_params(self) -> None: ...
+
+
+def tensor_placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor of the same rank and dtype on ``device`` (rank 0 becomes shape (0,))."""
+    shape = (0,) * max(tensor.ndim, 1)
+    return torch.empty(shape, device=device, dtype=tensor.dtype)
+
+
+def real_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device`` that shares memory with nothing."""
+    copy = torch.empty_like(tensor, device=device)
+    copy.copy_(tensor)
+    return copy
