@@ -8,6 +8,12 @@ stream; after it runs its weights are dropped again. The last block prefetches t
 so the next denoising step starts warm. It is a drop-in for FastVideo's
 ``fastvideo.hooks.layerwise_offload``: same names, same hook name, same callers.
 
+Models with several block lists (Flux: ``transformer_blocks`` then ``single_transformer_blocks``;
+HunyuanVideo: ``double_blocks`` then ``single_blocks``) opt in with ``block_lists="all"`` or a list of
+attribute names: the blocks of every listed list form one ring in execution order, so prefetch
+crosses from the last block of one list to the first of the next. The default stays FastVideo's
+first list.
+
 Two backends do the moving, with bit-identical results:
 - ``"ext"``: the compiled core. One packed pinned region per block, one copy per block into static
   device slots, event-ordered reuse, parameter rebinding in C++.
@@ -35,6 +41,7 @@ would silently turn the other into a placeholder).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,7 +68,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None) -> LayerwiseOffloadGroup | None:
+                             process_group: Any = None,
+                             block_lists: str | Sequence[str] | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -87,6 +95,13 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             process. When sharing may happen this call is a collective: every rank of the group must
             make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
         process_group: the group whose ranks share (default: the default group).
+        block_lists: which direct-child ``nn.ModuleList``s to offload. None (default): the first one,
+            FastVideo's rule. ``"all"``: every non-empty one, in registration order (Flux and
+            HunyuanVideo: double-stream then single-stream blocks). A list of attribute names: those,
+            in the order given, which must be the order the forward runs them in. The blocks of all
+            lists form one ring: the last block of a list prefetches the first of the next, the last
+            of the last list the first of the first (``cyclic``); ``resident_blocks`` counts from the
+            start of the ring.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -100,13 +115,14 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                                  cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                  pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                  pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group)
+                                 process_group=process_group, block_lists=block_lists)
     _check_model(model, options)
     offloaded = options.offloaded
     was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
     engine = _build_engine(options)
     group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
                                   options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+    group.list_names = [name for name, _ in options.lists] or [options.list_name]
     group.share = _negotiate_sharing(options, engine)
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
@@ -131,7 +147,12 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device)
-    check_tied_parameters(model, options.list_name, blocks, resident)
+    offset = 0
+    # Per list, with the ring's resident count split across them: a weight tied to a block of
+    # another list is outside this list's prefix, so ties across lists are refused too.
+    for list_name, one_list in options.lists or ((options.list_name, blocks),):
+        check_tied_parameters(model, list_name, one_list, min(max(resident - offset, 0), len(one_list)))
+        offset += len(one_list)
 
 
 def _build_engine(options: OffloadOptions) -> Any:

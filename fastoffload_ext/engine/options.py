@@ -15,7 +15,7 @@ from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.model_checks import find_block_list
+from fastoffload_ext.engine.model_checks import find_block_lists
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -37,8 +37,8 @@ class OffloadOptions:
 
     device: torch.device
     backend: str  # "ext" or "python": "auto" is decided here
-    list_name: str
-    blocks: nn.ModuleList
+    list_name: str  # the lists' names joined by "+" when there are several
+    blocks: nn.ModuleList  # every block of every list, in ring order
     resident_blocks: int
     prefetch_depth: int
     cyclic: bool
@@ -48,6 +48,7 @@ class OffloadOptions:
     pinned_limit_bytes: int  # 0: no limit
     share_host_copy: bool | str
     process_group: Any
+    lists: tuple[tuple[str, nn.ModuleList], ...] = ()  # (attribute name, list) in ring order
 
     @property
     def offloaded(self) -> list[nn.Module]:
@@ -132,10 +133,12 @@ def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.Modul
 
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
-                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any) -> OffloadOptions:
+                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
+                       block_lists: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises."""
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
-    list_name, blocks = find_block_list(model)
+    lists = find_block_lists(model, block_lists)
+    list_name, blocks = lists[0] if len(lists) == 1 else _ring(lists)
     resident = check_resident_blocks(resident_blocks, list_name, blocks)
     chosen = choose_backend(backend, device)
     sharing.resolve(share_host_copy, chosen, process_group)
@@ -143,4 +146,9 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                           prefetch_depth=prefetch_depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group)
+                          process_group=process_group, lists=tuple(lists))
+
+
+def _ring(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.ModuleList]:
+    """Several lists as one: the ring is every block in order. The container is not put on the model."""
+    return "+".join(name for name, _ in lists), nn.ModuleList(block for _, blocks in lists for block in blocks)

@@ -116,7 +116,7 @@ def guard_device_moves(model: nn.Module) -> None:
 def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
     """Everything outside the offloaded block list goes to the offload device (the blocks' buffers already did)."""
     for name, child in model.named_children():
-        if child is not group.blocks:
+        if name not in group.list_names:
             child.to(group.device)
     for key, param in model.named_parameters(recurse=False):
         param.data = param.data.to(group.device)
