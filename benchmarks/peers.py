@@ -26,7 +26,9 @@ import importlib.util
 import io
 import os
 import sys
+import tempfile
 import types
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,11 +62,24 @@ class Peer:
 
 
 def _add_wheels(package: str) -> None:
-    if importlib.util.find_spec(package) is not None:
+    """Puts ``package`` on sys.path from ``.whl/`` when pip did not install it.
+
+    The archive is unpacked next to it first: zipimport cannot import namespace packages (directories
+    without ``__init__.py``), and SGLang's runtime tree is made of them.
+    """
+    if _importable(package):
         return
-    for wheel in sorted(glob.glob(str(WHEEL_DIR / f"{package}-*.whl"))):
-        if wheel not in sys.path:
-            sys.path.append(wheel)
+    archives = sorted(glob.glob(str(WHEEL_DIR / f"{package}-*.whl")) + glob.glob(str(WHEEL_DIR / f"{package}-*.zip")))
+    for archive in archives:
+        # Outside the repository: the checkout travels to the GPU machine, the unpacked tree need not.
+        target = Path(tempfile.gettempdir()) / "fastoffload-peers" / Path(archive).stem
+        if not (target / package).is_dir():
+            with zipfile.ZipFile(archive) as opened:
+                opened.extractall(target)
+        if str(target) not in sys.path:
+            sys.path.append(str(target))
+        importlib.invalidate_caches()
+        return
 
 
 def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *,
