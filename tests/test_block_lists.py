@@ -187,3 +187,49 @@ def test_diffusers_flux_with_all_lists_is_bit_exact(device: str, backend: str) -
         expected = reference(**inputs).sample
         for _ in range(2):
             assert torch.equal(model(**inputs).sample, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefetch_depth", [1, 2])
+def test_flux_all_lists_gpu_weights_stay_within_the_slots(prefetch_depth: int) -> None:
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
+    config = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
+                  num_attention_heads=8, joint_attention_dim=256, pooled_projection_dim=128, axes_dims_rope=(16, 56, 56))
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return diffusers.FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
+
+    inputs = {name: (t.to(torch.bfloat16) if t.is_floating_point() and not name.endswith("_ids") else t).cuda()
+              for name, t in _flux_inputs("cpu").items()}
+    inputs["hidden_states"] = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1)).to("cuda",
+                                                                                                       torch.bfloat16)
+    inputs["encoder_hidden_states"] = torch.randn(1, 8, 256).to("cuda", torch.bfloat16)
+    inputs["pooled_projections"] = torch.randn(1, 128).to("cuda", torch.bfloat16)
+    model = build()
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reference = build().cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        expected = reference(**inputs, return_dict=False)[0]
+    activations = max(torch.cuda.max_memory_allocated() - all_bytes, 0)  # the output included
+    del reference
+    torch.cuda.empty_cache()
+
+    from fastoffload_ext.integrations.diffusers import offload_transformer
+
+    class Pipe:
+        transformer = model
+
+    offload_transformer(Pipe, device="cuda", backend="ext", block_lists="all", prefetch_depth=prefetch_depth)
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        output = model(**inputs, return_dict=False)[0]
+    torch.cuda.synchronize()
+    assert torch.equal(output, expected)
+    # Weights on the GPU: k+1 slots of the largest block (double-stream) and the modules outside the lists.
+    bound = (prefetch_depth + 1) * max(sizes) + (all_bytes - sum(sizes)) + activations + 16 * 1024**2
+    assert torch.cuda.max_memory_allocated() <= bound
