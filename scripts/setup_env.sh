@@ -28,7 +28,8 @@ fi
 # must match the installed torch (0.N+15 for torch 2.N) or pip would replace torch. Offline machines install
 # from .whl/ (see benchmarks/models.py) when it is there. FASTOFFLOAD_SKIP_INTEGRATIONS=1 skips all of it.
 if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
-  wheels=(); [ -d .whl ] && wheels=(--find-links .whl)
+  # An offline machine has the wheels in .whl/; asking the index there would only time out.
+  wheels=(); [ -d .whl ] && wheels=(--no-index --find-links .whl)
   if ! have diffusers || ! have transformers || ! have accelerate; then
     pip_install "${wheels[@]}" diffusers transformers accelerate sentencepiece \
       || echo "setup: could not install diffusers/transformers (offline?); their tests skip" >&2
