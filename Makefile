@@ -6,7 +6,7 @@ TEST_ARGS ?=
 
 .PHONY: bench test setup
 setup:
-	PYTHON=$(PYTHON) EXTRA_MODULES="matplotlib:matplotlib tqdm:tqdm psutil:psutil" bash scripts/setup_env.sh
+	PYTHON=$(PYTHON) EXTRA_MODULES="matplotlib:matplotlib tqdm:tqdm" bash scripts/setup_env.sh
 
 bench: setup
 	$(PYTHON) -m benchmarks $(BENCH_ARGS)

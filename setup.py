@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,18 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = "fastoffload_ext"
-VERSION = "0.1.0"
+
+
+def read_version() -> str:
+    """The package version, written once in fastoffload_ext/__init__.py (pyproject.toml reads it too)."""
+    text = (ROOT / PACKAGE / "__init__.py").read_text()
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if found is None:
+        sys.exit(f"fastoffload_ext: no __version__ = \"...\" line in {PACKAGE}/__init__.py")
+    return found.group(1)
+
+
+VERSION = read_version()
 
 try:
     import torch
@@ -159,14 +171,12 @@ def main() -> None:
             (ROOT / PACKAGE / "_build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
             super().run()
 
+    # name, version, dependencies and python_requires come from pyproject.toml's [project] table.
     setup(
-        name=PACKAGE,
-        version=VERSION,
         packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
         package_data={PACKAGE: ["py.typed", "_build_info.json", "_C.pyi"]},
         ext_modules=[extension],
         cmdclass={"build_ext": BuildWithRecord},
-        python_requires=">=3.10",
         zip_safe=False,
     )
 

@@ -8,7 +8,7 @@ Sources, each one allocation sliced for every size (so every size copies from th
 - pageable torch memory; and D2H into torch pinned and into pool memory.
 
 The 1 GiB torch-pinned H2D figure is this run's ``peak``, the denominator of every floor in the
-forward section (docs/DESIGN.md section 4). Copies are ``copy_(non_blocking=True)`` on the current stream,
+forward section (docs/DESIGN.md, "Workloads and targets": the floor). Copies are ``copy_(non_blocking=True)`` on the current stream,
 timed with CUDA events, median of >= 5 after warm-up.
 
 Pinning: wall time of one fresh allocation of PIN_SIZE through each path, in ms per GiB (fresh

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.forward import peak_h2d_gbps
-from benchmarks.utils import GB, Column, Context, Table, median, offload_api
+from benchmarks.utils import GB, Column, Context, Table, median
 from benchmarks.workloads import Workload, move_non_block_modules, stack_workload
 
 TITLE = "compile: W1-W4 with regional torch.compile, offloaded vs eager, and reduce-overhead on W3"
@@ -82,7 +82,8 @@ def run(ctx: Context) -> None:
 
 
 def run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
-    enable, disable = offload_api()
+    from fastoffload_ext import disable_layerwise_offload as disable
+    from fastoffload_ext import enable_layerwise_offload as enable
     device = ctx.device
     host_model = workload.build_host()
     x = workload.make_inputs(device)[0]

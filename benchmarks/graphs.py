@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.forward import peak_h2d_gbps
-from benchmarks.utils import GB, Column, Context, Table, median, offload_api, summary
+from benchmarks.utils import GB, Column, Context, Table, median, summary
 from benchmarks.workloads import move_non_block_modules, stack_workload
 
 TITLE = "graphs: offloaded forward captured in a CUDA graph (W3), vs eager and the floor"
@@ -42,7 +42,8 @@ def run(ctx: Context) -> None:
         for variant in variants:
             ctx.skip("graphs", {"workload": "W3", "variant": variant}, "needs a CUDA GPU (graph capture)")
         return
-    enable, disable = offload_api()
+    from fastoffload_ext import disable_layerwise_offload as disable
+    from fastoffload_ext import enable_layerwise_offload as enable
     from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
 
     ctx.progress.add(len(variants))

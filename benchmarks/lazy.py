@@ -23,8 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.utils import Column, Context, MiB, Table, free_memory, module_bytes, offload_api, try_import
+from benchmarks.utils import Column, Context, MiB, Table, free_memory, module_bytes
 from benchmarks.workloads import DTYPE, StackSpec, build_stack, build_stack_on_host
+from fastoffload_ext import enable_layerwise_offload
+from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
+from fastoffload_ext.pipeline.schedule import ReleaseSchedule
 
 TITLE = "lazy: peak memory of a 3-component pipeline, eager vs lazy"
 
@@ -59,15 +62,6 @@ DENOISE_STEPS = 4
 
 
 def run(ctx: Context) -> None:
-    lazy_module, reason = try_import("fastoffload_ext.pipeline.lazy")
-    if lazy_module is None:
-        ctx.note(reason)
-        ctx.skip("lazy", {"variant": "all"}, reason)
-        return
-    LazyModule = lazy_module.LazyModule
-    schedule_module, schedule_reason = try_import("fastoffload_ext.pipeline.schedule")
-    if schedule_module is None:
-        ctx.note(f"{schedule_reason}: releasing by hand after each component's last stage")
     specs = COMPONENTS_GPU if ctx.cuda else COMPONENTS_CPU
     device = ctx.device
     inputs = _inputs(specs, device)
@@ -86,9 +80,9 @@ def run(ctx: Context) -> None:
         def live_bytes() -> int:
             total = 0
             for value in components.values():
-                if lazy_module.is_lazy_module(value) and not value.is_materialized:
+                if is_lazy_module(value) and not value.is_materialized:
                     continue
-                real = value.materialize() if lazy_module.is_lazy_module(value) else value
+                real = value.materialize() if is_lazy_module(value) else value
                 total += module_bytes(real)
             return total
 
@@ -142,50 +136,32 @@ def run(ctx: Context) -> None:
 
     def lazy() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
         components = {name: LazyModule(name, loader(name)) for name in specs}
-        return components, _releaser(schedule_module, components)
+        return components, _releaser(components)
 
     variant("eager", eager)
     variant("lazy", lazy)
 
-    try:
-        enable, _ = offload_api()
-    except ImportError as error:
-        ctx.skip("lazy", {"variant": "lazy + layerwise transformer"}, str(error))
-        ctx.progress.finish()
-    else:
-        def lazy_offloaded() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
-            def load_transformer() -> nn.Module:
-                model = build_stack_on_host(specs["transformer"], seed=len("transformer"))
-                group = enable(model, device=device, prefetch_depth=ctx.options.prefetch_depth)
-                if group is None:
-                    raise RuntimeError("enable_layerwise_offload returned None")
-                return model
+    def lazy_offloaded() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
+        def load_transformer() -> nn.Module:
+            model = build_stack_on_host(specs["transformer"], seed=len("transformer"))
+            group = enable_layerwise_offload(model, device=device, prefetch_depth=ctx.options.prefetch_depth)
+            if group is None:
+                raise RuntimeError("enable_layerwise_offload returned None")
+            return model
 
-            components = {name: LazyModule(name, loader(name)) for name in specs if name != "transformer"}
-            components["transformer"] = LazyModule("transformer", load_transformer)
-            return components, _releaser(schedule_module, components)
+        components = {name: LazyModule(name, loader(name)) for name in specs if name != "transformer"}
+        components["transformer"] = LazyModule("transformer", load_transformer)
+        return components, _releaser(components)
 
-        variant("lazy + layerwise transformer", lazy_offloaded)
+    variant("lazy + layerwise transformer", lazy_offloaded)
     ctx.note("peak live weights: bytes of the parameters of loaded components at each stage boundary (an "
              "offloaded transformer's placeholders count 0); peak GPU: max_memory_allocated over the run, above "
              "what was allocated before it")
 
 
-def _releaser(schedule_module: Any, components: dict[str, Any]) -> Callable[[str], list[str]]:
-    if schedule_module is not None:
-        schedule = schedule_module.ReleaseSchedule.from_stages(STAGES)
-        return lambda stage: schedule.release_after(stage, components)
-    # Fallback while fastoffload_ext.pipeline.schedule is missing: the last (only) user of each component.
-    last_use = {component: stage for stage, uses in STAGES for component in uses}
-
-    def release(stage: str) -> list[str]:
-        released = []
-        for component, last in last_use.items():
-            if last == stage and components[component].release():
-                released.append(component)
-        return released
-
-    return release
+def _releaser(components: dict[str, Any]) -> Callable[[str], list[str]]:
+    schedule = ReleaseSchedule.from_stages(STAGES)
+    return lambda stage: schedule.release_after(stage, components)
 
 
 def _inputs(specs: dict[str, StackSpec], device: torch.device) -> dict[str, torch.Tensor]:

@@ -3,9 +3,9 @@
 What is timed is exactly the per-block work of one step, with no compute around it: for every block
 of an L-block model, ``hook.pre_forward(block)`` (acquire its weights, issue the prefetch of the next
 block) then ``hook.post_forward(block, None)`` (release). The loop is timed with
-``time.perf_counter_ns`` on the host; device work it queues is drained after each timed run, outside
-the clock, so the figure is what the Python thread pays — the cost that, on W3, decides whether the
-copy or the CPU sets the pace. docs/DESIGN.md's target: <= 20 us + 0.3 us per parameter.
+``torch.utils.benchmark.Timer`` on a host clock (``benchmarks.utils.time_host_runs_ns``); device work
+it queues is drained after each timed run, outside the clock, so the figure is what the Python thread pays — the cost that, on W3, decides whether the
+copy or the CPU sets the pace. docs/DESIGN.md ("Workloads and targets"): <= 20 us + 0.3 us per parameter.
 
 Parameter counts 4, 16, 64, 136 (a W3 block: 4 Linears x 2 + 64 LayerNorms x 2) and 512
 (``--quick``: 4, 136, 512), each parameter a 128-byte bf16 tensor (the copy is not what is measured). On
@@ -13,13 +13,13 @@ the host the engine runs with ``device="cpu"``; on a GPU machine the same rows r
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
-from benchmarks.utils import Column, Context, Table, hook_manager_class, median, offload_api
+from benchmarks.utils import Column, Context, Table, median, time_host_runs_ns
+from fastoffload_ext import ModuleHookManager, disable_layerwise_offload, enable_layerwise_offload
 
 TITLE = "overhead: host cost per block per step (acquire + prefetch issue + release)"
 
@@ -69,13 +69,7 @@ def target_us(params: int) -> float:
 
 
 def run(ctx: Context) -> None:
-    try:
-        enable, disable = offload_api()
-        manager_class = hook_manager_class()
-    except ImportError as error:
-        ctx.note(str(error))
-        ctx.skip("overhead", {"device": "all", "backend": "all"}, str(error))
-        return
+    enable, disable, manager_class = enable_layerwise_offload, disable_layerwise_offload, ModuleHookManager
     devices = [torch.device("cpu")]
     if ctx.cuda:
         devices.append(ctx.device)
@@ -118,19 +112,10 @@ def run(ctx: Context) -> None:
                             step()
                         drain()
                         # Calibrate: enough steps that one timed run lasts about run_seconds.
-                        started = time.perf_counter()
-                        step()
-                        one = max(time.perf_counter() - started, 1e-6)
-                        drain()
+                        one = max(time_host_runs_ns(step, number=1, runs=1, between=drain)[0] / 1e9, 1e-6)
                         steps = max(1, min(10_000, int(run_seconds / one)))
-                        per_block_ns = []
-                        for _ in range(repeats):
-                            started_ns = time.perf_counter_ns()
-                            for _ in range(steps):
-                                step()
-                            elapsed = time.perf_counter_ns() - started_ns
-                            drain()
-                            per_block_ns.append(elapsed / (steps * len(blocks)))
+                        per_step_ns = time_host_runs_ns(step, number=steps, runs=repeats, between=drain)
+                        per_block_ns = [ns / len(blocks) for ns in per_step_ns]
                     us = median(per_block_ns) / 1e3
                     target = target_us(params)
                     stats = dict(group.stats())

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.utils import GiB, Column, Context, Table, gbps, median, read_proc_status
+from benchmarks.utils import GiB, Column, Context, Table, gbps, median, pss_bytes, rss_bytes
 
 TITLE = "ranks: 1 and 2 ranks of one host, own host copy vs one shared host copy"
 
@@ -115,14 +115,6 @@ def launch(ranks: int, share: str, cuda: bool, quick: bool) -> dict[str, Any]:
 # Worker: one rank, started by torchrun
 # --------------------------------------------------------------------------------------------------
 
-def _pss_bytes() -> int:
-    """This process's proportional set size: a page mapped by n processes counts 1/n."""
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _h2d_gbps(device: torch.device) -> float:
     """H2D GB/s of 1 GiB pinned -> device copies; the caller has lined the ranks up on a barrier."""
     from benchmarks.bandwidth import measure_copy_ms
@@ -181,7 +173,7 @@ def worker() -> None:
         "pinned_bytes": stats["pinned_bytes"], "host_reserved_bytes": stats["host_reserved_bytes"],
         "shared_bytes": stats["shared_bytes"],
         "shared_owned_bytes": stats["shared_owned_bytes"], "shared_by": stats["shared_by"],
-        "rss_bytes": read_proc_status().get("VmRSS", 0), "pss_bytes": _pss_bytes(),
+        "rss_bytes": rss_bytes(), "pss_bytes": pss_bytes(),
         "h2d_gbps": h2d, "forward_ms": median(times), "bit_equal": equal,
     }
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -7,7 +7,8 @@ remaining rows, and a fresh child takes the sections that had not started. One c
 when nothing goes wrong, because each new process pays imports and CUDA init (~10 s on the H200
 host). Rows reach the parent through JSON-lines journals the child appends to as it goes; the parent
 prints one table per section as it completes, then writes ``results.json`` (every figure),
-``results.txt`` (the tables) and PNG plots into ``--out``.
+``results.txt`` (the tables), ``RESULTS.md`` (the run as Markdown, ``benchmarks/results_md.py``) and PNG
+plots into ``--out``; ``--results-md docs/RESULTS.md`` also renders the run into the repository's page.
 
 Budget: the full run is sized for well under 10 minutes on one H200 host (16 cores, PCIe Gen5),
 ``--quick`` for under 3; without a GPU the sections run scaled down on the host (``device="cpu"``) in
@@ -65,12 +66,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-scale", type=float, default=1.0,
                         help="multiply every section's wall-clock limit (default 1.0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--results-md", default=None, metavar="PATH",
+                        help="also render the run into PATH's latest-run block (e.g. docs/RESULTS.md); "
+                             "RESULTS.md next to results.json is always written")
+    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                        help="run nothing: render RESULTS_JSON into --results-md and exit")
     # Internal: one section in a child process.
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--journal", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--options", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--header", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.from_json and not args.results_md:
+        parser.error("--from-json needs --results-md PATH (the file to render into)")
     if args.prefetch_depth < 0:
         parser.error(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
     if args.resident_blocks is not None and args.resident_blocks < 0:
@@ -340,7 +348,7 @@ def render_section(name: str, section: dict[str, Any]) -> str:
 
 
 def targets_summary(results: dict[str, Any]) -> list[str]:
-    """One line per docs/DESIGN.md target the run measured, for the ext backend."""
+    """One line per target of docs/DESIGN.md ("Workloads and targets") the run measured, for the ext backend."""
     sections = results["sections"]
     lines: list[str] = []
 
@@ -390,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args)
+    if args.from_json:
+        from benchmarks.results_md import update_results_md
+        with open(args.from_json) as handle:
+            update_results_md(args.results_md, json.load(handle))
+        print(f"results: {args.results_md} (rendered from {args.from_json})")
+        return 0
 
     out_dir = args.out or os.environ.get("OUT") or "results"
     os.makedirs(out_dir, exist_ok=True)
@@ -458,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a summary must not cost the results file
         results["targets"] = [f"summary failed: {type(error).__name__}: {error}"]
     if results["targets"]:
-        text = "== summary vs docs/DESIGN.md targets (ext backend) " + "=" * 52 + "\n" + "\n".join(
+        text = "== summary vs docs/DESIGN.md targets (\"Workloads and targets\", ext backend) " + "=" * 26 + "\n" + "\n".join(
             "  " + line for line in results["targets"])
         print(text + "\n", flush=True)
         texts.append(text + "\n")
@@ -473,12 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     text_path = os.path.join(out_dir, "results.txt")
     with open(text_path, "w") as handle:
         handle.write("\n".join(texts + plot_lines) + "\n")
+    md_paths = write_results_md(sanitize(results), out_dir, args.results_md)
     for line in plot_lines:
         print(line)
     not_ok = [name for name, section in results["sections"].items() if section.get("status") != "ok"]
     errors = sum(1 for section in results["sections"].values() for rows in section["tables"].values()
                  for row in rows if row.get("error"))
-    print(f"results: {json_path}  (tables: {text_path})")
+    print(f"results: {json_path}  (tables: {text_path}; Markdown: {', '.join(md_paths)})")
     print(f"done in {results['wall_s']:.0f} s: {len(results['sections'])} section(s), {errors} error row(s)"
           + (f", sections not ok: {', '.join(not_ok)}" if not_ok else ""))
     shutil.rmtree(journal_dir, ignore_errors=True)
@@ -503,3 +518,17 @@ def write_plots(results: dict[str, Any], out_dir: str, disabled: bool) -> list[s
         except Exception as error:  # a plot must not cost the results
             lines.append(f"plot {name} failed: {type(error).__name__}: {error}")
     return lines
+
+
+def write_results_md(results: dict[str, Any], out_dir: str, results_md: str | None) -> list[str]:
+    """RESULTS.md next to results.json, and the ``--results-md`` file's latest-run block when asked for."""
+    from benchmarks.results_md import update_results_md
+    paths = [os.path.join(out_dir, "RESULTS.md")] + ([results_md] if results_md else [])
+    written = []
+    for path in paths:
+        try:
+            update_results_md(path, results)
+            written.append(path)
+        except Exception as error:  # a rendering bug must not cost results.json
+            print(f"{path}: not written ({type(error).__name__}: {error})", file=sys.stderr)
+    return written

@@ -8,7 +8,7 @@ RSS, build W1 on the host, then time ``enable_layerwise_offload`` (synchronised)
 samples VmRSS (and VmHWM, reset through ``/proc/self/clear_refs`` where allowed). ``--quick`` uses W3 instead
 of W1 (half the bytes to build and pin).
 
-Figures, against docs/DESIGN.md's targets:
+Figures, against docs/DESIGN.md's targets ("Workloads and targets"):
 - enable wall time, ext <= 0.5 x python;
 - pinned host bytes / weight bytes <= 1.01 (python: torch's host allocator, which rounds every
   parameter up to a power of two; read from ``torch.cuda.memory.host_memory_stats()`` where this torch
@@ -133,23 +133,22 @@ def _child(config: dict[str, Any]) -> dict[str, Any]:
         RssSampler,
         module_bytes,
         next_pow2,
-        offload_api,
-        read_proc_status,
+        rss_bytes,
         torch_host_pinned_bytes,
     )
+    from fastoffload_ext import enable_layerwise_offload as enable
     from benchmarks.workloads import build_stack_on_host
 
-    enable, _ = offload_api()
     cuda = config["cuda"] and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
         torch.empty(1, device=device)  # context creation is not enable's cost
     spec = _spec(not cuda, config["quick"])
     gc.collect()
-    base_rss = read_proc_status().get("VmRSS", 0)
+    base_rss = rss_bytes()
     model = build_stack_on_host(spec, seed=1)
     gc.collect()
-    model_rss = read_proc_status().get("VmRSS", 0)
+    model_rss = rss_bytes()
     weight_bytes = module_bytes(model)
     largest_block = max(module_bytes(block) for block in model.blocks)
     pow2_bytes = sum(next_pow2(p.numel() * p.element_size()) for p in model.parameters())

@@ -1,11 +1,15 @@
 """Shared pieces of the benchmark suite: timing, the run context, the row journal, tables, memory probes.
 
-Timing rules (docs/DESIGN.md, "Benchmarks"): inputs are built before the timed region, there is a warm-up,
+Timing rules (docs/DESIGN.md, "Measuring"): inputs are built before the timed region, there is a warm-up,
 GPU work is timed with CUDA events on the compute stream, and the figure reported is the median of at
 least ``MIN_ITERS`` timed repetitions. Forward passes are timed back to back with no host
 synchronisation between them: the layerwise engines end a forward with the wrap-around prefetch of
 block 0 still in flight on their copy stream, and a ``synchronize()`` between iterations would let that
 copy finish off the clock, reporting one block's transfer less than the steady state really pays.
+That is also why GPU forwards keep their own CUDA-event timer instead of ``torch.utils.benchmark``:
+its default timer calls ``torch.cuda.synchronize()`` around every measurement, which would hide exactly
+that in-flight prefetch. Host-side work (the CPU "device", the per-block hook cost) is timed with
+``torch.utils.benchmark.Timer`` given a plain ``time.perf_counter`` clock, so it never synchronizes.
 
 Every row runs inside :meth:`Context.run_row`, which catches the row's exception, records it as an
 error row and carries on, so one broken backend or one OOM never loses the rest of a section. Rows are
@@ -30,12 +34,15 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import psutil
+import tabulate
 import torch
+from torch.utils import benchmark
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
-GB = 1e9  # bandwidths are reported in decimal GB/s, as PCIe and docs/DESIGN.md quote them
+GB = 1e9  # bandwidths are reported in decimal GB/s, as PCIe and docs/DESIGN.md ("Measured facts behind the defaults") quote them
 
 MIN_ITERS = 5
 
@@ -62,26 +69,6 @@ def try_import(name: str) -> tuple[Any, str]:
     except Exception as error:  # an optional dependency may fail in any way at import
         first_line = str(error).splitlines()[0] if str(error) else ""
         return None, f"{name} is not importable ({type(error).__name__}: {first_line})"
-
-
-def offload_api() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``(enable_layerwise_offload, disable_layerwise_offload)`` from the package, or ImportError with why."""
-    try:
-        from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
-    except ImportError:
-        try:
-            from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
-        except ImportError as error:
-            raise ImportError(f"fastoffload_ext.engine.layerwise is not importable yet: {error}") from error
-    return enable_layerwise_offload, disable_layerwise_offload
-
-
-def hook_manager_class() -> Any:
-    try:
-        from fastoffload_ext.engine.hooks import ModuleHookManager
-    except ImportError as error:
-        raise ImportError(f"fastoffload_ext.engine.hooks is not importable yet: {error}") from error
-    return ModuleHookManager
 
 
 def ext_available() -> tuple[bool, str]:
@@ -276,17 +263,31 @@ def time_cuda_ms(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[floa
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
+def _host_timer(fn: Callable[[], Any]) -> benchmark.Timer:
+    # time.perf_counter, not the module's default clock: that one synchronizes CUDA on every reading.
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=time.perf_counter,
+                           num_threads=torch.get_num_threads())
+
+
 def time_host_ms(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
-    """Per-iteration wall milliseconds (perf_counter_ns), for work that runs on the host."""
+    """Per-iteration wall milliseconds of host work, one ``torch.utils.benchmark`` run per iteration."""
     iters = max(MIN_ITERS, iters)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - started) / 1e6)
-    return times
+    timer = _host_timer(fn)
+    if warmup:
+        timer.timeit(warmup)
+    return [timer.timeit(1).mean * 1e3 for _ in range(iters)]
+
+
+def time_host_runs_ns(fn: Callable[[], Any], *, number: int, runs: int,
+                      between: Callable[[], None] | None = None) -> list[float]:
+    """Nanoseconds per call of ``fn``, one figure per run of ``number`` calls; ``between`` runs off the clock."""
+    timer = _host_timer(fn)
+    per_call = []
+    for _ in range(runs):
+        per_call.append(timer.timeit(number).mean * 1e9)
+        if between is not None:
+            between()
+    return per_call
 
 
 def median(values: Sequence[float]) -> float:
@@ -356,18 +357,33 @@ def module_bytes(module: torch.nn.Module, *, buffers: bool = False) -> int:
     return total
 
 
-def read_proc_status() -> dict[str, int]:
-    """VmRSS / VmHWM of this process in bytes (Linux); empty elsewhere."""
-    values: dict[str, int] = {}
+def rss_bytes() -> int:
+    """Resident set size of this process, bytes."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def pss_bytes() -> int:
+    """Proportional set size of this process (a page mapped by n processes counts 1/n); 0 where unknown."""
+    try:
+        return int(getattr(psutil.Process().memory_full_info(), "pss", 0))
+    except (psutil.AccessDenied, OSError):
+        return 0
+
+
+def _peak_rss_hwm() -> int:
+    """VmHWM, the kernel's own RSS high-water mark, bytes (0 where unreadable).
+
+    psutil reports the current RSS only. The high-water mark also catches a spike that falls between
+    two samples of :class:`RssSampler`, and ``reset_peak_rss`` can reset it, so it is read here.
+    """
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, amount = line.split(":", 1)
-                    values[key] = int(amount.split()[0]) * KiB
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * KiB
     except OSError:
         pass
-    return values
+    return 0
 
 
 def reset_peak_rss() -> bool:
@@ -393,24 +409,22 @@ class RssSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            rss = read_proc_status().get("VmRSS", 0)
-            self.peak = max(self.peak, rss)
+            self.peak = max(self.peak, rss_bytes())
             self.samples += 1
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RssSampler:
         self.hwm_reset = reset_peak_rss()
-        self.peak = read_proc_status().get("VmRSS", 0)
+        self.peak = rss_bytes()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        status = read_proc_status()
-        self.peak = max(self.peak, status.get("VmRSS", 0))
+        self.peak = max(self.peak, rss_bytes())
         if self.hwm_reset:
-            self.peak = max(self.peak, status.get("VmHWM", 0))
+            self.peak = max(self.peak, _peak_rss_hwm())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -437,6 +451,7 @@ def _driver_version() -> str | None:
 
 
 def _cpu_name() -> str:
+    # psutil has no CPU model name; /proc/cpuinfo is the one place Linux gives it.
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
@@ -445,17 +460,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _mem_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * KiB
-    except OSError:
-        pass
-    return None
 
 
 def environment() -> dict[str, Any]:
@@ -467,7 +471,7 @@ def environment() -> dict[str, Any]:
         "cuda_runtime": torch.version.cuda,
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
-        "ram_bytes": _mem_total(),
+        "ram_bytes": int(psutil.virtual_memory().total),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -549,37 +553,17 @@ class Table:
     columns: list[Column]
 
 
-def render_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
-    """Fixed-width text table; error and skip reasons go to a last 'note' column."""
+def _note(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        return "ERROR " + str(row["error"])
+    if row.get("skipped"):
+        return "skipped: " + str(row["skipped"])
+    return str(row.get("note") or "")
+
+
+def _cells(table: Table, rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     headers = [c.header for c in table.columns] + ["note"]
-    body = []
-    for row in rows:
-        cells = [c.render(row.get(c.key)) for c in table.columns]
-        note = ""
-        if row.get("error"):
-            note = "ERROR " + str(row["error"])
-        elif row.get("skipped"):
-            note = "skipped: " + str(row["skipped"])
-        elif row.get("note"):
-            note = str(row["note"])
-        cells.append(note[:160])
-        body.append(cells)
-    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
-    widths[-1] = len(headers[-1])  # the note column is ragged; do not pad every row to the longest note
-    lines = [table.title, "  " + "  ".join(h.ljust(w) if i == 0 else h.rjust(w) if i < len(headers) - 1 else h
-                                          for i, (h, w) in enumerate(zip(headers, widths)))]
-    lines.append("  " + "  ".join("-" * w for w in widths))
-    for cells in body:
-        parts = []
-        for i, (cell, width) in enumerate(zip(cells, widths)):
-            if i == len(cells) - 1:
-                parts.append(cell)
-            elif i == 0 or not _numeric(cell):
-                parts.append(cell.ljust(width))
-            else:
-                parts.append(cell.rjust(width))
-        lines.append(("  " + "  ".join(parts)).rstrip())
-    return "\n".join(lines)
+    return headers, [[c.render(row.get(c.key)) for c in table.columns] + [_note(row)[:160]] for row in rows]
 
 
 def _numeric(cell: str) -> bool:
@@ -587,7 +571,28 @@ def _numeric(cell: str) -> bool:
         float(cell.rstrip("x%"))
         return True
     except ValueError:
-        return cell == "—"
+        return cell in ("—", "")
+
+
+def _tabulate(headers: list[str], body: list[list[str]], tablefmt: str) -> str:
+    # Figures right-aligned, labels and the note left; cells are already formatted strings, so tabulate
+    # must not re-parse "1.000" as a number.
+    align = ["right" if i > 0 and i < len(headers) - 1 and all(_numeric(cells[i]) for cells in body) else "left"
+             for i in range(len(headers))]
+    return tabulate.tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True, colalign=align)
+
+
+def render_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
+    """The table's title, then the rows through ``tabulate``; error and skip reasons go to a last 'note' column."""
+    text = _tabulate(*_cells(table, rows), tablefmt="simple")
+    return table.title + "\n" + "\n".join(("  " + line).rstrip() for line in text.splitlines())
+
+
+def render_markdown_table(table: Table, rows: Iterable[dict[str, Any]]) -> str:
+    """The rows as a GitHub Markdown table (no title); a '|' inside a cell is escaped."""
+    headers, body = _cells(table, rows)
+    body = [[cell.replace("|", "\\|") for cell in cells] for cells in body]
+    return _tabulate(headers, body, tablefmt="github")
 
 
 def sanitize(value: Any) -> Any:

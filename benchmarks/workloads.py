@@ -1,6 +1,6 @@
-"""The benchmark vocabulary of docs/DESIGN.md section 4, and one third-party architecture.
+"""The benchmark vocabulary of docs/DESIGN.md ("Workloads and targets"), and one third-party architecture.
 
-``Block(d, n_norms)`` and W1..W4 are exactly the table in docs/DESIGN.md (bf16, batch 1); their weight
+``Block(d, n_norms)`` and W1..W4 are exactly the table in docs/DESIGN.md, "Workloads and targets" (bf16, batch 1); their weight
 sizes are checked against the table below (3.38 / 3.38 / 1.52 / 3.00 GiB). The third-party model is a
 ``transformers`` LlamaModel with a small random config (no download): its ``layers`` ModuleList is the
 first direct-child ModuleList, which is what ``enable_layerwise_offload`` hooks.
@@ -29,7 +29,7 @@ DTYPE = torch.bfloat16
 
 
 class Block(nn.Module):
-    """docs/DESIGN.md's DiT-like block: attention-shaped and MLP-shaped Linears plus ``n_norms`` LayerNorms."""
+    """The DiT-like block of docs/DESIGN.md, "Workloads and targets": attention-shaped and MLP-shaped Linears plus ``n_norms`` LayerNorms."""
 
     def __init__(self, d: int, n_norms: int) -> None:
         super().__init__()
@@ -50,16 +50,25 @@ class Block(nn.Module):
 
 
 class BlockStack(nn.Module):
-    """The benchmark model: nothing but the ModuleList of blocks, so every weight is offloadable."""
+    """The benchmark model: the ModuleList of blocks, so every weight is offloadable.
 
-    def __init__(self, d: int, num_blocks: int, n_norms: int) -> None:
+    ``projections=True`` adds an input and an output Linear around the list: the transformer shape the
+    tests and the soak use, where modules outside the block list are the caller's to place.
+    """
+
+    def __init__(self, d: int, num_blocks: int, n_norms: int, *, projections: bool = False) -> None:
         super().__init__()
+        # Created in forward order (proj_in, blocks, proj_out): a seeded model gets the same weights.
+        self.proj_in = nn.Linear(d, d) if projections else None
         self.blocks = nn.ModuleList(Block(d, n_norms) for _ in range(num_blocks))
+        self.proj_out = nn.Linear(d, d) if projections else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.proj_in is not None:
+            x = self.proj_in(x)
         for block in self.blocks:
             x = block(x)
-        return x
+        return x if self.proj_out is None else self.proj_out(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +79,7 @@ class StackSpec:
     tokens: int
     n_norms: int
     character: str
-    table_gib: float | None = None  # docs/DESIGN.md's weight column, checked by tests of this module
+    table_gib: float | None = None  # the weight column of docs/DESIGN.md, "Workloads and targets", checked by tests of this module
 
     def weight_bytes(self, dtype: torch.dtype = DTYPE) -> int:
         d = self.d
@@ -81,7 +90,7 @@ class StackSpec:
         return 8 + 2 * self.n_norms
 
 
-# docs/DESIGN.md section 4, exactly.
+# docs/DESIGN.md, "Workloads and targets", exactly.
 WORKLOADS: dict[str, StackSpec] = {
     "W1": StackSpec("W1", d=3072, blocks=16, tokens=256, n_norms=4, character="transfer-bound", table_gib=3.38),
     "W2": StackSpec("W2", d=3072, blocks=16, tokens=16384, n_norms=4, character="compute-bound", table_gib=3.38),
@@ -97,7 +106,7 @@ CPU_WORKLOADS: dict[str, StackSpec] = {
     "W4": StackSpec("W4-cpu", d=384, blocks=8, tokens=64, n_norms=4, character="large blocks (scaled)"),
 }
 
-# (reference, factor): the engine's forward must be <= factor x reference (docs/DESIGN.md "Targets").
+# (reference, factor): the engine's forward must be <= factor x reference (docs/DESIGN.md, "Workloads and targets").
 TARGETS: dict[str, tuple[str, float]] = {
     "W1": ("floor", 1.03),
     "W2": ("resident", 1.02),

@@ -15,7 +15,10 @@ if ! have torch; then
   pip_install "$TORCH_SPEC"
 fi
 missing=()
-for pair in pytest:pytest hypothesis:hypothesis ninja:ninja setuptools:setuptools wheel:wheel ${EXTRA_MODULES:-}; do
+# module:package pairs. The first four are pyproject.toml's "test" extra (tests import the benchmarks' toy
+# model, hence psutil and tabulate); `make bench` adds the rest of the "bench" extra through EXTRA_MODULES.
+for pair in pytest:pytest hypothesis:hypothesis psutil:psutil tabulate:tabulate ninja:ninja setuptools:setuptools \
+    wheel:wheel ${EXTRA_MODULES:-}; do
   have "${pair%%:*}" || missing+=("${pair##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import copy
 import json
-import re
 import sys
 import threading
 import time
@@ -21,44 +20,17 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-import fastoffload_ext
+# Run as a script, this file's folder is on sys.path, not the repository root: the toy model lives in
+# benchmarks/workloads.py, shared with the tests and the benchmarks.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fastoffload_ext  # noqa: E402
+from benchmarks.utils import rss_bytes  # noqa: E402
+from benchmarks.workloads import BlockStack  # noqa: E402
 
 MIB = 1 << 20
 MEMORY_KEYS = ("pinned_bytes", "host_reserved_bytes", "gpu_allocated_bytes", "rss_bytes")
-
-
-class Block(nn.Module):
-    """A pre-norm residual block: a projection and a GELU MLP."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.proj = nn.Linear(d, d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.proj(h) + self.down(F.gelu(self.up(h)))
-
-
-class Model(nn.Module):
-    """Transformer-shaped: an input projection, the block list (offloaded), an output projection."""
-
-    def __init__(self, d: int, n_blocks: int) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n_blocks))
-        self.proj_out = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.proj_out(x)
 
 
 @dataclass
@@ -80,14 +52,15 @@ SPECS = {  # per device type: two models that differ in width, depth, dtype and 
 @dataclass
 class Offloaded:
     spec: Spec
-    model: Model
-    reference: Model
+    model: BlockStack
+    reference: BlockStack
     original: dict[str, torch.Tensor]  # CPU copies of the parameters, taken before enable
 
 
 def build(spec: Spec, device: torch.device, backend: str, seed: int) -> Offloaded:
     torch.manual_seed(seed)
-    model = Model(spec.d, spec.n_blocks).to(spec.dtype)
+    # Transformer-shaped: an input projection, the block list (offloaded), an output projection.
+    model = BlockStack(spec.d, spec.n_blocks, n_norms=2, projections=True).to(spec.dtype)
     original = {name: param.detach().clone() for name, param in model.named_parameters()}
     reference = copy.deepcopy(model).to(device)
     model.proj_in.to(device)  # modules outside the block list are the caller's to place
@@ -128,10 +101,6 @@ class BackgroundWork:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def rss_bytes() -> int:
-    return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def sample(step: int, equal: dict[str, bool], runs: list[Offloaded], device: torch.device, start: float) -> dict:

@@ -1,47 +1,23 @@
-"""Small models shared by the tests: the docs/DESIGN.md DiT-like block, at toy sizes."""
+"""Small models shared by the tests: the benchmarks' DiT-like block (docs/DESIGN.md, "Workloads and targets"), at
+toy sizes."""
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import pytest
+from benchmarks.workloads import Block, BlockStack
+
+__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "make_pair", "params_equal", "place_outside_blocks"]
 
 OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-class Block(nn.Module):
-    """docs/DESIGN.md's block: qkv, o, up, down linears and a list of norms."""
-
-    def __init__(self, d: int = 16, n_norms: int = 2) -> None:
-        super().__init__()
-        self.d = d
-        self.qkv = nn.Linear(d, 3 * d)
-        self.o = nn.Linear(d, d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(max(n_norms, 2)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.o(self.qkv(self.norms[0](x))[..., : self.d])
-        x = x + h
-        return x + self.down(F.gelu(self.up(self.norms[1](x))))
-
-
-class Stack(nn.Module):
-    """A transformer-shaped model: an embedding, the block list, a head."""
+class Stack(BlockStack):
+    """A transformer-shaped model: an input projection, the block list, an output projection."""
 
     def __init__(self, n_blocks: int, d: int = 16, n_norms: int = 2) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(Block(d, n_norms) for _ in range(n_blocks))
-        self.proj_out = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.proj_out(x)
+        super().__init__(d, n_blocks, n_norms, projections=True)
 
 
 def make_pair(n_blocks: int, dtype: torch.dtype = torch.float32, d: int = 16, seed: int = 0) -> tuple[Stack, Stack]:

@@ -337,7 +337,9 @@ def test_setup_metadata_query_does_not_rewrite_the_build_record(tmp_path: Path) 
     # installed extension disagree (FASTOFFLOAD_CUDA=0 here would relabel a CUDA build as CPU-only).
     # Run on a copy of setup.py so the real record is never at risk.
     (tmp_path / "fastoffload_ext").mkdir()
-    (tmp_path / "setup.py").write_bytes((ROOT / "setup.py").read_bytes())
+    # setup.py and pyproject.toml both read the version from the package's __init__.py.
+    for name in ("setup.py", "pyproject.toml", "README.md", "fastoffload_ext/__init__.py"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
     env = dict(os.environ, FASTOFFLOAD_CUDA="0")
     result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=SUBPROCESS_TIMEOUT_S)
@@ -419,7 +421,7 @@ def test_setup_finds_no_toolkit_in_an_empty_cuda_home(setup_sandbox: tuple[dict[
 
 def test_setup_skips_nvcc_wrapper_without_cudart(setup_sandbox: tuple[dict[str, Any], Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/DESIGN.md: nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
+    # docs/DESIGN.md, "Build": nvcc is a wrapper in /usr/local/bin, torch then guesses /usr/local, which has no cudart.
     namespace, tmp_path = setup_sandbox
     wrapper_root = tmp_path / "usr_local"
     (wrapper_root / "bin").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The ForwardHook / ModuleHookManager contract (docs/DESIGN.md §2), FastVideo's hook surface.
+"""The ForwardHook / ModuleHookManager contract (docs/DESIGN.md, "Behaviour contract"), FastVideo's hook surface.
 
 Every hook here is a :class:`RecordingHook` that appends what happened to it to one shared event log,
 so each test asserts the exact order of calls across hooks, not only that calls happened.

@@ -3,8 +3,8 @@
 With the ``ext`` backend every block is copied into a static device slot, so the addresses a forward
 touches can be the same on every step. That is what CUDA-graph replay needs, and it removes the last
 host cost of offload: launching hundreds of small kernels and the per-block hook calls. On a model
-whose blocks have many small parameters (docs/DESIGN.md's W3) an eager offloaded step is bound by the host;
-a replayed one runs at the PCIe floor.
+whose blocks have many small parameters (W3 in docs/DESIGN.md, "Workloads and targets") an eager
+offloaded step is bound by the host; a replayed one runs at the PCIe floor.
 
 Usage::
 
