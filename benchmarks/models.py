@@ -39,7 +39,8 @@ from torch import nn
 
 from benchmarks import peers as peer_setups
 from benchmarks.interleave import Interleaved, run_interleaved
-from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, module_bytes, offload_api, try_import
+from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, module_bytes, try_import
+from fastoffload_ext import enable_layerwise_offload
 
 TITLE = "models: Wan 1.3B / 14B and Flux (all block lists) vs resident and the peers, interleaved rounds"
 
@@ -99,8 +100,10 @@ def _wan_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> di
 
 def _place(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """On the device; activations in the weights' dtype, position ids as they are."""
-    return {name: tensor.to(device, torch.bfloat16 if tensor.is_floating_point() and not name.endswith("_ids") else None)
-            for name, tensor in inputs.items()}
+    def dtype(name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        return torch.bfloat16 if tensor.is_floating_point() and not name.endswith("_ids") else None
+
+    return {name: tensor.to(device, dtype(name, tensor)) for name, tensor in inputs.items()}
 
 
 def _flux_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -126,7 +129,8 @@ _WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim
                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 MODELS = {
     "wan-1.3b": ModelSpec("wan-1.3b", "WanTransformer3DModel",
-                          dict(_WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+                          dict(_WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
+                               num_layers=30),
                           _WAN_TINY, {"transfer-bound": 1560, "balanced": 6240}, {"small": 16, "large": 64}, None,
                           _wan_inputs),
     "flux": ModelSpec("flux", "FluxTransformer2DModel",
@@ -138,7 +142,8 @@ MODELS = {
                            axes_dims_rope=(4, 6, 6)),
                       {"transfer-bound": 1024, "balanced": 9216}, {"small": 16, "large": 64}, "all", _flux_inputs),
     "wan-14b": ModelSpec("wan-14b", "WanTransformer3DModel",
-                         dict(_WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40),
+                         dict(_WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824,
+                              num_layers=40),
                          _WAN_TINY, {"transfer-bound": 1560, "balanced": 9360}, {"small": 16, "large": 64}, None,
                          _wan_inputs),
 }
@@ -239,7 +244,8 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any]) -> Model
     lists = block_list_names(master, spec.block_lists)
     tokens = spec.tokens if ctx.cuda else spec.cpu_tokens
     config = spec.config if ctx.cuda else spec.cpu_config
-    run = ModelRun(spec, master, lists, {label: spec.inputs(config, count, ctx.device) for label, count in tokens.items()})
+    inputs = {label: spec.inputs(config, count, ctx.device) for label, count in tokens.items()}
+    run = ModelRun(spec, master, lists, inputs)
     blocks = [block for name in lists for block in getattr(master, name)]
     sizes = [module_bytes(block) for block in blocks]
     run.offloaded_bytes, run.largest_block = sum(sizes), max(sizes)
@@ -401,7 +407,7 @@ def run(ctx: Context) -> None:
         for spec in specs:
             ctx.skip("models", {"model": spec.name, "backend": "all"}, reason)
         return
-    enable, _ = offload_api()
+    enable = enable_layerwise_offload
     from benchmarks.forward import peak_h2d_gbps
     peak = peak_h2d_gbps(ctx) if ctx.cuda else None
     if not ctx.cuda:

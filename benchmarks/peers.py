@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 WHEEL_DIR = Path(__file__).resolve().parents[1] / ".whl"
-SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compressed_tensors", "compressed_tensors.config",
-                "compressed_tensors.quantization", "gguf")
+SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compressed_tensors",
+                "compressed_tensors.config", "compressed_tensors.quantization", "gguf")
 SGLANG_OFFLOAD = "sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload"
 FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
 

@@ -194,7 +194,8 @@ def test_diffusers_flux_with_all_lists_is_bit_exact(device: str, backend: str) -
 def test_flux_all_lists_gpu_weights_stay_within_the_slots(prefetch_depth: int) -> None:
     diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
     config = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
-                  num_attention_heads=8, joint_attention_dim=256, pooled_projection_dim=128, axes_dims_rope=(16, 56, 56))
+                  num_attention_heads=8, joint_attention_dim=256, pooled_projection_dim=128,
+                  axes_dims_rope=(16, 56, 56))
 
     def build() -> nn.Module:
         torch.manual_seed(0)

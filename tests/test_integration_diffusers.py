@@ -59,7 +59,8 @@ def test_a_move_away_from_the_offload_device_is_refused_and_nothing_moves(move: 
     model = pipe.transformer
     calls = {"pipe.to": lambda: pipe.to("cuda"), "model.to": lambda: model.to("cuda:0", torch.float32),
              "model.cuda": lambda: model.cuda(), "model.to_kwarg": lambda: model.to(device="meta")}
-    with pytest.raises(OffloadStateError, match=r"^fastoffload: (WanTransformer3DModel\.(to|cuda)\(\)|pipe\.to\('cuda'\)) "
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: (WanTransformer3DModel\.(to|cuda)\(\)|"
+                                                r"pipe\.to\('cuda'\)) "
                                                 r"would move the layerwise-offloaded (WanTransformer3DModel|pipe\."
                                                 r"transformer) to (cuda|meta).*, but its blocks are offloaded to cpu "
                                                 r".*disable_layerwise_offload"):

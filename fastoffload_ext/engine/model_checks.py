@@ -42,8 +42,9 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
     lists = _named_lists(model)
     if isinstance(block_lists, str):
         if block_lists != ALL_LISTS:
-            raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute names, "
-                                     f"got the string {block_lists!r}; write block_lists=[{block_lists!r}] for one list")
+            raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute "
+                                     f"names, got the string {block_lists!r}; write block_lists=[{block_lists!r}] "
+                                     "for one list")
         chosen = [(name, blocks) for name, blocks in lists.items() if len(blocks) > 0]
         if not chosen:
             find_block_list(model)  # FastVideo's error when there is no list at all
@@ -57,13 +58,13 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
 def _check_names(block_lists: Any, lists: dict[str, nn.ModuleList]) -> list[str]:
     known = ", ".join(lists) or "none"
     if not isinstance(block_lists, Sequence) or not block_lists:
-        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of attribute "
-                                 f"names of direct-child nn.ModuleLists (this model has: {known}), got {block_lists!r}")
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
+                                 f"attribute names of direct-child nn.ModuleLists (this model has: {known}), got {block_lists!r}")
     names = list(block_lists)
     for name in names:
         if not isinstance(name, str) or name not in lists:
-            raise OffloadConfigError(f"fastoffload: block_lists names {name!r}, which is not a direct-child nn.ModuleList "
-                                     f"of the model; choose from: {known}")
+            raise OffloadConfigError(f"fastoffload: block_lists names {name!r}, which is not a direct-child "
+                                     f"nn.ModuleList of the model; choose from: {known}")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise OffloadConfigError(f"fastoffload: block_lists names {', '.join(map(repr, repeated))} more than once; "

@@ -177,7 +177,8 @@ def _wrap_pipeline_offloads(pipe: Any) -> None:
     object.__setattr__(pipe, "enable_sequential_cpu_offload", enable_sequential_cpu_offload)
 
 
-def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None, **options: Any) -> dict[str, LayerwiseOffloadGroup]:
+def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
+                        **options: Any) -> dict[str, LayerwiseOffloadGroup]:
     """Enable layerwise offload on the pipeline's denoiser(s) and define the pipeline's moves on them.
 
     Args:
@@ -190,7 +191,8 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None, **optio
         Attribute name -> the offload group. A denoiser the engine declined (no CUDA and no device
         given) is left out and stays as it was.
     """
-    chosen = names if names is not None else tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
+    present = tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
+    chosen = names if names is not None else present
     groups: dict[str, LayerwiseOffloadGroup] = {}
     for name in chosen:
         model = getattr(pipe, name)
