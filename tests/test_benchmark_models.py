@@ -11,6 +11,7 @@ pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/set
 
 from benchmarks import models, peers  # noqa: E402
 from benchmarks.utils import Context, Options, read_journal  # noqa: E402
+from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
 
 def test_the_section_runs_on_the_host_bit_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,8 +67,9 @@ def test_summary_flags_a_miss_and_a_faster_peer() -> None:
 
 
 def test_fastvideo_offload_module_imports_without_its_runtime() -> None:
-    pytest.importorskip("fastvideo.hooks.layerwise_offload", reason="fastvideo is not installed")
-    module = peers.import_module_only("fastvideo", peers.FASTVIDEO_OFFLOAD)
+    import_fastvideo("fastvideo.hooks.layerwise_offload")
+    with root_logging_kept():
+        module = peers.import_module_only("fastvideo", peers.FASTVIDEO_OFFLOAD)
     assert module.__name__ == peers.FASTVIDEO_OFFLOAD and callable(module.enable_layerwise_offload)
 
 

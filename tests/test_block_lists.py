@@ -19,8 +19,8 @@ class TwoLists(nn.Module):
     def __init__(self, doubles: int = 3, singles: int = 4, d: int = 16) -> None:
         super().__init__()
         self.proj_in = nn.Linear(d, d)
-        self.transformer_blocks = nn.ModuleList(Block(d) for _ in range(doubles))
-        self.single_transformer_blocks = nn.ModuleList(Block(d) for _ in range(singles))
+        self.transformer_blocks = nn.ModuleList(Block(d, 2) for _ in range(doubles))
+        self.single_transformer_blocks = nn.ModuleList(Block(d, 2) for _ in range(singles))
         self.empty = nn.ModuleList()
         self.proj_out = nn.Linear(d, d)
 

@@ -19,14 +19,13 @@ from fastoffload_ext.engine import hooks as our_hooks
 from fastoffload_ext.engine import layerwise as our_layerwise
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.integrations import fastvideo as integration
+from tests._fastvideo import import_fastvideo
 from tests._models import OFFLOAD_DEVICES, make_pair
 
-fv_offload = pytest.importorskip("fastvideo.hooks.layerwise_offload",
-                                 reason="fastvideo is not importable (pip install --no-deps fastvideo==0.2.1 and the "
-                                        "modules its loader imports: see scripts/setup_env.sh)")
-fv_hooks = pytest.importorskip("fastvideo.hooks.hooks")
-component_loader = pytest.importorskip("fastvideo.models.loader.component_loader")
-lora_pipeline = pytest.importorskip("fastvideo.pipelines.lora_pipeline")
+fv_offload = import_fastvideo("fastvideo.hooks.layerwise_offload")
+fv_hooks = import_fastvideo("fastvideo.hooks.hooks")
+component_loader = import_fastvideo("fastvideo.models.loader.component_loader")
+lora_pipeline = import_fastvideo("fastvideo.pipelines.lora_pipeline")
 
 ORIGINAL_ENABLE = fv_offload.enable_layerwise_offload
 ORIGINAL_HOOK = fv_offload.LayerwiseOffloadHook

@@ -9,7 +9,7 @@ device, and defines the pipeline's device operations on the offloaded model:
   any other device raises :class:`~fastoffload_ext.errors.OffloadStateError` before anything moves:
   the blocks are streamed to one device, and the rest of the model cannot run elsewhere. Undo the
   offload first (``disable_layerwise_offload(model, device=...)``). The dtype part of ``to`` goes to
-  the engine unchanged (its cast rules are the engine's: see docs/DESIGN.md).
+  the engine unchanged (its cast rules are the engine's: docs/DESIGN.md, "Behaviour contract").
 - ``pipe.enable_model_cpu_offload()``: works for the other components and keeps the layerwise
   offload: the offloaded transformer is kept out of accelerate's whole-model hooks (which would move
   it to the CPU after every call) and stays on its offload device.
