@@ -104,6 +104,12 @@ def choose_flavour() -> tuple[bool, str]:
 LINK_ARGS = ["-Wl,--no-as-needed", "-lstdc++", "-lrt"]
 
 
+# The decode kernel is plain integer work: one real architecture (Hopper) plus its PTX, which newer GPUs
+# compile at load time, keeps the build short. Naming -gencode here stops torch from adding one per
+# architecture of TORCH_CUDA_ARCH_LIST.
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+
+
 def _has_shared_libstdcxx(compiler: str) -> bool:
     """Whether ``compiler`` can link libstdc++ as a shared library.
 
@@ -141,11 +147,15 @@ def main() -> None:
     from torch.utils import cpp_extension
 
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    if with_cuda:
+        # Kernels (.cu) only in the CUDA build: the CPU-only build must not need nvcc.
+        sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
     cxx_flags = ["-O3", f"-DFASTOFFLOAD_TORCH_VERSION=\"{torch.__version__}\""]
     if with_cuda:
         cxx_flags.append("-DFASTOFFLOAD_WITH_CUDA=1")
         cxx_flags.append(f"-DFASTOFFLOAD_CUDA_VERSION=\"{torch.version.cuda}\"")
-        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},
+        extension = cpp_extension.CUDAExtension(f"{PACKAGE}._C", sources,
+                                                 extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS},
                                                  extra_link_args=LINK_ARGS)
     else:
         extension = cpp_extension.CppExtension(f"{PACKAGE}._C", sources, extra_compile_args={"cxx": cxx_flags},

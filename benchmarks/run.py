@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "models")
+SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "models")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget.
 SECTION_TIMEOUTS = {
@@ -40,6 +40,7 @@ SECTION_TIMEOUTS = {
     "overhead": (150, 60),
     "lazy": (120, 60),
     "ranks": (600, 300),
+    "codec": (600, 300),
     "models": (1500, 400),
 }
 

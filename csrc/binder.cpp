@@ -11,6 +11,10 @@ inline void rebind(const at::Tensor& param, const at::Tensor& data) {
   param.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
 }
 
+inline uint32_t version_of(const at::Tensor& param) {
+  return param.unsafeGetTensorImpl()->version_counter().current_version();
+}
+
 }  // namespace
 
 void Binder::set_block(size_t index, const StoredBlock& block) {
@@ -44,10 +48,32 @@ void Binder::drop_block(size_t index) {
   bound = Bound();
 }
 
-void Binder::bind_slot(size_t index, size_t slot) const {
-  const Bound& bound = blocks_[index];
+void Binder::bind_slot(size_t index, size_t slot) {
+  Bound& bound = blocks_[index];
   const auto& views = bound.views[slot];
   for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], views[j]);
+  record_versions(index);
+}
+
+void Binder::bind_buffer(size_t index, const StoredBlock& block, const at::Tensor& buffer) {
+  Bound& bound = blocks_.at(index);
+  const auto options = at::TensorOptions().device(buffer.device());
+  for (size_t j = 0; j < bound.tensors.size(); ++j)
+    rebind(bound.tensors[j], view_of(buffer.storage(), options, 0, block.layout[j]));
+  record_versions(index);
+}
+
+void Binder::record_versions(size_t index) {
+  Bound& bound = blocks_.at(index);
+  bound.versions.resize(bound.tensors.size());
+  for (size_t j = 0; j < bound.tensors.size(); ++j) bound.versions[j] = version_of(bound.tensors[j]);
+}
+
+int64_t Binder::first_written(size_t index) const {
+  const Bound& bound = blocks_[index];
+  for (size_t j = 0; j < bound.tensors.size() && j < bound.versions.size(); ++j)
+    if (version_of(bound.tensors[j]) != bound.versions[j]) return static_cast<int64_t>(j);
+  return -1;
 }
 
 void Binder::bind_placeholders(size_t index) const {

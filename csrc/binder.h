@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,13 +31,21 @@ class Binder {
   void build_views(size_t index, const StoredBlock& block, const SlotRing& ring);
   void drop_block(size_t index);
 
-  void bind_slot(size_t index, size_t slot) const;
+  void bind_slot(size_t index, size_t slot);
+  // Binds the parameters to views of `buffer` (a private copy of the block's packed bytes, laid out
+  // as `block.layout` says) instead of a slot.
+  void bind_buffer(size_t index, const StoredBlock& block, const at::Tensor& buffer);
   void bind_placeholders(size_t index) const;
   // Binds arbitrary tensors through the full `set_data` (device changes, autograd bookkeeping).
   void bind_values(size_t index, const std::vector<at::Tensor>& values) const;
   // Index of the first parameter that was rebound by someone else while holding its placeholder,
   // or -1 when all still hold their placeholders.
   int64_t first_foreign(size_t index) const;
+  // Index of the first parameter whose version counter moved since the block was last bound (an
+  // in-place write, e.g. `weight.mul_(2)` on its placeholder or on its slot), or -1.
+  int64_t first_written(size_t index) const;
+  // The current versions become the expected ones (after a bind the caller made on purpose).
+  void record_versions(size_t index);
 
   const std::vector<at::Tensor>& placeholders(size_t index) const { return blocks_.at(index).placeholders; }
 
@@ -45,6 +54,7 @@ class Binder {
     std::vector<at::Tensor> tensors;
     std::vector<at::Tensor> placeholders;
     std::vector<std::vector<at::Tensor>> views;  // [slot][tensor]
+    std::vector<uint32_t> versions;              // version counters as of the last bind
   };
   at::Device device_;
   std::vector<Bound> blocks_;

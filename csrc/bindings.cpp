@@ -8,9 +8,12 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
+#include "codec.h"
+#include "codec_launch.h"
 #include "offload_engine.h"
 #include "pinned_pool.h"
 #include "shared_segment.h"
+#include "thread_gate.h"
 
 namespace py = pybind11;
 
@@ -101,8 +104,90 @@ py::dict engine_stats(const OffloadEngine& engine) {
   d["num_slots"] = engine.num_slots();
   d["slot_bytes"] = engine.slot_bytes();
   d["packed_bytes"] = engine.total_bytes();
+  d["decodes"] = s.decodes;
   return d;
 }
+
+py::dict codec_info_dict(const OffloadEngine& engine, size_t block) {
+  const BlockCodecInfo info = engine.codec_info(block);
+  py::dict d;
+  d["mode"] = travel_name(info.travel);
+  d["raw_bytes"] = info.raw_bytes;
+  d["compressed_bytes"] = info.compressed_bytes;
+  d["host_bytes"] = info.host_bytes;
+  d["ratio"] = info.compressed_bytes > 0 && info.raw_bytes > 0
+                   ? static_cast<double>(info.compressed_bytes) / static_cast<double>(info.raw_bytes)
+                   : 1.0;
+  d["segments"] = info.segments;
+  d["coded_segments"] = info.coded_segments;
+  d["exceptions"] = info.exceptions;
+  return d;
+}
+
+std::string compress_mode_name(CompressMode mode) {
+  switch (mode) {
+    case CompressMode::kOn:
+      return "on";
+    case CompressMode::kAuto:
+      return "auto";
+    case CompressMode::kOff:
+      break;
+  }
+  return "off";
+}
+
+codec::EncodeOptions encode_options(double max_ratio, size_t min_bytes, unsigned threads) {
+  TORCH_CHECK(max_ratio > 0.0, "fastoffload: max_ratio must be > 0, got ", std::to_string(max_ratio));
+  codec::EncodeOptions options;
+  options.max_ratio = max_ratio;
+  options.min_bytes = min_bytes;
+  options.threads = threads;
+  return options;
+}
+
+const uint8_t* byte_data(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous(), "fastoffload: ", what,
+              " must be a contiguous CPU uint8 tensor, got ", t.toString());
+  return t.data_ptr<uint8_t>();
+}
+
+// spans: (offset, nbytes, is_bf16) of each tensor inside `raw`.
+at::Tensor codec_encode(const at::Tensor& raw, const std::vector<std::tuple<size_t, size_t, bool>>& spans,
+                        double max_ratio, size_t min_bytes, unsigned threads) {
+  const uint8_t* data = byte_data(raw, "the block to encode");
+  std::vector<codec::TensorSpan> list;
+  for (const auto& [offset, nbytes, bf16] : spans) list.push_back({offset, nbytes, bf16});
+  const codec::EncodeOptions options = encode_options(max_ratio, min_bytes, threads);
+  codec::Plan plan = codec::plan_block(data, static_cast<size_t>(raw.numel()), list, options);
+  at::Tensor out = at::empty({static_cast<int64_t>(plan.total_bytes)}, at::TensorOptions().dtype(at::kByte));
+  codec::encode_block(data, plan, out.data_ptr<uint8_t>(), threads);
+  return out;
+}
+
+at::Tensor codec_decode(const at::Tensor& src, bool verify, unsigned threads) {
+  const uint8_t* data = byte_data(src, "the compressed block");
+  const codec::Summary summary = codec::inspect(data, static_cast<size_t>(src.numel()));
+  at::Tensor out = at::empty({static_cast<int64_t>(summary.raw_bytes)}, at::TensorOptions().dtype(at::kByte));
+  codec::decode_block(data, static_cast<size_t>(src.numel()), out.data_ptr<uint8_t>(), summary.raw_bytes, verify,
+                      threads);
+  return out;
+}
+
+py::dict codec_inspect(const at::Tensor& src) {
+  const codec::Summary s = codec::inspect(byte_data(src, "the compressed block"), static_cast<size_t>(src.numel()));
+  py::dict d;
+  d["raw_bytes"] = s.raw_bytes;
+  d["compressed_bytes"] = s.total_bytes;
+  d["segments"] = s.num_segments;
+  d["tiles"] = s.num_tiles;
+  d["coded_segments"] = s.coded_segments;
+  d["exceptions"] = s.exceptions;
+  return d;
+}
+
+void* drop_gil_if_held() { return PyGILState_Check() ? static_cast<void*>(PyEval_SaveThread()) : nullptr; }
+
+void take_gil_back(void* state) { PyEval_RestoreThread(static_cast<PyThreadState*>(state)); }
 
 }  // namespace
 }  // namespace fastoffload
@@ -110,6 +195,8 @@ py::dict engine_stats(const OffloadEngine& engine) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastoffload;
   m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
+  // A thread that has to wait for an engine drops the GIL for the wait (see thread_gate.h).
+  set_wait_hooks(WaitHooks{&drop_gil_if_held, &take_gil_back});
   // Device memory refused (the slot ring) reaches Python as torch.OutOfMemoryError, like torch's own.
   py::register_local_exception_translator([](std::exception_ptr error) {
     try {
@@ -137,11 +224,58 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SEGMENT_PREFIX") = kSegmentPrefix;
   m.def(
       "sweep_stale_segments", [] { return without_gil([] { return sweep_stale_segments(); }); },
-        "Removes /dev/shm/fastoffload-<pid>-* left by owners that died before unlinking them; returns the count.");
+      "Removes the shared segment names of this user's jobs whose owner died (its flock'ed job lock is free); "
+      "returns how many segment names it removed.");
+  m.def(
+      "tensor_digests",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        return without_gil([&] { return tensor_digests(names, tensors); });
+      },
+      py::arg("names"), py::arg("tensors"),
+      "64-bit digests of each tensor's bytes: what an owner's OffloadEngine.block_digests gives for the same values.");
+  m.def(
+      "packed_bytes",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        size_t total = 0;
+        plan_layout(names, tensors, &total);
+        return total;
+      },
+      py::arg("names"), py::arg("tensors"), "Bytes a block of these tensors packs to (validating them like add_block).");
+  py::class_<JobLock>(m, "JobLock", "The owner's liveness lock of a shared host copy (flock'ed while held).")
+      .def(py::init([](const std::string& job_token) { return without_gil([&] { return new JobLock(job_token); }); }),
+           py::arg("job_token"))
+      .def("release", [](JobLock& lock) { without_gil([&] { lock.release(); }); })
+      .def_property_readonly("held", &JobLock::held)
+      .def_property_readonly("name", &JobLock::name);
   m.def(
       "unlink_shared_segment", [](const std::string& name) { return without_gil([&] { return unlink_segment(name); }); },
       py::arg("name"),
       "Removes the shared segment name `name` if it exists (mappings stay valid); returns whether it did.");
+
+  m.def(
+      "codec_encode",
+      [](const at::Tensor& raw, const std::vector<std::tuple<size_t, size_t, bool>>& spans, double max_ratio,
+         size_t min_bytes, unsigned threads) {
+        return without_gil([&] { return codec_encode(raw, spans, max_ratio, min_bytes, threads); });
+      },
+      py::arg("raw"), py::arg("spans"), py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 4096,
+      py::arg("threads") = 0,
+      "Compressed form (uint8 CPU tensor) of the packed bytes `raw`; spans: (offset, nbytes, is_bf16) per tensor.");
+  m.def(
+      "codec_decode",
+      [](const at::Tensor& src, bool verify, unsigned threads) {
+        return without_gil([&] { return codec_decode(src, verify, threads); });
+      },
+      py::arg("src"), py::arg("verify") = false, py::arg("threads") = 0,
+      "Host decoder: the raw bytes of a compressed block (verify: check its checksum first).");
+  m.def("codec_inspect", &codec_inspect, py::arg("src"), "Validates a compressed block's header and segment table.");
+  m.def(
+      "codec_decode_device",
+      [](const at::Tensor& host, const at::Tensor& device_src, at::Tensor dst) {
+        codec::decode_on_device(host, device_src, dst);
+      },
+      py::arg("host"), py::arg("device_src"), py::arg("dst"),
+      "Device decoder on the current stream: `device_src` (the bytes of `host` on the GPU) into `dst`.");
 
   py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool",
                                                       "Page-locked host memory in slabs, sub-allocated at exact sizes.")
@@ -161,6 +295,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "unlink_shared", [](PinnedPool& p) { return warnings_to_python([&] { return p.unlink_shared(); }); },
            "Unlinks the names of the shared segments this pool created (their mappings stay valid).")
       .def("linked_shared_names", &PinnedPool::linked_shared_names)
+      .def("reserve_shared", &PinnedPool::reserve_shared, py::arg("name"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Owner: creates the shared segment `name` now, for the block that packs to `nbytes` (see packed_bytes).")
+      .def("drop_reserved", &PinnedPool::drop_reserved, py::call_guard<py::gil_scoped_release>(),
+           "Destroys (and unlinks) the reserved segments no block has used yet; returns how many.")
       .def_property_readonly("device_index", &PinnedPool::device_index)
       .def_property_readonly("pins", &PinnedPool::pins)
       .def_property_readonly("backing", [](const PinnedPool& p) { return std::string(backing_name(p.backing())); });
@@ -186,6 +325,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "is_shared", [](const OffloadEngine& e, int64_t block) { return e.is_shared(checked_block(e, block)); },
           py::arg("block"))
+      .def(
+          "block_digests",
+          [](const OffloadEngine& e, int64_t block) { return e.block_digests(checked_block(e, block)); },
+          py::arg("block"))
+      .def(
+          "make_private",
+          [](OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            without_gil([&] { e.make_private(b); });
+          },
+          py::arg("block"))
       // The per-step calls keep the GIL (see the top of this file).
       .def(
           "acquire",
@@ -208,6 +358,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](OffloadEngine& e, int64_t block) {
             const size_t b = checked_block(e, block);
             without_gil([&] { e.materialize(b); });
+          },
+          py::arg("block"))
+      .def(
+          "set_compression",
+          [](OffloadEngine& e, const std::string& mode, bool verify, double max_ratio, size_t min_bytes,
+             unsigned threads) {
+            e.set_compression(parse_compress_mode(mode), verify, encode_options(max_ratio, min_bytes, threads));
+          },
+          py::arg("mode"), py::arg("verify") = false, py::arg("max_ratio") = 0.9, py::arg("min_bytes") = 4096,
+          py::arg("threads") = 0)
+      .def(
+          "choose_travel",
+          [](OffloadEngine& e, int64_t block, bool compressed) {
+            const size_t b = checked_block(e, block);
+            without_gil([&] { e.choose_travel(b, compressed); });
+          },
+          py::arg("block"), py::arg("compressed"))
+      .def(
+          "codec_info", [](const OffloadEngine& e, int64_t block) { return codec_info_dict(e, checked_block(e, block)); },
+          py::arg("block"))
+      .def_property_readonly("verify_checksums", &OffloadEngine::verify_checksums)
+      .def("settle_travel", [](OffloadEngine& e) { without_gil([&] { e.settle_travel(); }); })
+      .def("set_auto_threshold", &OffloadEngine::set_auto_threshold, py::arg("threshold"))
+      .def_property_readonly("compress_mode", [](const OffloadEngine& e) { return compress_mode_name(e.compress_mode()); })
+      .def("auto_timings",
+           [](const OffloadEngine& e) {
+             py::dict d;
+             d["copy_ms"] = e.chooser().last_copy_ms();
+             d["compute_ms"] = e.chooser().last_compute_ms();
+             d["threshold"] = e.chooser().threshold();
+             return d;
+           })
+      .def(
+          "raw_host_bytes",
+          [](const OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            return without_gil([&] { return e.raw_host_bytes(b); });
           },
           py::arg("block"))
       .def(
@@ -267,6 +454,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return e.host_view(checked_block(e, block), checked_index(index));
           },
           py::arg("block"), py::arg("index"))
+      .def(
+          "host_views",
+          [](const OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            return without_gil([&] { return e.host_views(b); });
+          },
+          py::arg("block"))
+      .def(
+          "weight_bytes", [](const OffloadEngine& e, int64_t block) { return e.weight_bytes(checked_block(e, block)); },
+          py::arg("block"))
       .def_property_readonly("num_blocks", &OffloadEngine::num_blocks)
       .def_property_readonly("num_slots", &OffloadEngine::num_slots)
       .def_property_readonly("slot_bytes", &OffloadEngine::slot_bytes)

@@ -1,9 +1,13 @@
 #include "layer_store.h"
 
+#include <cstring>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+
+#include "digest.h"
 
 namespace fastoffload {
 namespace {
@@ -28,7 +32,53 @@ at::Tensor span_bytes(const at::Tensor& t, size_t nbytes) {
   return bytes;
 }
 
+std::vector<at::Tensor> resolve_lazy_bits(const std::vector<at::Tensor>& tensors) {
+  // A conjugate or negative view stores its values with a lazy bit that raw bytes do not carry:
+  // pack the values it means (binding the parameter to the packed bytes then clears the bit).
+  std::vector<at::Tensor> resolved;
+  resolved.reserve(tensors.size());
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) {
+    const bool lazy = t.defined() && !t.is_meta() && t.layout() == at::kStrided && (t.is_conj() || t.is_neg());
+    resolved.push_back(lazy ? t.detach().resolve_conj().resolve_neg() : t);
+  }
+  return resolved;
+}
+
+// The first byte of `t`'s storage span on the host (t must be a CPU tensor).
+const void* span_data(const at::Tensor& t) {
+  return static_cast<const char*>(t.storage().data()) + t.storage_offset() * t.element_size();
+}
+
+// Copies tensor `source`'s span into its place in `host_bytes`; returns the digest of the packed bytes.
+uint64_t pack_and_digest(at::Tensor& host_bytes, const TensorLayout& entry, const at::Tensor& source) {
+  char* dst = static_cast<char*>(host_bytes.data_ptr()) + entry.offset;
+  if (source.device().is_cpu()) return copy_and_digest(dst, span_data(source), entry.nbytes);
+  // From a device: the copy is a DMA, so the hash reads the packed bytes back once.
+  host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
+      .copy_(span_bytes(source, entry.nbytes));
+  return digest_bytes(dst, entry.nbytes);
+}
+
 }  // namespace
+
+std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+  size_t total = 0;
+  const std::vector<TensorLayout> layout = plan_layout(names, tensors, &total);
+  at::NoGradGuard no_grad;
+  std::vector<uint64_t> digests;
+  digests.reserve(tensors.size());
+  for (size_t j = 0; j < tensors.size(); ++j) {
+    const size_t nbytes = layout[j].nbytes;
+    if (nbytes == 0 || tensors[j].device().is_cpu()) {
+      digests.push_back(nbytes == 0 ? digest_bytes(nullptr, 0) : digest_bytes(span_data(tensors[j]), nbytes));
+      continue;
+    }
+    const at::Tensor host = span_bytes(tensors[j], nbytes).to(at::kCPU);
+    digests.push_back(digest_bytes(host.data_ptr(), nbytes));
+  }
+  return digests;
+}
 
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                       size_t* total_bytes) {
@@ -87,8 +137,9 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
   TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
 }
 
-StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                             const std::string& segment_name, bool owner) {
+StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
+                             const std::string& segment_name, bool owner, bool pin) {
+  const std::vector<at::Tensor> tensors = resolve_lazy_bits(params);
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
   const bool shared = !segment_name.empty();
@@ -104,17 +155,22 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
   // A non-owner's segment already holds the owner's bytes, laid out as `block.layout` says.
   for (size_t j = 0; j < tensors.size() && (!shared || owner); ++j) {
     const TensorLayout& entry = block.layout[j];
+    if (shared) {
+      block.digests.push_back(entry.nbytes == 0 ? digest_bytes(nullptr, 0)
+                                                : pack_and_digest(block.host_bytes, entry, tensors[j]));
+      continue;
+    }
     if (entry.nbytes == 0) continue;
     block.host_bytes.narrow(0, static_cast<int64_t>(entry.offset), static_cast<int64_t>(entry.nbytes))
         .copy_(span_bytes(tensors[j], entry.nbytes));
   }
-  pool_->pin(*block.host);
-  block.tensors = tensors;
+  if (pin || shared) pool_->pin(*block.host);
+  block.tensors = params;
   return block;
 }
 
-size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
-  blocks_.push_back(pack(names, tensors));
+size_t LayerStore::add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, bool pin) {
+  blocks_.push_back(pack(names, tensors, std::string(), true, pin));
   return blocks_.size() - 1;
 }
 
@@ -125,11 +181,30 @@ size_t LayerStore::add_shared(const std::vector<std::string>& names, const std::
   return blocks_.size() - 1;
 }
 
-void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+void LayerStore::replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                         bool pin) {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
   // Pack first: if packing fails the old copy stays intact.
-  StoredBlock fresh = pack(names, tensors);
+  StoredBlock fresh = pack(names, tensors, std::string(), true, pin);
   blocks_[index] = std::move(fresh);
+}
+
+void LayerStore::make_private(size_t index) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
+  StoredBlock& stored = blocks_[index];
+  if (!stored.shared) return;
+  std::shared_ptr<PoolAllocation> host = pool_->allocate(stored.bytes, /*defer_pin=*/true);
+  if (stored.bytes > 0) std::memcpy(host->data(), stored.host->data(), stored.bytes);
+  pool_->pin(*host);
+  std::shared_ptr<PoolAllocation> keep_alive = host;
+  // Assigned last: until here a failure leaves the block as it was.
+  stored.host_bytes = at::from_blob(
+      host->data(), {static_cast<int64_t>(stored.bytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  stored.host = std::move(host);
+  stored.shared = false;
+  stored.shared_owner = false;
+  stored.digests.clear();
 }
 
 void LayerStore::remove(size_t index) {
@@ -141,7 +216,69 @@ void LayerStore::remove(size_t index) {
 at::Tensor LayerStore::host_view(size_t index, size_t j) const {
   const StoredBlock& stored = block(index);
   TORCH_CHECK(j < stored.layout.size(), "fastoffload: block ", std::to_string(index), " has no tensor ", std::to_string(j));
-  return view_of(stored.host_bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+  const at::Tensor bytes = raw_bytes(index, false);
+  return view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+}
+
+std::vector<at::Tensor> LayerStore::host_views(size_t index) const {
+  const StoredBlock& stored = block(index);
+  const at::Tensor bytes = raw_bytes(index, false);
+  std::vector<at::Tensor> views;
+  views.reserve(stored.layout.size());
+  for (const TensorLayout& entry : stored.layout)
+    views.push_back(view_of(bytes.storage(), at::TensorOptions().device(at::kCPU), 0, entry));
+  return views;
+}
+
+bool LayerStore::compress(size_t index, const codec::EncodeOptions& options, bool keep_raw) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
+  StoredBlock& stored = blocks_[index];
+  TORCH_CHECK(!stored.shared, "fastoffload: internal error: a shared host copy cannot be compressed");
+  TORCH_CHECK(stored.has_raw(), "fastoffload: internal error: block ", std::to_string(index), " has no raw copy to encode");
+  std::vector<codec::TensorSpan> spans;
+  spans.reserve(stored.layout.size());
+  for (const TensorLayout& entry : stored.layout)
+    spans.push_back({entry.offset, entry.nbytes, entry.dtype == at::kBFloat16});
+  const auto* raw = static_cast<const uint8_t*>(stored.host->data());
+  const codec::Plan plan = codec::plan_block(raw, stored.bytes, spans, options);
+  if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) {
+    pool_->pin(*stored.host);
+    return false;
+  }
+  std::shared_ptr<PoolAllocation> packed = pool_->allocate(plan.total_bytes, /*defer_pin=*/true);
+  auto* out = static_cast<uint8_t*>(packed->data());
+  codec::encode_block(raw, plan, out, options.threads);
+  pool_->pin(*packed);
+  stored.packed_summary = codec::inspect(out, plan.total_bytes);
+  stored.packed = std::move(packed);
+  stored.packed_bytes = plan.total_bytes;
+  if (keep_raw) pool_->pin(*stored.host);
+  else drop_raw(index);
+  return true;
+}
+
+void LayerStore::drop_raw(size_t index) {
+  StoredBlock& stored = blocks_.at(index);
+  if (!stored.has_packed()) return;  // the raw copy is the only one
+  stored.host_bytes = at::Tensor();
+  stored.host.reset();
+}
+
+void LayerStore::drop_packed(size_t index) {
+  StoredBlock& stored = blocks_.at(index);
+  if (!stored.has_raw()) return;
+  stored.packed.reset();
+  stored.packed_bytes = 0;
+  stored.packed_summary = codec::Summary();
+}
+
+at::Tensor LayerStore::raw_bytes(size_t index, bool verify) const {
+  const StoredBlock& stored = block(index);
+  if (stored.has_raw()) return stored.host_bytes;
+  at::Tensor bytes = at::empty({static_cast<int64_t>(stored.bytes)}, at::TensorOptions().dtype(at::kByte));
+  codec::decode_block(static_cast<const uint8_t*>(stored.packed->data()), stored.packed_bytes, bytes.data_ptr<uint8_t>(),
+                      stored.bytes, verify);
+  return bytes;
 }
 
 const StoredBlock& LayerStore::block(size_t index) const {
@@ -154,6 +291,12 @@ const StoredBlock& LayerStore::block(size_t index) const {
 size_t LayerStore::max_block_bytes() const {
   size_t result = 0;
   for (const auto& b : blocks_) result = std::max(result, b.bytes);
+  return result;
+}
+
+size_t LayerStore::max_packed_bytes() const {
+  size_t result = 0;
+  for (const auto& b : blocks_) result = std::max(result, b.packed_bytes);
   return result;
 }
 

@@ -8,12 +8,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "codec.h"
 #include "pinned_pool.h"
 
 namespace fastoffload {
@@ -36,6 +38,17 @@ struct StoredBlock {
   bool removed = false;
   bool shared = false;        // `host` lives in a shared segment (see add_shared)
   bool shared_owner = false;  // ...which this process created and filled
+  // Owner of a shared block only: digest_bytes() of each tensor's packed bytes, computed while packing
+  // (the other ranks compare theirs, from tensor_digests(), before they map the copy). Empty otherwise.
+  std::vector<uint64_t> digests;
+  // The compressed host copy (codec.h), when the block has one. A compressed block's raw copy (`host`)
+  // is dropped once the block is known to travel compressed, which is where the host memory saving
+  // comes from; until then (compress="auto" measuring) both are kept.
+  std::shared_ptr<PoolAllocation> packed;
+  size_t packed_bytes = 0;
+  codec::Summary packed_summary;
+  bool has_raw() const { return host != nullptr; }
+  bool has_packed() const { return packed != nullptr; }
 };
 
 // Layout of `tensors` packed back to back; throws a c10::Error naming the tensor when one cannot be
@@ -43,12 +56,16 @@ struct StoredBlock {
 std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                       size_t* total_bytes);
 
+// digest_bytes() of each tensor's storage span, in order: what an owner's StoredBlock::digests holds for
+// the same values. Validates like plan_layout. Tensors on a device are copied to the host one at a time.
+std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+
 class LayerStore {
  public:
   explicit LayerStore(std::shared_ptr<PinnedPool> pool);
 
   // Packs the current values of `tensors` into a new region and returns the block's index.
-  size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, bool pin = true);
   // Like add(), with the region in the shared segment `segment_name` (see PinnedPool::allocate_shared).
   // owner: creates the segment and packs into it. Otherwise the segment already holds the owner's packed
   // copy: this process only plans the layout of its own `tensors` (which must equal the owner's: same
@@ -58,23 +75,43 @@ class LayerStore {
                     const std::string& segment_name, bool owner);
   // Replaces block `index` with the current values of `tensors` (which may be different objects,
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
-  void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+               bool pin = true);
+  // Moves block `index`'s host copy out of its shared segment into private pool memory (same bytes,
+  // same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
+  // not to share after it packed.
+  void make_private(size_t index);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
   void remove(size_t index);
 
-  // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive).
+  // Encodes block `index` into a compressed region of pool memory, pinned. Returns false, changing
+  // nothing, when no tensor of the block pays for coding (the block then travels raw). keep_raw: keep
+  // the raw copy too (drop one of them later with drop_raw or drop_packed).
+  bool compress(size_t index, const codec::EncodeOptions& options, bool keep_raw);
+  void drop_raw(size_t index);
+  void drop_packed(size_t index);
+  // The raw packed bytes of block `index` as a CPU uint8 tensor: the raw copy itself when the block has
+  // one, else a freshly decoded copy (verify: check the checksum first).
+  at::Tensor raw_bytes(size_t index, bool verify) const;
+
+  // A CPU tensor viewing tensor `j` of block `index` in pool memory (keeps the region alive). A shared
+  // block's view is other processes' weights too (read-only pages on a non-owner): for internal reads.
   at::Tensor host_view(size_t index, size_t j) const;
+  // Views of every tensor of block `index` (one decode for all of them when it is stored compressed).
+  std::vector<at::Tensor> host_views(size_t index) const;
 
   const StoredBlock& block(size_t index) const;
   size_t size() const { return blocks_.size(); }
   size_t max_block_bytes() const;
+  size_t max_packed_bytes() const;
   size_t total_bytes() const;
   const std::shared_ptr<PinnedPool>& pool() const { return pool_; }
 
  private:
   // segment_name empty: private pool memory.
+  // pin: pin the raw copy now (false when it is about to be compressed and dropped).
   StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                   const std::string& segment_name = std::string(), bool owner = true);
+                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true);
 
   std::shared_ptr<PinnedPool> pool_;
   std::vector<StoredBlock> blocks_;

@@ -4,6 +4,8 @@
 #include <malloc.h>
 #endif
 
+#include <chrono>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -35,9 +37,28 @@ const char* state_name(SlotState state) {
 
 }  // namespace
 
+CompressMode parse_compress_mode(const std::string& name) {
+  if (name == "off") return CompressMode::kOff;
+  if (name == "on") return CompressMode::kOn;
+  if (name == "auto") return CompressMode::kAuto;
+  TORCH_CHECK(false, "fastoffload: compress mode must be 'off', 'on' or 'auto', got '", name, "'");
+}
+
+const char* travel_name(Travel travel) {
+  switch (travel) {
+    case Travel::kRaw:
+      return "raw";
+    case Travel::kCompressed:
+      return "compressed";
+    case Travel::kMeasuring:
+      return "measuring";
+  }
+  return "unknown";
+}
+
 OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_ptr<PinnedPool> pool)
     : device_(device), store_(std::move(pool)), ring_(device, num_slots), copy_(device_index_of(device)),
-      binder_(device) {
+      binder_(device), chooser_(copy_) {
   const int index = device_index_of(device);
   const auto& pool_ = store_.pool();
   TORCH_CHECK(pool_->device_index() == index || !pool_->pins(), "fastoffload: the pinned pool belongs to device ",
@@ -61,16 +82,130 @@ void OffloadEngine::check_block(size_t block) const {
 }
 
 size_t OffloadEngine::add_block(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
-  const size_t index = store_.add(names, params);
+  GateHold hold = waiting_gate();
+  // A block that will be compressed keeps its raw copy pageable: it is dropped after encoding.
+  const size_t index = store_.add(names, params, /*pin=*/compress_mode_ == CompressMode::kOff);
+  travel_.push_back(Travel::kRaw);
+  encode_new(index);
   finish_add(index);
   return index;
 }
 
+void OffloadEngine::encode_new(size_t block) {
+  travel_[block] = Travel::kRaw;
+  chooser_.forget(block);
+  if (compress_mode_ == CompressMode::kOff) return;
+  const bool keep_raw = compress_mode_ == CompressMode::kAuto;
+  if (!store_.compress(block, codec_options_, keep_raw)) return;
+  travel_[block] = keep_raw ? Travel::kMeasuring : Travel::kCompressed;
+  if (keep_raw) chooser_.track(block);
+}
+
+void OffloadEngine::decide_travel() {
+  const bool compressed = chooser_.transfer_bound();
+  for (size_t b : chooser_.tracked_blocks()) choose_travel_held(b, compressed);
+}
+
+void OffloadEngine::settle_travel() {
+  GateHold hold = waiting_gate();
+  if (chooser_.tracked() == 0) return;
+  if (chooser_.ready()) {
+    decide_travel();
+    return;
+  }
+  for (size_t b : chooser_.tracked_blocks()) choose_travel_held(b, false);
+}
+
+void OffloadEngine::set_auto_threshold(double threshold) {
+  GateHold hold = step_gate();
+  TORCH_CHECK(threshold >= 0.0, "fastoffload: the auto-compression threshold must be >= 0, got ", std::to_string(threshold));
+  chooser_.set_threshold(threshold);
+}
+
+void OffloadEngine::set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options) {
+  GateHold hold = step_gate();
+  compress_mode_ = mode;
+  verify_ = verify;
+  codec_options_ = options;
+}
+
+void OffloadEngine::choose_travel(size_t block, bool compressed) {
+  GateHold hold = waiting_gate();
+  choose_travel_held(block, compressed);
+}
+
+void OffloadEngine::choose_travel_held(size_t block, bool compressed) {
+  check_block(block);
+  const StoredBlock& stored = store_.block(block);
+  TORCH_CHECK(!compressed || stored.has_packed(), "fastoffload: block ", std::to_string(block),
+              " has no compressed copy to travel with");
+  TORCH_CHECK(compressed || stored.has_raw(), "fastoffload: block ", std::to_string(block),
+              " no longer has its raw copy (it was chosen to travel compressed)");
+  // A copy in flight may still read the host copy that is about to be freed.
+  copy_.synchronize_copies();
+  chooser_.forget(block);
+  if (compressed) {
+    store_.drop_raw(block);
+    travel_[block] = Travel::kCompressed;
+  } else {
+    store_.drop_packed(block);
+    travel_[block] = Travel::kRaw;
+  }
+  generation_ += 1;
+}
+
+BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
+  auto lock = gate_.enter_read();
+  check_block(block);
+  const StoredBlock& stored = store_.block(block);
+  BlockCodecInfo info;
+  info.travel = travel_[block];
+  info.raw_bytes = stored.bytes;
+  info.compressed_bytes = stored.packed_bytes;
+  info.host_bytes = (stored.has_raw() ? stored.bytes : 0) + stored.packed_bytes;
+  info.segments = stored.packed_summary.num_segments;
+  info.coded_segments = stored.packed_summary.coded_segments;
+  info.exceptions = stored.packed_summary.exceptions;
+  return info;
+}
+
+size_t OffloadEngine::weight_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
+  check_block(block);
+  size_t total = 0;
+  for (const TensorLayout& entry : store_.block(block).layout) {
+    size_t numel = 1;
+    for (int64_t size : entry.sizes) numel *= static_cast<size_t>(size);
+    total += numel * c10::elementSize(entry.dtype);
+  }
+  return total;
+}
+
+at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
+  check_block(block);
+  at::Tensor bytes = store_.raw_bytes(block, verify_);
+  // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
+  return store_.block(block).shared ? bytes.clone() : bytes;
+}
+
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                                        const std::string& segment_name, bool owner) {
+  GateHold hold = waiting_gate();
+  TORCH_CHECK(compress_mode_ != CompressMode::kOn, "fastoffload: compress=True cannot be combined with a host copy "
+              "shared across the ranks of this host: pass share_host_copy=False to compress each rank's copy, or "
+              "compress=False (or \"auto\", which keeps shared blocks raw)");
   const size_t index = store_.add_shared(names, params, segment_name, owner);
+  travel_.push_back(Travel::kRaw);
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::make_private(size_t block) {
+  GateHold hold = waiting_gate();
+  check_block(block);
+  copy_.synchronize_copies();  // a prefetch may still be reading the shared pages
+  store_.make_private(block);
 }
 
 void OffloadEngine::check_not_shared(size_t block, const char* what) const {
@@ -86,6 +221,7 @@ void OffloadEngine::finish_add(size_t index) {
   // The original tensors are released here, block by block, so host memory peaks near the model plus
   // one block rather than twice the model.
   binder_.bind_values(index, binder_.placeholders(index));
+  binder_.record_versions(index);
 #if defined(__GLIBC__)
   // glibc keeps freed heap memory (its mmap threshold grows as large tensors are freed), which would
   // leave the released originals counted in RSS until the end; hand it back to the OS now.
@@ -94,8 +230,21 @@ void OffloadEngine::finish_add(size_t index) {
   views_stale_ = true;
 }
 
+void OffloadEngine::ensure_staging() {
+  if (copy_.is_host()) return;
+  const size_t needed = store_.max_packed_bytes();
+  if (needed == 0 || (staging_[0].defined() && static_cast<size_t>(staging_[0].numel()) >= needed)) return;
+  // The decoder may still be reading the old buffers.
+  copy_.synchronize_copies();
+  for (auto& buffer : staging_) buffer = at::Tensor();
+  for (auto& buffer : staging_)
+    buffer = at::empty({static_cast<int64_t>(needed)}, at::TensorOptions().dtype(at::kByte).device(device_));
+}
+
 void OffloadEngine::ensure_slots() {
   if (!views_stale_ && ring_.slot_bytes() >= store_.max_block_bytes()) return;
+  // Packed sizes change only where views go stale too (a block added or repacked).
+  ensure_staging();
   if (!ring_.allocated() || ring_.slot_bytes() < store_.max_block_bytes()) {
     // The copy stream may still be writing into the old slots.
     copy_.synchronize_copies();
@@ -111,9 +260,11 @@ void OffloadEngine::check_grad(size_t block) const {
   for (size_t j = 0; j < stored.tensors.size(); ++j) {
     TORCH_CHECK(!stored.tensors[j].requires_grad(), "fastoffload: block ", std::to_string(block), " is offloaded, its parameter '",
                 stored.layout[j].name,
-                "' requires grad, and grad mode is on. Offloaded weights live in device slots that later blocks "
-                "overwrite, so a backward pass would read the wrong bytes. Run the forward under torch.no_grad() or "
-                "torch.inference_mode(), or call model.requires_grad_(False); to train, keep the block resident.");
+                "' requires grad, and grad mode is on. An offloaded parameter is a placeholder between forwards, so its "
+                "gradient would have nowhere to live and an optimizer step would never reach its host copy. Freeze the "
+                "offloaded blocks (model.blocks.requires_grad_(False): gradients still flow through them to the input "
+                "and to parameters outside the blocks), or run under torch.no_grad() or torch.inference_mode(); to "
+                "train a block, keep it resident.");
   }
 }
 
@@ -121,27 +272,87 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
   ring_.assign(slot, block);
   Slot& s = ring_.slot(slot);
   const StoredBlock& stored = store_.block(block);
-  copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready);
+  if (travel_[block] == Travel::kCompressed) {
+    stats_.decodes += 1;
+    void* const staging[2] = {staging_[0].defined() ? staging_[0].data_ptr() : nullptr,
+                              staging_[1].defined() ? staging_[1].data_ptr() : nullptr};
+    const size_t staging_bytes = staging_[0].defined() ? static_cast<size_t>(staging_[0].numel()) : 0;
+    copy_.decode_to_device(s.buffer.data_ptr(), stored.bytes, stored.packed->data(), stored.packed_bytes, staging,
+                           staging_bytes, stored.packed_summary.num_segments, stored.packed_summary.num_tiles, verify_,
+                           *s.free, *s.ready);
+    return;
+  }
+  if (travel_[block] == Travel::kMeasuring && copy_.is_host()) {
+    const auto start = std::chrono::steady_clock::now();
+    copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready);
+    chooser_.add_host_copy(block, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    return;
+  }
+  Event* timing_start = travel_[block] == Travel::kMeasuring ? chooser_.copy_start(block) : nullptr;
+  Event* timing_end = travel_[block] == Travel::kMeasuring ? chooser_.copy_end(block) : nullptr;
+  copy_.copy_to_device(s.buffer.data_ptr(), stored.host->data(), stored.bytes, *s.free, *s.ready, timing_start,
+                       timing_end);
+}
+
+void OffloadEngine::check_bindings(size_t block) const {
+  const StoredBlock& stored = store_.block(block);
+  const int64_t foreign = binder_.first_foreign(block);
+  if (foreign >= 0) {
+    const at::Tensor& param = stored.tensors[foreign];
+    const TensorLayout& entry = stored.layout[foreign];
+    TORCH_CHECK(param.scalar_type() == entry.dtype && param.device() == device_, "fastoffload: parameter '", entry.name,
+                "' of block ", std::to_string(block), " was cast or moved to ", c10::toString(param.scalar_type()), " on ",
+                param.device().str(), " after offload was enabled (its host copy holds ", c10::toString(entry.dtype),
+                " for ", device_.str(), "); .half(), .to(dtype) and .to(device) do not reach an offloaded block's host "
+                "copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable "
+                "it again.");
+    TORCH_CHECK(false, "fastoffload: parameter '", entry.name, "' of block ", std::to_string(block),
+                " was replaced while it was offloaded, so its new value would be silently overwritten. Change a "
+                "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
+                "first.");
+  }
+  const int64_t written = binder_.first_written(block);
+  TORCH_CHECK(written < 0, "fastoffload: parameter '", stored.layout[written].name, "' of block ", std::to_string(block),
+              " was changed in place while it was offloaded (its placeholder or device slot holds no lasting copy), "
+              "so the change would be silently lost. Change a block's parameters inside mutate_params_scope(), which "
+              "rebuilds the host copy, or disable offload first.");
+}
+
+void OffloadEngine::bind_for_run(size_t block, size_t slot) {
+  if (!at::GradMode::is_enabled()) {
+    binder_.bind_slot(block, slot);
+    return;
+  }
+  // Autograd may keep views of the parameters until backward, long after a later block reused the
+  // slot: give them bytes of their own. The copy runs on the current stream, after the slot's wait.
+  const StoredBlock& stored = store_.block(block);
+  at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                                at::TensorOptions().dtype(at::kByte).device(device_));
+  if (stored.bytes > 0) {
+    const int64_t n = static_cast<int64_t>(stored.bytes);
+    buffer.narrow(0, 0, n).copy_(ring_.slot(slot).buffer.narrow(0, 0, n));
+  }
+  binder_.bind_buffer(block, stored, buffer);
 }
 
 void OffloadEngine::acquire(size_t block) {
+  GateHold hold = step_gate();
   check_block(block);
   if (materialized_[block]) return;
   if (at::GradMode::is_enabled()) check_grad(block);
-  ensure_slots();
-  stats_.acquires += 1;
-  generation_ += 1;
   int64_t slot = ring_.slot_of(block);
   if (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse) {
     // The block is already running (re-entrant call): it is bound and its copy was waited for.
     ring_.acquire(static_cast<size_t>(slot));
+    stats_.acquires += 1;
+    generation_ += 1;
     return;
   }
-  const int64_t foreign = binder_.first_foreign(block);
-  TORCH_CHECK(foreign < 0, "fastoffload: parameter '", store_.block(block).layout[foreign].name, "' of block ", std::to_string(block),
-              " was replaced while it was offloaded, so its new value would be silently overwritten. Change a "
-              "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
-              "first.");
+  check_bindings(block);
+  ensure_slots();
+  stats_.acquires += 1;
+  generation_ += 1;
+  slot = ring_.slot_of(block);
   if (slot < 0) {
     slot = ring_.choose_slot(block);
     if (slot < 0) {
@@ -161,11 +372,13 @@ void OffloadEngine::acquire(size_t block) {
   }
   Slot& s = ring_.slot(static_cast<size_t>(slot));
   copy_.wait_on_current(*s.ready);
+  bind_for_run(block, static_cast<size_t>(slot));
   ring_.acquire(static_cast<size_t>(slot));
-  binder_.bind_slot(block, static_cast<size_t>(slot));
+  if (travel_[block] == Travel::kMeasuring) chooser_.compute_started(block);
 }
 
 bool OffloadEngine::prefetch(size_t block) {
+  GateHold hold = step_gate();
   check_block(block);
   if (materialized_[block]) return false;
   ensure_slots();
@@ -182,6 +395,7 @@ bool OffloadEngine::prefetch(size_t block) {
 }
 
 bool OffloadEngine::release(size_t block) {
+  GateHold hold = step_gate();
   if (block >= store_.size() || removed_[block] || materialized_[block]) return false;
   const int64_t slot = ring_.slot_of(block);
   if (slot < 0 || ring_.slot(slot).state != SlotState::kInUse) return false;
@@ -189,11 +403,17 @@ bool OffloadEngine::release(size_t block) {
   if (ring_.release(static_cast<size_t>(slot))) {
     binder_.bind_placeholders(block);
     copy_.record_on_current(*ring_.slot(slot).free);
+    if (travel_[block] == Travel::kMeasuring) {
+      chooser_.compute_ended(block);
+      // Once: the copies it does not need are freed (this waits for the copies in flight).
+      if (!copy_.capturing() && chooser_.ready()) decide_travel();
+    }
   }
   return true;
 }
 
 void OffloadEngine::materialize(size_t block) {
+  GateHold hold = waiting_gate();
   check_block(block);
   if (materialized_[block]) return;
   check_not_shared(block, "materialized for mutation");
@@ -204,7 +424,7 @@ void OffloadEngine::materialize(size_t block) {
   const StoredBlock& stored = store_.block(block);
   at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
                                 at::TensorOptions().dtype(at::kByte).device(device_));
-  if (stored.bytes > 0) buffer.narrow(0, 0, static_cast<int64_t>(stored.bytes)).copy_(stored.host_bytes);
+  if (stored.bytes > 0) buffer.narrow(0, 0, static_cast<int64_t>(stored.bytes)).copy_(store_.raw_bytes(block, verify_));
   std::vector<at::Tensor> values;
   values.reserve(stored.layout.size());
   const auto options = at::TensorOptions().device(device_);
@@ -214,6 +434,7 @@ void OffloadEngine::materialize(size_t block) {
 }
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
+  GateHold hold = waiting_gate();
   check_block(block);
   check_not_shared(block, "repacked");
   const int64_t slot = ring_.slot_of(block);
@@ -222,26 +443,38 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
   // A prefetch of this block may still be reading the host copy that is about to be freed.
   copy_.synchronize_copies();
   ring_.forget_block(block);
-  store_.replace(block, names, params);
+  store_.replace(block, names, params, /*pin=*/compress_mode_ == CompressMode::kOff);
+  // Re-encoded from the new values; "auto" measures the block again.
+  encode_new(block);
   binder_.set_block(block, store_.block(block));
   binder_.bind_values(block, binder_.placeholders(block));
+  binder_.record_versions(block);
   materialized_[block] = 0;
   views_stale_ = true;
 }
 
 void OffloadEngine::restore(size_t block, at::Device target) {
+  GateHold hold = waiting_gate();
   check_block(block);
   const StoredBlock& stored = store_.block(block);
   const int64_t slot = ring_.slot_of(block);
   const bool running = slot >= 0 && ring_.slot(slot).state == SlotState::kInUse;
   std::vector<at::Tensor> values;
   values.reserve(stored.layout.size());
+  const bool live = running || materialized_[block];
+  // Decoded once for the whole block when it is stored compressed.
+  const at::Tensor host = live ? at::Tensor() : store_.raw_bytes(block, verify_);
   for (size_t j = 0; j < stored.layout.size(); ++j) {
     // Current values: a running or materialized block's live tensors (they may have been changed in
     // place), otherwise the host copy.
-    const at::Tensor source =
-        (running || materialized_[block]) ? stored.tensors[j].variable_data() : store_.host_view(block, j);
-    values.push_back(clone_with_layout(source, stored.layout[j], target));
+    const at::Tensor source = live ? stored.tensors[j].variable_data()
+                                   : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
+    at::Tensor value = clone_with_layout(source, stored.layout[j], target);
+    // A cast after enable (model.half()) left a placeholder of the new dtype: the restored model
+    // follows the cast, as the resident model would have, rather than silently keeping the old dtype.
+    const at::ScalarType now = stored.tensors[j].scalar_type();
+    if (!live && now != stored.layout[j].dtype) value = value.to(now);
+    values.push_back(std::move(value));
   }
   binder_.bind_values(block, values);
   if (running) {
@@ -254,24 +487,31 @@ void OffloadEngine::restore(size_t block, at::Device target) {
   }
   copy_.synchronize_copies();
   ring_.forget_block(block);
+  chooser_.forget(block);
   store_.remove(block);
   binder_.drop_block(block);
   removed_[block] = 1;
 }
 
 void OffloadEngine::close() {
+  GateHold hold = waiting_gate();
   copy_.synchronize_copies();
   for (size_t b = 0; b < store_.size(); ++b) {
     if (removed_[b]) continue;
     ring_.forget_block(b);
   }
   ring_.clear();
+  for (auto& buffer : staging_) buffer = at::Tensor();
   views_stale_ = true;
 }
 
-void OffloadEngine::synchronize() { copy_.synchronize_copies(); }
+void OffloadEngine::synchronize() {
+  GateHold hold = waiting_gate();
+  copy_.synchronize_copies();
+}
 
 void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, size_t num_slots) {
+  GateHold hold = step_gate();
   TORCH_CHECK(ring_.blocks_in_use().empty(), "fastoffload: the slot assignment cannot change while a block is running");
   copy_.synchronize_copies();
   if (num_slots != ring_.size()) ring_.resize(num_slots);
@@ -282,24 +522,92 @@ void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, 
 }
 
 void OffloadEngine::begin_capture() {
+  GateHold hold = step_gate();
   copy_.begin_capture();
   generation_ += 1;
 }
 
 void OffloadEngine::end_capture() {
+  GateHold hold = step_gate();
   copy_.end_capture();
   generation_ += 1;
 }
 
-void OffloadEngine::join_copies() { copy_.current_waits_for_copies(); }
+void OffloadEngine::join_copies() {
+  GateHold hold = step_gate();
+  copy_.current_waits_for_copies();
+}
+
+size_t OffloadEngine::num_blocks() const {
+  auto lock = gate_.enter_read();
+  return store_.size();
+}
+
+size_t OffloadEngine::num_slots() const {
+  auto lock = gate_.enter_read();
+  return ring_.size();
+}
+
+size_t OffloadEngine::slot_bytes() const {
+  auto lock = gate_.enter_read();
+  return ring_.slot_bytes();
+}
+
+size_t OffloadEngine::block_bytes(size_t block) const {
+  auto lock = gate_.enter_read();
+  return store_.block(block).bytes;
+}
+
+size_t OffloadEngine::total_bytes() const {
+  auto lock = gate_.enter_read();
+  return store_.total_bytes();
+}
+
+int64_t OffloadEngine::slot_of(size_t block) const {
+  auto lock = gate_.enter_read();
+  return ring_.slot_of(block);
+}
+
+int64_t OffloadEngine::slot_block(size_t slot) const {
+  auto lock = gate_.enter_read();
+  return ring_.slot(slot).block;
+}
+
+bool OffloadEngine::is_shared(size_t block) const {
+  auto lock = gate_.enter_read();
+  return store_.block(block).shared;
+}
+
+at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
+  auto lock = gate_.enter_read();
+  at::Tensor view = store_.host_view(block, j);
+  if (!store_.block(block).shared) return view;
+  return clone_with_layout(view, store_.block(block).layout[j], at::kCPU);
+}
+
+std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
+  auto lock = gate_.enter_read();
+  std::vector<at::Tensor> views = store_.host_views(block);
+  const StoredBlock& stored = store_.block(block);
+  if (!stored.shared) return views;
+  for (size_t j = 0; j < views.size(); ++j) views[j] = clone_with_layout(views[j], stored.layout[j], at::kCPU);
+  return views;
+}
+
+EngineStats OffloadEngine::stats() const {
+  auto lock = gate_.enter_read();
+  return stats_;
+}
 
 std::string OffloadEngine::slot_state(size_t slot) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
               " slots)");
   return state_name(ring_.slot(slot).state);
 }
 
 uint64_t OffloadEngine::slot_address(size_t slot) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(slot < ring_.size(), "fastoffload: slot ", std::to_string(slot), " is out of range (", std::to_string(ring_.size()),
               " slots)");
   const at::Tensor& buffer = ring_.slot(slot).buffer;
@@ -307,11 +615,13 @@ uint64_t OffloadEngine::slot_address(size_t slot) const {
 }
 
 bool OffloadEngine::is_materialized(size_t block) const {
+  auto lock = gate_.enter_read();
   check_block(block);
   return materialized_[block] != 0;
 }
 
 bool OffloadEngine::is_removed(size_t block) const {
+  auto lock = gate_.enter_read();
   TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", std::to_string(block), " is out of range");
   return removed_[block] != 0;
 }

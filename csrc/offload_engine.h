@@ -7,6 +7,14 @@
 //   prefetch(j)  start copying block j into a free slot on the copy stream; no-op if it is there.
 //   release(i)   block i has run: parameters back to placeholders, record the slot's "free" event.
 // No list crosses the boundary on that path and the host never waits for the device.
+//
+// Threads: see thread_gate.h. One forward at a time owns the engine; another thread's per-step call
+// raises, and another thread's restore/close/materialize/repack waits for the running blocks.
+//
+// Autograd: with grad mode on, acquire binds the parameters to a private device copy of the slot
+// instead of the slot itself, so tensors that autograd saved from them keep their bytes after later
+// blocks reuse the slot (the Python hook keeps the parameters themselves out of the saved tensors).
+// Offloaded parameters that require grad are still refused: between forwards they are placeholders.
 #pragma once
 
 #include <cstddef>
@@ -22,8 +30,18 @@
 #include "layer_store.h"
 #include "pinned_pool.h"
 #include "slot_ring.h"
+#include "thread_gate.h"
+#include "travel_chooser.h"
 
 namespace fastoffload {
+
+// How blocks travel host -> device (enable_layerwise_offload's `compress`).
+enum class CompressMode { kOff, kOn, kAuto };
+CompressMode parse_compress_mode(const std::string& name);
+
+// How one block travels now.
+enum class Travel : uint8_t { kRaw, kCompressed, kMeasuring };
+const char* travel_name(Travel travel);
 
 struct EngineStats {
   uint64_t acquires = 0;
@@ -32,6 +50,18 @@ struct EngineStats {
   uint64_t cache_hits = 0;         // acquires that found their block still in a slot from its last run
   uint64_t sync_loads = 0;         // acquires that had to start the copy themselves
   uint64_t skipped_prefetches = 0; // prefetches with no slot to go to
+  uint64_t decodes = 0;            // copies that went compressed and were decoded into their slot
+};
+
+// A block's host copy as the codec left it, for stats().
+struct BlockCodecInfo {
+  Travel travel = Travel::kRaw;
+  size_t raw_bytes = 0;         // packed size of the block
+  size_t compressed_bytes = 0;  // 0 when it has no compressed copy
+  size_t host_bytes = 0;        // host bytes it holds now (raw and/or compressed)
+  uint32_t segments = 0;
+  uint32_t coded_segments = 0;
+  uint64_t exceptions = 0;
 };
 
 class OffloadEngine {
@@ -47,6 +77,24 @@ class OffloadEngine {
   // cannot be materialized or repacked (its bytes are other processes' weights too).
   size_t add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                           const std::string& segment_name, bool owner);
+
+  // Compression of the blocks added from now on (and of blocks repacked later). verify: check every
+  // compressed block's checksum whenever the host decodes it (debug and tests; costs a pass over it).
+  void set_compression(CompressMode mode, bool verify, const codec::EncodeOptions& options);
+  CompressMode compress_mode() const { return compress_mode_; }
+  bool verify_checksums() const { return verify_; }
+  // compress="auto": block `block` travels compressed from now on (true) or raw (false); the copy it
+  // will not use is freed.
+  void choose_travel(size_t block, bool compressed);
+  BlockCodecInfo codec_info(size_t block) const;
+  // compress="auto": decide now for the blocks still measuring, from the samples so far (before a
+  // CUDA-graph capture, which must not change how blocks travel). No samples: they travel raw.
+  void settle_travel();
+  // compress="auto": copy time / compute time at or above which blocks travel compressed.
+  void set_auto_threshold(double threshold);
+  const TravelChooser& chooser() const { return chooser_; }
+  // The raw packed bytes of a block as a CPU uint8 tensor (decoded when it is stored compressed).
+  at::Tensor raw_host_bytes(size_t block) const;
 
   void acquire(size_t block);
   bool prefetch(size_t block);
@@ -74,39 +122,72 @@ class OffloadEngine {
   // unchanged since the capture ended.
   uint64_t generation() const { return generation_; }
 
-  size_t num_blocks() const { return store_.size(); }
-  size_t num_slots() const { return ring_.size(); }
-  size_t slot_bytes() const { return ring_.slot_bytes(); }
-  size_t block_bytes(size_t block) const { return store_.block(block).bytes; }
-  size_t total_bytes() const { return store_.total_bytes(); }
-  int64_t slot_of(size_t block) const { return ring_.slot_of(block); }
+  size_t num_blocks() const;
+  size_t num_slots() const;
+  size_t slot_bytes() const;
+  size_t block_bytes(size_t block) const;
+  size_t total_bytes() const;
+  int64_t slot_of(size_t block) const;
   std::string slot_state(size_t slot) const;
-  int64_t slot_block(size_t slot) const { return ring_.slot(slot).block; }
+  int64_t slot_block(size_t slot) const;
   uint64_t slot_address(size_t slot) const;
   bool is_materialized(size_t block) const;
   bool is_removed(size_t block) const;
-  bool is_shared(size_t block) const { return store_.block(block).shared; }
-  at::Tensor host_view(size_t block, size_t j) const { return store_.host_view(block, j); }
-  const EngineStats& stats() const { return stats_; }
+  bool is_shared(size_t block) const;
+  // Tensor `j` of the block's host copy (host_views: every tensor, one decode when compressed): views
+  // of it for a private block; copies for a shared block, whose pages are other ranks' weights too (and
+  // read-only on a non-owner, where a write would crash).
+  at::Tensor host_view(size_t block, size_t j) const;
+  std::vector<at::Tensor> host_views(size_t block) const;
+  // Bytes of the block's parameters (numel x element size), without touching the host copy.
+  size_t weight_bytes(size_t block) const;
+  // A shared owner's digests of what it packed (LayerStore's StoredBlock::digests).
+  const std::vector<uint64_t>& block_digests(size_t block) const { return store_.block(block).digests; }
+  // The block's host copy leaves its shared segment for private memory (LayerStore::make_private).
+  void make_private(size_t block);
+  EngineStats stats() const;
   const CopyEngine& copy_engine() const { return copy_; }
   const std::shared_ptr<PinnedPool>& pool() const { return store_.pool(); }
   at::Device device() const { return device_; }
 
  private:
+  // Holds the gate for one call; when the call ends (also by an exception) the calling thread owns
+  // the engine if it still has blocks running, and nobody does otherwise.
+  struct GateHold {
+    const OffloadEngine& engine;
+    std::unique_lock<std::mutex> lock;
+    ~GateHold() { engine.gate_.settle(engine.ring_.any_in_use()); }
+  };
+  GateHold step_gate() const { return GateHold{*this, gate_.enter_step()}; }
+  GateHold waiting_gate() const { return GateHold{*this, gate_.enter_waiting()}; }
+
   void check_block(size_t block) const;
+  void check_bindings(size_t block) const;
+  void bind_for_run(size_t block, size_t slot);
+  void choose_travel_held(size_t block, bool compressed);
   void finish_add(size_t index);
   void check_not_shared(size_t block, const char* what) const;
   void ensure_slots();
   void issue_copy(size_t block, size_t slot);
   void check_grad(size_t block) const;
+  void encode_new(size_t block);
+  void decide_travel();
+  void ensure_staging();
 
   at::Device device_;
   LayerStore store_;
   SlotRing ring_;
   CopyEngine copy_;
   Binder binder_;
+  ThreadGate gate_;
   std::vector<uint8_t> materialized_;
   std::vector<uint8_t> removed_;
+  std::vector<Travel> travel_;
+  CompressMode compress_mode_ = CompressMode::kOff;
+  bool verify_ = false;
+  codec::EncodeOptions codec_options_;
+  TravelChooser chooser_;
+  at::Tensor staging_[2];  // device buffers the compressed bytes land in, alternately, before the decoder reads them
   bool views_stale_ = true;
   uint64_t generation_ = 0;
   EngineStats stats_;

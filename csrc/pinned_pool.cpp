@@ -75,6 +75,18 @@ void* pin_pages(Backing backing, size_t nbytes, std::string& error) {
   munmap(base, nbytes);
   return nullptr;
 }
+
+// cudaHostRegisterReadOnly where the device supports it: a non-owner maps a shared copy PROT_READ, and
+// without the flag some platforms refuse to register read-only pages. 0 where it is not supported
+// (the registration is then attempted without it, and a refusal is reported like any pin failure).
+unsigned int read_only_register_flag(int device_index) {
+  int supported = 0;
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterReadOnlySupported, device_index) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return supported != 0 ? cudaHostRegisterReadOnly : 0;
+}
 #endif
 
 }  // namespace
@@ -120,6 +132,7 @@ PinnedPool::PinnedPool(int device_index, Backing backing, size_t limit_bytes, bo
 }
 
 PinnedPool::~PinnedPool() {
+  reserved_.clear();
   for (auto& entry : slabs_) free_slab(entry.second);
 }
 
@@ -171,7 +184,19 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate_shared(const std::string& n
   // Both sides must agree on the segment's size: the same rounding as allocate().
   const size_t size = round_up(std::max<size_t>(nbytes, 1), kAlignment);
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<SharedSegment> segment = owner ? SharedSegment::create(name, size) : SharedSegment::open(name, size);
+  std::unique_ptr<SharedSegment> segment;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto reserved = reserved_.find(name);
+    if (owner && reserved != reserved_.end()) {
+      TORCH_CHECK(reserved->second->size() == size, "fastoffload: internal error: the shared segment '", name,
+                  "' was reserved with ", std::to_string(reserved->second->size()), " bytes, but its block packs to ",
+                  std::to_string(size));
+      segment = std::move(reserved->second);
+      reserved_.erase(reserved);
+    }
+  }
+  if (segment == nullptr) segment = owner ? SharedSegment::create(name, size) : SharedSegment::open(name, size);
   std::lock_guard<std::mutex> lock(mutex_);
   Slab slab;
   slab.base = segment->data();
@@ -191,9 +216,31 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate_shared(const std::string& n
   return hand_out(id, 0, size);
 }
 
-size_t PinnedPool::unlink_shared() {
+void PinnedPool::reserve_shared(const std::string& name, size_t nbytes) {
+  const size_t size = round_up(std::max<size_t>(nbytes, 1), kAlignment);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(reserved_.count(name) == 0, "fastoffload: internal error: the shared segment '", name,
+                "' is already reserved");
+  }
+  std::unique_ptr<SharedSegment> segment = SharedSegment::create(name, size);
   std::lock_guard<std::mutex> lock(mutex_);
-  size_t count = 0;
+  reserved_.emplace(name, std::move(segment));
+}
+
+size_t PinnedPool::drop_reserved() {
+  std::map<std::string, std::unique_ptr<SharedSegment>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dropped.swap(reserved_);
+  }
+  return dropped.size();  // their destructors unmap and unlink, outside the lock
+}
+
+size_t PinnedPool::unlink_shared() {
+  const size_t dropped = drop_reserved();
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t count = dropped;
   for (auto& entry : slabs_) {
     SharedSegment* segment = entry.second.segment.get();
     if (segment == nullptr || !segment->owner() || !segment->linked()) continue;
@@ -206,6 +253,7 @@ size_t PinnedPool::unlink_shared() {
 std::vector<std::string> PinnedPool::linked_shared_names() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::string> names;
+  for (const auto& entry : reserved_) names.push_back(entry.first);
   for (const auto& entry : slabs_) {
     const SharedSegment* segment = entry.second.segment.get();
     if (segment != nullptr && segment->owner() && segment->linked()) names.push_back(segment->name());
@@ -334,7 +382,9 @@ void PinnedPool::pin(PoolAllocation& allocation) {
     error = "the pool's limit of " + mib(limit_bytes_) + " MiB would be exceeded";
   } else {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-    const cudaError_t status = cudaHostRegister(slab.base, slab.size, cudaHostRegisterPortable);
+    unsigned int flags = cudaHostRegisterPortable;
+    if (slab.segment != nullptr && slab.segment->read_only()) flags |= read_only_register_flag(device_index_);
+    const cudaError_t status = cudaHostRegister(slab.base, slab.size, flags);
     if (status != cudaSuccess) {
       error = cudaGetErrorString(status);
       (void)cudaGetLastError();

@@ -12,7 +12,8 @@
 //
 // Shared backing: allocate_shared() gives a block a slab of its own inside a named POSIX
 // shared-memory segment (SharedSegment), created and filled by one process per host (the owner) and
-// mapped by the others; pin() then registers each process's mapping. The pool accounts those bytes
+// mapped read-only by the others; pin() then registers each process's mapping (a read-only one with
+// cudaHostRegisterReadOnly where the device supports it). The pool accounts those bytes
 // separately (shared_bytes; shared_owned_bytes for the ones this process created) so that a node's
 // host memory is the sum of the owners' figures, not of everyone's reserved_bytes.
 //
@@ -108,8 +109,16 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // segment (fill it, then pin()); otherwise: maps the existing one, which must have that size (its
   // contents are the owner's). Either way, call pin() next; pinning registers this process's mapping.
   std::shared_ptr<PoolAllocation> allocate_shared(const std::string& name, size_t nbytes, bool owner);
+  // Owner: creates the segment `name` of aligned(nbytes) bytes now (pages reserved), for a later
+  // allocate_shared(name, nbytes, true). Creating every segment before packing any block makes a
+  // failure (a taken name, /dev/shm full) show before any work is done, when the ranks can still agree
+  // to keep one copy each instead.
+  void reserve_shared(const std::string& name, size_t nbytes);
+  // Destroys the reservations not used yet, unlinking their names. Returns how many.
+  size_t drop_reserved();
   // Unlinks the names of every shared segment this pool created and still holds (their mappings stay
-  // valid). Call once every process that needs them has mapped them. Returns how many it unlinked.
+  // valid), and drops unused reservations. Call once every process that needs them has mapped them.
+  // Returns how many names it unlinked.
   size_t unlink_shared();
   // Names of the segments this pool created whose names are still linked.
   std::vector<std::string> linked_shared_names() const;
@@ -146,6 +155,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
   mutable std::mutex mutex_;
   std::map<size_t, Slab> slabs_;  // slab id -> slab
+  std::map<std::string, std::unique_ptr<SharedSegment>> reserved_;  // reserve_shared(), not allocated yet
   size_t next_slab_id_ = 0;
   PoolStats stats_;
 };

@@ -160,4 +160,10 @@ std::vector<int64_t> SlotRing::blocks_in_use() const {
   return result;
 }
 
+bool SlotRing::any_in_use() const {
+  for (const auto& s : slots_)
+    if (s.state == SlotState::kInUse) return true;
+  return false;
+}
+
 }  // namespace fastoffload

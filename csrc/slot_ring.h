@@ -69,6 +69,7 @@ class SlotRing {
   Slot& slot(size_t index) { return slots_[index]; }
   const Slot& slot(size_t index) const { return slots_[index]; }
   std::vector<int64_t> blocks_in_use() const;
+  bool any_in_use() const;
 
  private:
   at::Device device_;

@@ -10,12 +10,15 @@ Already covered elsewhere, so not repeated here:
 - tests/test_layerwise.py::test_seed_errors_and_enable_twice: a model with no ModuleList at all,
   is_replace without hooks, enabling twice; ::test_tied_weights_are_refused_and_nothing_changes;
   ::test_meta_parameters_are_refused (a whole meta model); ::test_grad_recording_forward_is_refused;
-- tests/test_lazy.py: a loader returning None; tests/test_resolution.py: a named step's unknown path.
+- tests/test_lazy.py: a loader returning None, copies and threads; tests/test_resolution.py: a named
+  step's unknown path; tests/test_configure.py: every bad layerwise option before any loader runs;
+- tests/test_sharing.py: ranks out of step, differing values, a taken segment name, /dev/shm too small.
 """
 from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -200,7 +203,181 @@ def _resolution_partial_step(env: Env) -> None:
     resolve({}, [functools.partial(_setter, value=True)])
 
 
+# ---- what users do to an offloaded model --------------------------------------------------------
+
+def _huge_prefetch_depth(depth: int) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        def check(group: fo.LayerwiseOffloadGroup) -> None:
+            assert group.prefetch_depth == N_BLOCKS  # clamped: deeper would copy nothing more
+            assert group.engine.num_slots == N_BLOCKS + 1
+
+        env.assert_runs_exactly("ext", check, prefetch_depth=depth)
+
+    return run
+
+
+def _refused_after(env: Env, setup: Callable[[], Any]) -> None:
+    """``setup`` changes the model first (so the table's own snapshot no longer applies): snapshot after it."""
+    setup()
+    env.untouched_check = False
+    before = snapshot(env.model)
+    try:
+        env.enable()
+    finally:
+        assert fo.get_offload_group(env.model) is None
+        assert not any(has_hooks(m) for m in env.model.modules())
+        assert mismatches(env.model, before) == []
+
+
+def _nested_block_lists(env: Env) -> None:
+    blocks = list(env.model.blocks)
+    _refused_after(env, lambda: setattr(env.model, "blocks", nn.ModuleList([nn.ModuleList(blocks[:2]),
+                                                                            nn.ModuleList(blocks[2:])])))
+
+
+def _lazy_linear_in_a_block(env: Env) -> None:
+    env.model.blocks[1].o = nn.LazyLinear(16)
+    env.untouched_check = False  # an uninitialized parameter has no bytes to snapshot; checked by hand
+    try:
+        env.enable()
+    finally:
+        assert fo.get_offload_group(env.model) is None and not any(has_hooks(b) for b in env.model.blocks)
+        assert params_equal(env.model.blocks[0], env.reference.blocks[0])
+
+
+def _offloaded_then(env: Env, backend: str, action: Callable[[], Any]) -> None:
+    """Enables, runs ``action`` (which raises), disables, re-raises: the model must come back as it was."""
+    env.enable(backend=backend)
+    try:
+        action()
+    finally:
+        fo.disable_layerwise_offload(env.model)
+
+
+def _second_forward_in_another_thread(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        caught: list[BaseException] = []
+
+        def second_forward() -> None:
+            try:
+                with torch.no_grad():
+                    env.model(env.x)
+            except RuntimeError as error:
+                caught.append(error)
+
+        def while_block_1_runs(module: nn.Module, args: Any) -> None:
+            handle.remove()
+            thread = threading.Thread(target=second_forward)
+            thread.start()
+            thread.join()
+
+        handle = env.model.blocks[1].o.register_forward_pre_hook(while_block_1_runs)
+
+        def forward_then_report() -> None:
+            with torch.no_grad():
+                assert torch.equal(env.model(env.x), env.reference(env.x))
+            raise caught[0]
+
+        _offloaded_then(env, backend, forward_then_report)
+
+    return run
+
+
+def _in_place_edit_while_offloaded(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        def edit_then_forward() -> None:
+            with torch.no_grad():
+                env.model.blocks[2].up.bias.mul_(3)
+                env.model(env.x)
+
+        _offloaded_then(env, backend, edit_then_forward)
+
+    return run
+
+
+def _half_after_enable(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        env.untouched_check = False  # the cast is followed at disable: checked by hand below
+        try:
+            _offloaded_then(env, backend, lambda: (env.model.half(), env.model(env.x.half())))
+        finally:
+            env.reference.half()
+            assert params_equal(env.model, env.reference)
+
+    return run
+
+
+def _storage_shared_with_proj_in(env: Env) -> None:
+    def tie() -> None:
+        env.model.blocks[0].o.weight = nn.Parameter(env.model.proj_in.weight.data, requires_grad=False)
+
+    _refused_after(env, tie)
+
+
+def _saved_input_modified_before_backward(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        def forward_edit_backward() -> None:
+            h = env.x.clone().requires_grad_(True) * 1.0
+            out = env.model.blocks[0](h)
+            with torch.no_grad():
+                h.add_(1)  # h was saved by the block's first norm
+            out.sum().backward()
+
+        _offloaded_then(env, backend, forward_edit_backward)
+
+    return run
+
+
+CONCURRENT = ("fastoffload: this offloaded model is running a forward in another thread; one offloaded model runs one "
+              "forward at a time. Run its forwards from one thread (or one after another under a lock), or give each "
+              "thread its own copy of the model.")
+IN_PLACE = ("fastoffload: parameter 'up.bias' of block 2 was changed in place while it was offloaded (its placeholder "
+            "or device slot holds no lasting copy), so the change would be silently lost. Change a block's parameters "
+            "inside mutate_params_scope(), which rebuilds the host copy, or disable offload first.")
+HALF = ("fastoffload: parameter 'qkv.weight' of block 0 was cast or moved to Half on cpu after offload was enabled (its "
+        "host copy holds Float for cpu); .half(), .to(dtype) and .to(device) do not reach an offloaded block's host "
+        "copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable it again.")
+SAVED_MODIFIED = ("fastoffload: a tensor that an offloaded block saved for backward (shape (2, 4, 16)) was modified in "
+                  "place after it was saved: it is at version 1, saved at version 0. Its gradient would be wrong. Clone "
+                  "the tensor before changing it in place, or change it after backward.")
+
+
 PARTIAL_NAME = r"functools\.partial\(<function _setter at 0x[0-9a-f]+>, value=True\)"
+
+
+def _apply_config_with_a_bad_option(env: Env) -> None:
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    loads: list[str] = []
+
+    def load_transformer() -> nn.Module:
+        loads.append("transformer")
+        return env.model
+
+    try:
+        apply_offload_config({"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": False}}},
+                             transformer="transformer", components={"transformer": load_transformer}, device="cpu",
+                             layerwise_options={"prefetch_depth": -1})
+    finally:
+        assert loads == []  # refused before the (possibly huge) transformer was loaded
+
+
+def _copies_of_a_lazy_module(env: Env) -> None:
+    import copy
+    import pickle
+
+    proxy = LazyModule("transformer", functools.partial(nn.Linear, 4, 4))
+    for clone in (copy.copy(proxy), copy.deepcopy(proxy), pickle.loads(pickle.dumps(proxy))):
+        assert type(clone) is LazyModule and not clone.is_materialized and clone.lazy_name == "transformer"
+    assert not proxy.is_materialized
+
+
+def _resolve_a_config_holding_a_lock(env: Env) -> None:
+    import threading
+
+    lock = threading.Lock()
+    result = resolve({"runtime": {"lock": lock}, "engine": {"offload": {"vae": True}}}, [])
+    assert result.config["runtime"]["lock"] is lock and result.get("engine.offload.vae") is True
 
 CASES = [
     # Must work.
@@ -261,6 +438,54 @@ CASES = [
     Case("resolution_partial_step_unknown_path", _resolution_partial_step, UnknownPathError,
          f"Resolution step {PARTIAL_NAME} set 'engine\\.offload\\.dit_layerwse', which is not a known setting; fix "
          f"the path in {PARTIAL_NAME} \\(known settings: {re.escape(KNOWN_SETTINGS)}\\)"),
+    # What users do to an offloaded model.
+    Case("prefetch_depth_10_to_the_9", _huge_prefetch_depth(10**9)),
+    Case("prefetch_depth_2_to_the_64", _huge_prefetch_depth(2**64)),
+    Case("nested_block_lists", _nested_block_lists, ValueError,
+         exact("fastoffload: blocks.0 is an nn.ModuleList, which has no forward of its own, so offload could never "
+               "load its weights (every forward would fail on empty placeholders). Make blocks hold the blocks "
+               "themselves: flatten the nested lists into one nn.ModuleList")),
+    Case("lazy_linear_in_a_block", _lazy_linear_in_a_block, ValueError,
+         exact("fastoffload: parameter blocks.1.o.weight is not initialized yet (a lazy module such as nn.LazyLinear, "
+               "which sizes its weights on its first forward); run one forward on the model before enabling offload, "
+               "so the weights exist")),
+    Case("weight_sharing_storage_with_proj_in", _storage_shared_with_proj_in, ValueError,
+         exact("fastoffload: parameter proj_in.weight shares its storage with blocks.0.o.weight, which would be "
+               "offloaded: weights tied between an offloaded block and the rest of the model are not supported. Untie "
+               "them (clone one), or keep that block resident with resident_blocks")),
+    *[Case(f"second_forward_in_another_thread-{b}", _second_forward_in_another_thread(b), RuntimeError,
+           exact(CONCURRENT)) for b in ("ext", "python")],
+    *[Case(f"in_place_edit_while_offloaded-{b}", _in_place_edit_while_offloaded(b), RuntimeError, exact(IN_PLACE))
+      for b in ("ext", "python")],
+    *[Case(f"half_after_enable-{b}", _half_after_enable(b), RuntimeError, exact(HALF)) for b in ("ext", "python")],
+    *[Case(f"saved_input_modified_before_backward-{b}", _saved_input_modified_before_backward(b), RuntimeError,
+           exact(SAVED_MODIFIED)) for b in ("ext", "python")],
+    # Arguments that would otherwise reach the compiled core with the wrong type.
+    Case("allow_pageable_fallback_string", lambda env: env.enable(backend="ext", allow_pageable_fallback="no"),
+         ValueError, exact("fastoffload: allow_pageable_fallback must be True or False, got 'no'")),
+    Case("is_replace_string", lambda env: env.enable(is_replace="yes"), ValueError,
+         exact("fastoffload: is_replace must be True or False, got 'yes'")),
+    Case("pinned_limit_bytes_2_to_the_64", lambda env: env.enable(backend="ext", pinned_limit_bytes=2**64), ValueError,
+         exact("fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got 18446744073709551616; pass None "
+               "for no limit")),
+    Case("pin_backing_not_a_string", lambda env: env.enable(backend="ext", pin_backing=["register"]), ValueError,
+         exact("pin_backing must be one of 'host_alloc', 'register', 'pageable', got ['register']")),
+    Case("device_cpu_1", lambda env: env.enable(device="cpu:1"), ValueError,
+         exact("fastoffload: device 'cpu:1' names a CPU index, but the host is one device for offload; pass "
+               "device='cpu'")),
+    # Pipeline-level helpers.
+    Case("apply_offload_config_checks_options_before_loading", _apply_config_with_a_bad_option, ValueError,
+         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead), got -1")),
+    Case("copy_deepcopy_pickle_of_a_lazy_module", _copies_of_a_lazy_module),
+    Case("resolve_a_config_holding_a_lock", _resolve_a_config_holding_a_lock),
+    # Sharing the host copy between ranks (the multi-rank cases are in tests/test_sharing.py).
+    Case("share_host_copy_yes", lambda env: env.enable(backend="ext", share_host_copy="yes"), ValueError,
+         exact("share_host_copy must be True, False or 'auto', got 'yes'")),
+    Case("share_host_copy_true_without_a_process_group", lambda env: env.enable(backend="ext", share_host_copy=True),
+         RuntimeError,
+         exact("fastoffload: share_host_copy=True shares the host copy between the ranks of a torch.distributed "
+               "process group, but none is initialized: call torch.distributed.init_process_group(...) on every "
+               "rank first (torchrun sets the environment for it), or pass share_host_copy=False")),
     # Undoing what was never done.
     Case("disable_never_enabled", lambda env: fo.disable_layerwise_offload(env.model), ValueError,
          exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),

@@ -381,3 +381,47 @@ def test_layerwise_stand_in_matches_the_engine_signature() -> None:
     assert list(parameters)[:2] == ["model", "is_replace"]
     for keyword in ("device", "resident_blocks", "cyclic", "prefetch_depth", "backend", "pin_backing"):
         assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+# ---- every argument is checked before any loader runs ----------------------------------------------------
+
+EAGER_LAYERWISE = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": False}}}
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"prefetch_depth": -1}, ValueError, r"prefetch_depth must be an integer >= 0 \(blocks copied ahead\), got -1"),
+    ({"prefetch_dept": 2}, TypeError, r"fastoffload: layerwise_options does not fit enable_layerwise_offload \(got "
+                                      r"an unexpected keyword argument 'prefetch_dept'\); pass only its keyword "
+                                      r"arguments"),
+    ({"cyclic": "yes"}, ValueError, r"cyclic must be True or False, got 'yes'"),
+    ({"pin_backing": "locked"}, ValueError, r"pin_backing must be one of 'host_alloc', 'register', 'pageable', got "
+                                            r"'locked'"),
+    ({"resident_blocks": -2}, ValueError, r"resident_blocks must be None or an integer >= 0, got -2"),
+    ({"backend": "cuda"}, ValueError, r"backend must be one of 'auto', 'ext', 'python', got 'cuda'"),
+    ({"share_host_copy": "yes"}, ValueError, r"share_host_copy must be True, False or 'auto', got 'yes'"),
+])
+def test_bad_layerwise_options_fail_before_any_loader_runs(options: dict[str, Any], error: type[Exception],
+                                                           message: str) -> None:
+    loaders = CountingLoaders("transformer", "vae")
+    with pytest.raises(error, match=message):
+        apply_offload_config(EAGER_LAYERWISE, transformer="transformer", components=loaders.loaders, device="cpu",
+                             layerwise_options=options)
+    assert loaders.loads == []
+
+
+def test_bad_device_fails_before_any_loader_runs() -> None:
+    loaders = CountingLoaders("transformer", "vae")
+    with pytest.raises(ValueError, match=r"device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"):
+        apply_offload_config(EAGER_LAYERWISE, transformer="transformer", components=loaders.loaders, device="tpu")
+    assert loaders.loads == []
+    # A device the policy never uses (layerwise offload off) is not judged: nothing would use it.
+    applied = apply_offload_config({"engine": {"offload": {"lazy_module_load": False}}}, transformer="transformer",
+                                   components=loaders.loaders, device="tpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED and sorted(loaders.loads) == ["transformer", "vae"]
+
+
+def test_layerwise_options_not_a_mapping() -> None:
+    with pytest.raises(TypeError, match=r"fastoffload: layerwise_options must be a mapping of enable_layerwise_offload "
+                                        r"keyword arguments, got list"):
+        apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(),
+                             layerwise_options=[("prefetch_depth", 2)])  # type: ignore[arg-type]

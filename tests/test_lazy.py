@@ -439,6 +439,9 @@ def test_transform_returning_none_on_loaded_instance_raises_and_changes_nothing(
 @pytest.mark.cuda
 def test_release_frees_cuda_memory_and_the_cache(caplog: pytest.LogCaptureFixture) -> None:
     proxy = LazyModule("dit", lambda: nn.Linear(4096, 4096, bias=False, device="cuda"))  # 64 MiB of weight
+    # release() collects garbage: what earlier tests left unreachable must be gone before the baseline,
+    # or its collection would show up as memory this release freed.
+    gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     proxy.materialize()
@@ -451,3 +454,114 @@ def test_release_frees_cuda_memory_and_the_cache(caplog: pytest.LogCaptureFixtur
     message = caplog.records[-1].getMessage()
     assert message.startswith("Released deferred module dit, cuda allocated ")
     assert message.endswith("GiB, freed 0.06 GiB")
+
+
+# ---- threads and copies ---------------------------------------------------------------------------
+
+def test_four_threads_on_first_use_run_the_loader_once() -> None:
+    import threading
+    import time
+
+    threads_in = threading.Barrier(4)
+
+    class SlowLoader(CountingLoader):
+        def __call__(self) -> nn.Linear:
+            time.sleep(0.05)  # widens the window in which the other threads arrive; no timing is asserted
+            return super().__call__()
+
+    loader = SlowLoader()
+    proxy = LazyModule("dit", loader)
+    seen: list[Any] = []
+
+    def first_use() -> None:
+        threads_in.wait()
+        seen.append(proxy.materialize())
+        seen.append(proxy.weight)
+
+    workers = [threading.Thread(target=first_use) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    assert loader.calls == 1
+    components = seen[0::2]
+    assert len(components) == 4 and all(c is components[0] for c in components)
+    assert all(w is components[0].weight for w in seen[1::2])
+
+
+def test_release_waits_for_a_load_in_progress_and_a_later_use_reloads() -> None:
+    import threading
+
+    loading, may_finish = threading.Event(), threading.Event()
+
+    class GatedLoader(CountingLoader):
+        def __call__(self) -> nn.Linear:
+            loading.set()
+            may_finish.wait(30)
+            return super().__call__()
+
+    loader = GatedLoader()
+    proxy = LazyModule("vae", loader)
+    loader_thread = threading.Thread(target=proxy.materialize)
+    loader_thread.start()
+    assert loading.wait(30)
+    released: list[bool] = []
+    releaser = threading.Thread(target=lambda: released.append(proxy.release()))
+    releaser.start()
+    may_finish.set()
+    loader_thread.join(30)
+    releaser.join(30)
+    # The release ran after the load finished (never in the middle of it) and dropped that instance.
+    assert released == [True] and not proxy.is_materialized and loader.calls == 1
+    proxy.materialize()
+    assert loader.calls == 2
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_copy_gives_an_unloaded_proxy_with_the_same_recipe(loaded: bool) -> None:
+    import copy
+
+    proxy, loader = make("vae")
+    proxy.set_materialize_transform(lambda m: m.requires_grad_(False))
+    callbacks: list[str] = []
+    proxy.add_release_callback(lambda: callbacks.append("original"))
+    if loaded:
+        original = proxy.materialize()
+    clone = copy.copy(proxy)
+    assert is_lazy_module(clone) and not clone.is_materialized and clone.lazy_name == "vae"
+    assert loader.calls == int(loaded) and proxy.is_materialized == loaded
+    component = clone.materialize()
+    assert loader.calls == 1 + int(loaded)
+    assert not component.weight.requires_grad  # the transform came along
+    if loaded:
+        assert component is not original and proxy.materialize() is original
+    clone.release()
+    assert callbacks == []  # release callbacks belong to whoever manages the original
+
+
+def test_deepcopy_copies_the_loader_and_never_loads() -> None:
+    import copy
+
+    proxy, loader = make("text_encoder", features=3)
+    proxy.materialize()
+    clone = copy.deepcopy(proxy)
+    assert is_lazy_module(clone) and not clone.is_materialized and loader.calls == 1
+    assert clone.in_features == 3
+    assert loader.calls == 1  # the clone ran its own (deep-copied) loader
+    holder = copy.deepcopy({"a": proxy, "b": proxy})
+    assert holder["a"] is holder["b"] and is_lazy_module(holder["a"])  # the memo keeps shared references shared
+
+
+def test_pickle_round_trips_the_unloaded_proxy_and_names_an_unpicklable_loader() -> None:
+    import functools
+    import pickle
+
+    proxy = LazyModule("vae", functools.partial(nn.Linear, 2, 5))
+    proxy.materialize()
+    restored = pickle.loads(pickle.dumps(proxy))
+    assert is_lazy_module(restored) and not restored.is_materialized and restored.lazy_name == "vae"
+    assert restored.out_features == 5 and proxy.is_materialized
+    unpicklable = LazyModule("vae", lambda: nn.Linear(2, 2))
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        pickle.dumps(unpicklable)
+    assert not unpicklable.is_materialized

@@ -410,3 +410,35 @@ def test_resolution_is_a_value_object() -> None:
     with pytest.raises(AttributeError):
         result.config = {}  # type: ignore[misc]
     assert result.get("not.a.path") is None
+
+
+def test_objects_outside_the_schema_are_carried_not_copied() -> None:
+    import threading
+
+    from torch import nn
+
+    lock, module = threading.Lock(), nn.Linear(2, 2)
+    config = {"runtime": {"lock": lock, "modules": [module]}, "engine": {"offload": {"vae": True}, "lock": lock}}
+    seen: dict[str, Any] = {}
+
+    def reads_everything(view: ResolutionView) -> dict[str, Any]:
+        seen["runtime"] = view.get("runtime")
+        seen["whole"] = view.as_dict()
+        return {"engine.offload.dit_layerwise": True}
+
+    result = resolve(config, [reads_everything])
+    assert result.config["runtime"]["lock"] is lock and result.config["engine"]["lock"] is lock
+    assert result.config["runtime"]["modules"][0] is module
+    assert seen["runtime"]["lock"] is lock and seen["whole"]["engine"]["lock"] is lock
+    # Containers are still the result's own: changing them leaves the caller's config alone.
+    result.config["runtime"]["modules"].append(None)
+    assert config["runtime"]["modules"] == [module]
+    assert result.get("engine.offload.dit_layerwise") is True and result.get("engine.offload.vae") is True
+
+
+def test_self_referencing_containers_outside_the_schema_are_copied_once() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    result = resolve({"extra": {"loop": loop}}, [])
+    copied = result.config["extra"]["loop"]
+    assert copied is not loop and copied[0] is copied

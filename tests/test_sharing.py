@@ -6,7 +6,9 @@ packs into shared segments, rank 1 maps them. The test kills rank 1 with SIGKILL
 is left in /dev/shm and that rank 0 keeps computing exactly.
 
 Every wait has a timeout, so a hang fails the test instead of blocking CI; the processes are killed on
-the way out whatever happened.
+the way out whatever happened. The timeouts are generous (spawning two torch processes on a loaded CI
+machine takes a while); the process group's own timeout is longer still, so "every rank raised at
+once" and "a rank waited for the group's timeout" cannot be confused.
 """
 from __future__ import annotations
 
@@ -33,12 +35,28 @@ WORLD = 2
 D = 128  # 4 blocks of ~0.8 MB: big enough for the memory figures to mean something
 N_BLOCKS = 4
 SHM = Path("/dev/shm")
-TIMEOUT_S = 20
+TIMEOUT_S = 90
+GROUP_TIMEOUT_S = 300
 
 
-def _segments(pid: int) -> list[str]:
-    """Shared segments in /dev/shm whose owner is ``pid``."""
-    return sorted(entry for entry in os.listdir(SHM) if entry.startswith(f"fastoffload-{pid}-"))
+def _names(job: str) -> list[str]:
+    """Names in /dev/shm of the job ``job`` (its segments and its lock)."""
+    return sorted(entry for entry in os.listdir(SHM) if entry.startswith(f"fastoffload-{job}-"))
+
+
+def _segments(job: str) -> list[str]:
+    """Shared segments in /dev/shm of the job ``job`` (without its lock)."""
+    return [entry for entry in _names(job) if not entry.endswith("-lock")]
+
+
+def _mapping_modes() -> set[str]:
+    """The permissions ("r--s", "rw-s") of this process's mappings of fastoffload segments."""
+    modes = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "/fastoffload-" in fields[5]:
+            modes.add(fields[1])
+    return modes
 
 
 def _pss_segments_bytes() -> int:
@@ -57,7 +75,10 @@ def _pss_segments_bytes() -> int:
 def _init(rank: int, init_file: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
 
 def _model(device: str, up_width: int | None = None):
@@ -76,20 +97,37 @@ def _model(device: str, up_width: int | None = None):
     return model, reference, x, want
 
 
+def place_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p.detach().cpu()) for name, p in module.named_parameters()]
+
+
 def _exact(model: nn.Module, x: torch.Tensor, want: torch.Tensor, steps: int = 3) -> bool:
     with torch.inference_mode():
         return all(torch.equal(model(x), want) for _ in range(steps))
 
 
 def _scenario_main(rank: int, device: str, queue: Any, control: Path) -> None:
-    model, _, x, want = _model(device)
+    model, reference, x, want = _model(device)
     group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
-    owner_pid = int(group.share.prefix.split("-")[1])
-    result: dict[str, Any] = {"exact": _exact(model, x, want), "stats": group.stats(), "owner_pid": owner_pid}
+    result: dict[str, Any] = {"exact": _exact(model, x, want), "stats": group.stats(), "job": group.share.job,
+                              "fallback_slabs": group.engine.pool.stats()["fallback_slabs"]}
     import torch.distributed as dist
 
     dist.barrier()  # both ranks have touched every shared page: each is charged half of it
     result["segment_pss_bytes"] = _pss_segments_bytes()
+    result["mapping_modes"] = _mapping_modes()
+    # Host views of a shared block are copies: writing into them (as rank 1 does here) must neither crash
+    # on the read-only pages nor reach the other rank's weights.
+    host = group.states[0].cpu_named_parameters
+    result["host_views_equal"] = all(torch.equal(host[n], p) for n, p in place_named(reference.blocks[0]))
+    if rank == 1:
+        for tensor in host.values():
+            tensor.add_(1.0)
+        result["host_views_after_write"] = all(
+            torch.equal(t, p) for t, (_, p) in zip(group.states[0].cpu_named_parameters.values(),
+                                                   place_named(reference.blocks[0])))
+    dist.barrier()
+    result["exact_after_write"] = _exact(model, x, want, steps=1)
     try:
         with ModuleHookManager.get_from(model.blocks[0]).get_forward_hook(
                 LayerwiseOffloadHook.name()).mutate_params_scope():
@@ -131,7 +169,8 @@ def _scenario_failures(rank: int, device: str, queue: Any, control: Path) -> Non
 
     def failing_on_init(state: Any, module: nn.Module) -> None:
         if rank == 1 and len(attached) == 2:
-            result["segments_while_attaching"] = _segments(int(state.shared_segment.split("-")[1]))
+            result["job"] = state.shared_segment.split("-")[1]
+            result["segments_while_attaching"] = _segments(result["job"])
             raise OSError("injected attach failure")
         original(state, module)
         attached.append(module)
@@ -149,7 +188,7 @@ def _scenario_failures(rank: int, device: str, queue: Any, control: Path) -> Non
     # The group still works after both failures: a third enable shares and computes exactly.
     group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
     result["third_enable_exact"] = _exact(model, x, want)
-    result["third_enable_owner_pid"] = int(group.share.prefix.split("-")[1])
+    result["third_enable_job"] = group.share.job
     dist.barrier()
     queue.put((rank, "done", result))
 
@@ -200,7 +239,7 @@ def _scenario_interrupts(rank: int, device: str, queue: Any, control: Path) -> N
             offload_state.ExtLayerwiseOffloadState.on_init = original  # type: ignore[method-assign]
         result[f"{label}_rolled_back"] = params_equal(model, reference) and fo.get_offload_group(model) is None
         dist.barrier()
-        result[f"{label}_segments_after"] = [entry for entry in os.listdir(SHM) if entry.startswith("fastoffload-")]
+        result[f"{label}_names_after"] = [entry for entry in os.listdir(SHM) if entry.startswith("fastoffload-")]
         dist.barrier()
     fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
     result["then_exact"] = _exact(model, x, want)
@@ -208,15 +247,101 @@ def _scenario_interrupts(rank: int, device: str, queue: Any, control: Path) -> N
     queue.put((rank, "done", result))
 
 
+def _scenario_out_of_step(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Rank 1 fails before the negotiation (a meta parameter): every rank raises at once, together."""
+    result: dict[str, Any] = {}
+    for mode in (True, "auto"):
+        model, reference, x, want = _model(device)
+        if rank == 1:
+            model.blocks[2].up.weight = nn.Parameter(torch.empty(4 * D, D, device="meta"), requires_grad=False)
+        start = time.monotonic()
+        try:
+            fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=mode)
+            result[str(mode)] = "enabled"
+        except (RuntimeError, ValueError) as error:
+            result[str(mode)] = f"{type(error).__name__}: {error}"
+        result[f"{mode}_seconds"] = time.monotonic() - start
+        result[f"{mode}_untouched"] = fo.get_offload_group(model) is None
+    # The collectives are still in step: the next enable (same model everywhere) shares and is exact.
+    model, reference, x, want = _model(device)
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
+    result["then_shared"] = group.share is not None and group.share.shared_by == WORLD
+    result["then_exact"] = _exact(model, x, want)
+    queue.put((rank, "done", result))
+
+
+def _scenario_values(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Rank 1 changed one element of one weight (layouts equal): True raises, "auto" keeps one copy each."""
+    result: dict[str, Any] = {}
+    for mode in (True, "auto"):
+        model, reference, x, _ = _model(device)
+        if rank == 1:
+            with torch.no_grad():
+                for m in (model, reference):
+                    m.blocks[1].up.weight[7, 3] += 0.5
+        with torch.inference_mode():
+            want = reference(x)
+        try:
+            group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=mode)
+            result[str(mode)] = "enabled"
+            result[f"{mode}_shared"] = group.share is not None
+            result[f"{mode}_shared_bytes"] = group.stats()["shared_bytes"]
+            result[f"{mode}_exact"] = _exact(model, x, want)
+            fo.disable_layerwise_offload(model, device="cpu")
+        except RuntimeError as error:
+            result[str(mode)] = f"{type(error).__name__}: {error}"
+        # Either way each rank keeps (or gets back) exactly its own weights.
+        result[f"{mode}_own_weights"] = params_equal(model, reference) and fo.get_offload_group(model) is None
+    queue.put((rank, "done", result))
+
+
+def _scenario_taken_name(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Someone took the owner's first segment name before it could create it: "auto" falls back on every
+    rank together, True raises on every rank."""
+    import itertools
+
+    from fastoffload_ext.engine import sharing
+
+    result: dict[str, Any] = {}
+    for mode in ("auto", True):
+        counter = itertools.count(1)
+        # The names are random; here they are made predictable so that the test can take one first.
+        sharing.secrets.token_hex = lambda nbytes=16: f"{rank + 1:02x}{next(counter):030x}"  # type: ignore[assignment]
+        taken = SHM / f"fastoffload-01{1:030x}-01{2:030x}"
+        if rank == 0:
+            taken.write_bytes(b"squatter")
+        model, reference, x, want = _model(device)
+        import torch.distributed as dist
+
+        dist.barrier()
+        try:
+            group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=mode)
+            result[str(mode)] = "enabled"
+            result[f"{mode}_shared"] = group.share is not None
+            result[f"{mode}_exact"] = _exact(model, x, want)
+            fo.disable_layerwise_offload(model, device="cpu")
+        except RuntimeError as error:
+            result[str(mode)] = f"{type(error).__name__}: {error}"
+        result[f"{mode}_own_weights"] = params_equal(model, reference)
+        result[f"{mode}_names_after"] = _names(f"01{1:030x}")
+        dist.barrier()
+        if rank == 0:
+            taken.unlink()
+    queue.put((rank, "done", result))
+
+
 SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
-             "interrupts": _scenario_interrupts}
+             "interrupts": _scenario_interrupts, "out_of_step": _scenario_out_of_step, "values": _scenario_values,
+             "taken_name": _scenario_taken_name}
 
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
     try:
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-            device = f"cuda:{rank}"
+        if device.startswith("cuda"):
+            # "cuda": one GPU per rank, as torchrun runs; "cuda:0": both ranks on GPU 0 (a one-GPU machine).
+            index = rank if device == "cuda" else int(device.split(":")[1])
+            torch.cuda.set_device(index)
+            device = f"cuda:{index}"
         _init(rank, init_file)
         SCENARIOS[scenario](rank, device, queue, Path(control))
     except BaseException:
@@ -275,10 +400,10 @@ class _Ranks:
 def _run_main(tmp_path: Path, device: str) -> None:
     with _Ranks(tmp_path, "main", device) as ranks:
         enabled = ranks.expect("enabled", range(WORLD))
-        owner_pid = ranks.processes[0].pid
-        # (a) bit-identical to the resident model over 3 steps, on both ranks.
+        job = enabled[0]["job"]
+        # (a) bit-identical to the resident model over 3 steps, on both ranks, under the owner's random names.
         assert enabled[0]["exact"] and enabled[1]["exact"]
-        assert enabled[0]["owner_pid"] == enabled[1]["owner_pid"] == owner_pid
+        assert enabled[1]["job"] == job and len(job) == 32
         # (b) one copy on the host: the owner's pool owns the bytes, rank 1 only maps them.
         s0, s1 = enabled[0]["stats"], enabled[1]["stats"]
         packed = s0["host_bytes"]
@@ -291,8 +416,11 @@ def _run_main(tmp_path: Path, device: str) -> None:
         # The kernel's count: each rank is charged half of every shared page, so the sum is ~1x.
         assert enabled[0]["segment_pss_bytes"] > 0 and enabled[1]["segment_pss_bytes"] > 0
         assert pss < 1.5 * packed, (pss, packed)
-        if device == "cuda":
-            assert s0["pinned_bytes"] >= packed and s1["pinned_bytes"] >= packed  # each rank registered its mapping
+        if device.startswith("cuda"):
+            # Each rank registered its own mapping; rank 1's is read-only (cudaHostRegisterReadOnly where
+            # the device supports it), and nothing fell back to pageable memory.
+            assert s0["pinned_bytes"] >= packed and s1["pinned_bytes"] >= packed
+            assert enabled[0]["fallback_slabs"] == enabled[1]["fallback_slabs"] == 0
         print(f"\nshared host copy, {device}: packed {packed} B; rank 0 {({k: s0[k] for k in _FIGURES})}; "
               f"rank 1 {({k: s1[k] for k in _FIGURES})}; owned on host {owned_on_host} B "
               f"({owned_on_host / packed:.3f}x packed); segment PSS rank 0 {enabled[0]['segment_pss_bytes']} B + rank 1 "
@@ -302,17 +430,23 @@ def _run_main(tmp_path: Path, device: str) -> None:
             assert "the host copy is shared by 2 ranks of this host; mutate before enabling offload, or enable " \
                    "with share_host_copy=False" in enabled[rank]["mutate"]
             assert enabled[rank]["exact_after_refusal"]
-        # (c) after enable returned on both ranks the names are gone.
-        assert _segments(owner_pid) == []
+        # (f) rank 1 maps the shared pages read-only, the owner read-write; host views are copies, so rank
+        # 1's writes into them changed nothing, on either rank.
+        assert enabled[1]["mapping_modes"] == {"r--s"} and enabled[0]["mapping_modes"] == {"rw-s"}
+        for rank in range(WORLD):
+            assert enabled[rank]["host_views_equal"] and enabled[rank]["exact_after_write"]
+        assert enabled[1]["host_views_after_write"]
+        # (c) after enable returned on both ranks the names (and the owner's lock) are gone.
+        assert _names(job) == []
         # (d) kill -9 of rank 1: nothing left behind, rank 0 still exact.
         os.kill(ranks.processes[1].pid, signal.SIGKILL)
         ranks.processes[1].join(10)
         assert ranks.processes[1].exitcode == -signal.SIGKILL
-        assert _segments(owner_pid) == []
+        assert _names(job) == []
         (ranks.control / "killed").touch()
         assert ranks.expect("after_kill", [0])[0]["exact"]
         ranks.processes[0].join(TIMEOUT_S)
-    assert _segments(owner_pid) == []
+    assert _names(job) == []
 
 
 _FIGURES = ("shared_owner", "shared_bytes", "shared_owned_bytes", "host_reserved_bytes", "pinned_bytes")
@@ -325,7 +459,6 @@ def test_two_ranks_share_one_host_copy(tmp_path: Path) -> None:
 def test_mismatch_and_attach_failure_fail_every_rank_and_leave_nothing(tmp_path: Path) -> None:
     with _Ranks(tmp_path, "failures") as ranks:
         done = ranks.expect("done", range(WORLD))
-        owner_pid = ranks.processes[0].pid
         for process in ranks.processes:
             process.join(TIMEOUT_S)
     # (g) the rank that differs names the parameter; the owner names that rank.
@@ -339,32 +472,32 @@ def test_mismatch_and_attach_failure_fail_every_rank_and_leave_nothing(tmp_path:
     assert "injected attach failure" in done[0]["attach_failure"]
     assert done[0]["rolled_back"] and done[1]["rolled_back"]
     assert done[0]["third_enable_exact"] and done[1]["third_enable_exact"]
-    assert _segments(owner_pid) == []
+    assert _names(done[1]["job"]) == [] and _names(done[0]["third_enable_job"]) == []
 
 
 def test_keyboard_interrupt_during_enable_leaves_nothing_behind(tmp_path: Path) -> None:
+    before = {entry for entry in os.listdir(SHM) if entry.startswith("fastoffload-")}
     with _Ranks(tmp_path, "interrupts") as ranks:
         done = ranks.expect("done", range(WORLD))
-        owner_pid = ranks.processes[0].pid
     # The interrupted rank sees its KeyboardInterrupt; the other rank is told which rank failed and how.
     assert done[1]["attaching"] == "KeyboardInterrupt: "
-    assert done[0]["attaching"].startswith("RuntimeError: fastoffload: another rank of the group could not attach")
+    assert done[0]["attaching"].startswith("OffloadStateError: fastoffload: another rank of the group could not "
+                                           "attach")
     assert "rank 1: KeyboardInterrupt" in done[0]["attaching"]
     assert done[0]["packing"] == "KeyboardInterrupt: "
-    assert done[1]["packing"].startswith("RuntimeError: fastoffload: sharing the host copy failed on another rank")
+    assert done[1]["packing"].startswith("OffloadStateError: fastoffload: sharing the host copy failed on another "
+                                         "rank so this rank did not attach")
     assert "rank 0: KeyboardInterrupt" in done[1]["packing"]
     for rank in range(WORLD):
         for label in ("attaching", "packing"):
             assert done[rank][f"{label}_rolled_back"], (rank, label)
-            assert not any(entry.startswith(f"fastoffload-{owner_pid}-") for entry in done[rank][f"{label}_segments_after"])
+            assert set(done[rank][f"{label}_names_after"]) <= before, (rank, label)
         assert done[rank]["then_exact"]
-    assert _segments(owner_pid) == []
 
 
 def test_small_dev_shm_refuses_true_and_auto_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with _Ranks(tmp_path, "small_shm") as ranks:
         done = ranks.expect("done", range(WORLD))
-        owner_pid = ranks.processes[0].pid
     for rank in range(WORLD):
         message = done[rank]["true"]
         assert message.startswith("fastoffload: cannot share the host copy: /dev/shm is too small (host "), message
@@ -372,7 +505,6 @@ def test_small_dev_shm_refuses_true_and_auto_falls_back(tmp_path: Path, caplog: 
         assert message.endswith("or enable with share_host_copy=False"), message
         assert done[rank]["untouched"]
         assert done[rank]["auto_shared"] is False and done[rank]["auto_exact"]
-    assert _segments(owner_pid) == []
 
 
 def test_share_true_without_a_process_group_is_refused() -> None:
@@ -392,21 +524,116 @@ def test_share_true_without_a_process_group_is_refused() -> None:
     fo.disable_layerwise_offload(model)
 
 
-def test_sweep_removes_segments_of_dead_owners_only(tmp_path: Path) -> None:
+def test_rank_failing_before_the_negotiation_makes_every_rank_raise_at_once(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "out_of_step") as ranks:
+        done = ranks.expect("done", range(WORLD))
+    for mode in ("True", "auto"):
+        failing, other = done[1][mode], done[0][mode]
+        assert "parameter 2.up.weight is on the meta device" in failing, failing
+        # The other rank names the failing rank and repeats its error as it was raised there.
+        assert other.startswith("OffloadStateError: fastoffload: enable_layerwise_offload failed on another rank of "
+                                "the group, so this rank (rank 0) did not enable offload either: rank 1: "
+                                f"{failing}. "), other
+        assert other.endswith("Fix that rank (its own error is in its log) and enable again on every rank"), other
+    for rank in range(WORLD):
+        for mode in (True, "auto"):
+            # Raised together, in the negotiation, not after the group's timeout of GROUP_TIMEOUT_S s.
+            assert done[rank][f"{mode}_seconds"] < 1.0, (rank, mode, done[rank][f"{mode}_seconds"])
+            assert done[rank][f"{mode}_untouched"]
+        assert done[rank]["then_shared"] and done[rank]["then_exact"]
+
+
+def test_one_changed_element_is_seen_true_raises_and_auto_keeps_one_copy_per_rank(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "values") as ranks:
+        done = ranks.expect("done", range(WORLD))
+    for rank in range(WORLD):
+        message = done[rank]["True"]
+        assert message.startswith("OffloadStateError: fastoffload: cannot share the host copy: rank 1: parameter "
+                                  "'blocks.1.up.weight' holds different values on rank 1 than on the owner"), message
+        assert message.endswith("Build the same model on every rank, or enable with share_host_copy=False"), message
+        assert done[rank]["True_own_weights"]
+        assert done[rank]["auto"] == "enabled" and done[rank]["auto_shared"] is False
+        assert done[rank]["auto_shared_bytes"] == 0 and done[rank]["auto_exact"]
+        # disable gives each rank its own weights back (rank 1 keeps its changed element).
+        assert done[rank]["auto_own_weights"]
+
+
+def test_a_taken_segment_name_falls_back_under_auto_and_raises_under_true(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "taken_name") as ranks:
+        done = ranks.expect("done", range(WORLD))
+    for rank in range(WORLD):
+        assert done[rank]["auto"] == "enabled" and done[rank]["auto_shared"] is False and done[rank]["auto_exact"]
+        assert done[rank]["auto_own_weights"] and done[rank]["True_own_weights"]
+        # Only the squatter's file is left: the owner's lock and reserved segments are gone.
+        assert done[rank]["auto_names_after"] == [f"fastoffload-01{1:030x}-01{2:030x}"]
+        assert done[rank]["True_names_after"] == [f"fastoffload-01{1:030x}-01{2:030x}"]
+    assert done[0]["True"].startswith("RuntimeError: fastoffload: could not create the shared segment"), done[0]["True"]
+    assert "File exists" in done[0]["True"] and "share_host_copy='auto'" in done[0]["True"]
+    assert done[1]["True"].startswith("OffloadStateError: fastoffload: sharing the host copy failed on another rank so "
+                                    "this rank did not attach: rank 0: RuntimeError: fastoffload: could not create the "
+                                    "shared segment"), done[1]["True"]
+
+
+def _hold_a_live_job(job: str, segments: list[str], ready: Any) -> None:
+    """Another job's owner, alive: it holds its lock and its segment names until it is killed."""
     from fastoffload_ext import _C
 
-    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
-    dead.start()
-    dead.join(TIMEOUT_S)
-    stale = SHM / f"fastoffload-{dead.pid}-00ff-0"
-    alive = SHM / f"fastoffload-{os.getpid()}-00ff-0"
+    lock = _C.JobLock(job)
+    pool = _C.PinnedPool(-1, "pageable", 0, False, 0)
+    for name in segments:
+        pool.reserve_shared(f"/fastoffload-{job}-{name}", 4096)
+    ready.set()
+    time.sleep(TIMEOUT_S * 2)
+    del lock, pool
+
+
+def test_sweep_removes_only_the_names_of_jobs_whose_owner_died(tmp_path: Path) -> None:
+    from fastoffload_ext import _C
+
+    context = mp.get_context("spawn")
+    ready = context.Event()
+    live_job, dead_job, unlocked_job = "a1" * 16, "d2" * 16, "e3" * 16
+    live = context.Process(target=_hold_a_live_job, args=(live_job, ["1", "2"], ready), daemon=True)
+    legacy = SHM / f"fastoffload-{os.getpid() + 10**6}-00ff-0"  # the old pid-named layout: never ours to judge
+    dead_names = [SHM / f"fastoffload-{dead_job}-{suffix}" for suffix in ("lock", "1", "2")]
+    unlocked = SHM / f"fastoffload-{unlocked_job}-1"  # a segment without any lock: no proof, so kept
+    live.start()
     try:
-        stale.write_bytes(b"x")
-        alive.write_bytes(b"x")
-        assert _C.sweep_stale_segments() >= 1
-        assert not stale.exists() and alive.exists()
+        assert ready.wait(TIMEOUT_S)
+        for path in [legacy, unlocked, *dead_names]:
+            path.write_bytes(b"x")  # a dead job: its lock file is there but nobody holds it
+        assert _C.sweep_stale_segments() == 2
+        assert not any(path.exists() for path in dead_names)
+        assert _names(live_job) == [f"fastoffload-{live_job}-{n}" for n in ("1", "2", "lock")]
+        assert legacy.exists() and unlocked.exists()
+        os.kill(live.pid, signal.SIGKILL)  # the live job's owner dies without unlinking anything
+        live.join(TIMEOUT_S)
+        assert _names(live_job) != [] and _C.sweep_stale_segments() == 2 and _names(live_job) == []
     finally:
-        for path in (stale, alive):
+        if live.is_alive():
+            os.kill(live.pid, signal.SIGKILL)
+        for path in [legacy, unlocked, *dead_names, *(SHM / n for n in _names(live_job))]:
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_sweep_as_root_leaves_other_users_names_alone() -> None:
+    from fastoffload_ext import _C
+
+    job = "b4" * 16
+    lock, mine, theirs = (SHM / f"fastoffload-{job}-{suffix}" for suffix in ("lock", "1", "2"))
+    try:
+        for path in (lock, mine, theirs):
+            path.write_bytes(b"x")
+        os.chown(theirs, 4242, 4242)
+        assert _C.sweep_stale_segments() == 1
+        assert theirs.exists() and not mine.exists() and not lock.exists()
+        foreign_lock = SHM / f"fastoffload-{job}-lock"
+        foreign_lock.write_bytes(b"x")
+        os.chown(foreign_lock, 4242, 4242)  # another user's dead job: not this user's to sweep
+        assert _C.sweep_stale_segments() == 0 and theirs.exists() and foreign_lock.exists()
+    finally:
+        for path in (lock, mine, theirs):
             path.unlink(missing_ok=True)
 
 
@@ -429,7 +656,9 @@ def test_core_owner_packs_and_another_pool_maps_without_copying() -> None:
     owner, other = engine(), engine()
     try:
         owner_handle = owner.add_block_shared(["w", "b"], owner_params, name, True)
-        assert _segments(os.getpid()) == [name[1:]] and owner.is_shared(owner_handle)
+        assert _segments(str(os.getpid())) == [name[1:]] and owner.is_shared(owner_handle)
+        # The owner hashed what it packed; the same values hash the same from the parameters themselves.
+        assert list(owner.block_digests(owner_handle)) == list(_C.tensor_digests(["w", "b"], values))
         with pytest.raises(RuntimeError, match="could not create the shared segment .* File exists"):
             engine().add_block_shared(["w", "b"], block(10), name, True)
         # Rank 1's parameters hold zeros: what it computes with must be the owner's bytes, not a copy of its own.
@@ -437,15 +666,24 @@ def test_core_owner_packs_and_another_pool_maps_without_copying() -> None:
         other.acquire(handle)
         assert all(torch.equal(p, v) and p.stride() == v.stride() for p, v in zip(mapped_params, values))
         other.release(handle)
+        # The non-owner's mapping is read-only; its host views are copies, so a write neither crashes nor
+        # reaches the owner's bytes.
+        assert _mapping_modes() == {"r--s", "rw-s"}
+        view = other.host_view(handle, 0)
+        view.add_(1.0)
+        assert torch.equal(other.host_view(handle, 0), values[0]) and torch.equal(owner.host_view(owner_handle, 0),
+                                                                                  values[0])
+        assert other.host_view(handle, 0).stride() == values[0].stride()
         assert other.pool.stats()["shared_owned_bytes"] == 0 and owner.pool.stats()["shared_owned_bytes"] > 0
         with pytest.raises(RuntimeError, match="holds 512 bytes but this rank's block packs to 1280 bytes: the ranks "
                                                "of this host built different parameters"):
             engine().add_block_shared(["w", "b"], block(70), name, False)
         with pytest.raises(RuntimeError, match="cannot be materialized for mutation: its host copy is shared"):
             other.materialize(handle)
-        with pytest.raises(RuntimeError, match="must look like '/fastoffload-<pid>-<hex>-<index>'"):
-            engine().add_block_shared(["w", "b"], block(10), "/elsewhere/x", True)
-        assert owner.pool.unlink_shared() == 1 and _segments(os.getpid()) == []
+        for bad in ("/elsewhere/x", "/fastoffload-ABC-1", f"/fastoffload-{os.getpid()}-lock"):
+            with pytest.raises(RuntimeError, match="must look like '/fastoffload-<job hex>-<segment hex>'"):
+                engine().add_block_shared(["w", "b"], block(10), bad, True)
+        assert owner.pool.unlink_shared() == 1 and _segments(str(os.getpid())) == []
         with pytest.raises(RuntimeError, match="could not open the shared segment .* No such file"):
             engine().add_block_shared(["w", "b"], block(10), name, False)
         # The mappings outlive the name.
@@ -458,6 +696,12 @@ def test_core_owner_packs_and_another_pool_maps_without_copying() -> None:
 
 
 @pytest.mark.cuda
+def test_two_ranks_on_one_gpu_share_one_pinned_host_copy(tmp_path: Path) -> None:
+    """Both ranks on cuda:0: the read-only mapping of rank 1 is registered with CUDA like the owner's."""
+    _run_main(tmp_path, "cuda:0")
+
+
+@pytest.mark.cuda
 def test_two_gpus_share_one_pinned_host_copy(tmp_path: Path) -> None:
     """torchrun-style: one process per GPU (device=cuda:rank), gloo for the coordination."""
     if torch.cuda.device_count() < 2:
@@ -465,13 +709,41 @@ def test_two_gpus_share_one_pinned_host_copy(tmp_path: Path) -> None:
     _run_main(tmp_path, "cuda")
 
 
-def test_fingerprint_of_a_parameter_past_float32_exact_integers() -> None:
-    """28311552 = 3072 x 9216 elements: a float32 linspace over its indices rounds past the end."""
-    from fastoffload_ext.engine.sharing import block_signature
+def test_digest_sees_one_changed_element_anywhere_and_only_the_bytes_count() -> None:
+    """28311552 = 3072 x 9216 bf16 elements (several digest chunks): each single edit changes the digest."""
+    from fastoffload_ext.engine.sharing import block_digests, block_layout
 
     block = nn.Module()
     block.weight = nn.Parameter(torch.zeros(3072, 9216, dtype=torch.bfloat16), requires_grad=False)
-    first = block_signature(block)
-    block.weight.data[-1, -1] = 1.0  # the last element is sampled
-    assert block_signature(block)[0][4] != first[0][4]
-    assert first[0][:4] == ("weight", "torch.bfloat16", (3072, 9216), (9216, 1))
+    block.bias = nn.Parameter(torch.arange(7, dtype=torch.float32), requires_grad=False)  # a tail of 28 bytes
+    first = block_digests(block)
+    assert block_digests(block) == first and len(first) == 2
+    for index in ((0, 0), (1536, 4608), (-1, -1)):
+        block.weight.data[index] = 1.0
+        assert block_digests(block)[0] != first[0], index
+        block.weight.data[index] = 0.0
+    assert block_digests(block) == first
+    block.bias.data[6] = -0.0  # one bit of the tail
+    assert block_digests(block)[1] != first[1]
+    assert block_layout(block)[0] == ("weight", "torch.bfloat16", (3072, 9216), (9216, 1))
+
+
+def test_owner_takes_its_packed_copy_back_into_private_memory() -> None:
+    """What the owner does when the ranks fall back after it packed: same values, no shared bytes left."""
+    from fastoffload_ext import _C
+
+    params = [nn.Parameter(torch.randn(6, 4).t(), requires_grad=False)]
+    values = [p.detach().clone() for p in params]
+    engine = _C.OffloadEngine(torch.device("cpu"), 2, _C.PinnedPool(-1, "pageable", 0, False, 0))
+    name = f"/fastoffload-{os.getpid()}-beef-1"
+    try:
+        handle = engine.add_block_shared(["w"], params, name, True)
+        engine.make_private(handle)
+        assert not engine.is_shared(handle) and engine.pool.stats()["shared_bytes"] == 0
+        assert _segments(str(os.getpid())) == []  # the segment went with its last mapping
+        engine.acquire(handle)
+        assert torch.equal(params[0], values[0]) and params[0].stride() == values[0].stride()
+        engine.release(handle)
+        engine.materialize(handle)  # a private block may be mutated again
+    finally:
+        _C.unlink_shared_segment(name)

@@ -5,7 +5,10 @@ region, copies it with one transfer into a static device slot and rebinds the pa
 
 Differences from the python backend, each tested:
 - A grad-recording forward through an offloaded block whose parameters require grad is refused by
-  the engine (the device copy would be overwritten by a later block before backward could use it).
+  the engine. With frozen parameters and grad mode on, acquire binds a private device copy of the
+  slot, so what autograd saved survives the slot's reuse by later blocks.
+- The threading contract (one forward at a time, see threads.py) and the in-place/cast checks are
+  enforced in C++ (csrc/thread_gate.h, OffloadEngine::acquire), with the python backend's texts.
 - Under ``share_host_copy`` (see sharing.py) ``mutate_params_scope`` is refused with
   ``messages.SHARED_MUTATION_ERROR``: the host copy belongs to every rank of the host.
 """
@@ -56,12 +59,14 @@ class ExtLayerwiseOffloadState:
         else:
             self.handle = self.engine.add_block(self.param_names, params)
 
-    # The seed exposes these dicts; here they are computed on demand (never on the hot path).
+    # The seed exposes these dicts; here they are computed on demand (never on the hot path). A shared
+    # block's are copies: its pages are other ranks' weights too, and read-only on a non-owner.
     @property
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
         if not self._attached():
             return {}
-        return {name: self.engine.host_view(self.handle, j) for j, name in enumerate(self.param_names)}
+        # One decode for the whole block when its host copy is compressed.
+        return dict(zip(self.param_names, self.engine.host_views(self.handle)))
 
     @property
     def gpu_named_parameters(self) -> dict[str, torch.Tensor]:
@@ -109,7 +114,9 @@ class ExtLayerwiseOffloadState:
             self.engine.restore(self.handle, device)
 
     def host_bytes(self) -> int:
-        return int(self.engine.block_bytes(self.handle)) if self._attached() else 0
+        # The raw and/or the compressed copy (both while compress="auto" measures).
+        return int(self.engine.codec_info(self.handle)["host_bytes"]) if self._attached() else 0
 
     def weight_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in self.cpu_named_parameters.values())
+        # From the block's layout: no decode of a compressed copy.
+        return int(self.engine.weight_bytes(self.handle)) if self._attached() else 0

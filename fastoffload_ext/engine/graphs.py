@@ -128,6 +128,8 @@ class OffloadedCUDAGraph:
             for _ in range(self.warmup_steps):
                 self.model(*self.static_args, **self.static_kwargs)
         torch.cuda.current_stream(self.group.device).wait_stream(side)
+        # compress="auto" decides now: a captured graph bakes in how each block travels.
+        self.engine.settle_travel()
         self.engine.join_copies()
         torch.cuda.synchronize(self.group.device)
         self.graph = torch.cuda.CUDAGraph()

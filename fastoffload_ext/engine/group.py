@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.state import BlockOffloadState
 
@@ -30,6 +31,7 @@ class LayerwiseOffloadGroup:
         self.cyclic = cyclic
         self.engine = engine
         self.share: sharing.HostShare | None = None  # set when the ranks of this host share the host copy
+        self.compress_mode = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
         self.states: list[BlockOffloadState] = []
         self.original_devices: list[torch.device] = []
 
@@ -52,7 +54,9 @@ class LayerwiseOffloadGroup:
     def _engine_stats(self) -> dict[str, Any]:
         engine_stats = dict(self.engine.stats())
         pool_stats = dict(self.engine.pool.stats())
-        return dict(pinned_bytes=pool_stats["pinned_bytes"], host_reserved_bytes=pool_stats["reserved_bytes"],
+        handles = [getattr(state, "handle", None) for state in self.states]
+        return dict(**codec.summarize(codec.block_stats(self.engine, handles), self.compress_mode),
+                    pinned_bytes=pool_stats["pinned_bytes"], host_reserved_bytes=pool_stats["reserved_bytes"],
                     pin_seconds=pool_stats["pin_seconds"], slot_bytes=engine_stats["slot_bytes"],
                     num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],
                     bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],

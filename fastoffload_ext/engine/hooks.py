@@ -69,10 +69,15 @@ def _run_post_hooks(module: nn.Module, ran: list[ForwardHook], output: Any) -> A
 
 
 def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    manager: ModuleHookManager = getattr(module, ModuleHookManager.module_hook_attribute)
+    manager: ModuleHookManager | None = getattr(module, ModuleHookManager.module_hook_attribute, None)
+    if manager is None:
+        # Another thread removed the manager (a disable) after this call looked up `forward`:
+        # the module's own forward is back in place.
+        return module.forward(*args, **kwargs)
     ran: list[ForwardHook] = []
     try:
-        for hook in manager.forward_hooks.values():
+        # A snapshot: another thread may remove a hook while this forward runs.
+        for hook in tuple(manager.forward_hooks.values()):
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
             ran.append(hook)
         output = manager.original_forward(*args, **kwargs)

@@ -25,8 +25,26 @@ What stays where: only parameters are offloaded; buffers of the offloaded blocks
 statistics) are moved to the offload device and stay there, and modules outside the block list are the
 caller's business, as with FastVideo.
 
-Autograd: a grad-recording forward through an offloaded block whose parameters require grad raises
-(see ``messages.GRAD_ERROR``): run inference under ``torch.no_grad()`` or ``inference_mode()``.
+Autograd: gradients flow through offloaded blocks whose own parameters are frozen, exactly as on the
+resident model (to the input, and to trainable parameters outside the block list). What autograd saved
+from the offloaded weights is kept alive until backward (see ``autograd.py``; on the ext backend, grad
+mode makes each acquire bind a private device copy of the block), so a grad-recording forward costs
+device memory for every block whose weights backward needs, as on the resident model. A
+grad-recording forward through a block whose parameters require grad raises (``messages.GRAD_ERROR``).
+Inference belongs under ``torch.no_grad()`` or ``inference_mode()``, where none of this runs.
+
+Threads: one offloaded model runs one forward at a time. The thread whose forward acquired a block
+owns the model until its blocks are released; a forward from another thread meanwhile raises
+(``threads.CONCURRENT_FORWARD_ERROR``, the same text from both backends), and a
+``disable_layerwise_offload`` or ``mutate_params_scope`` from another thread waits for the running
+block. A disable that lands between two blocks of another thread's forward wins: that forward then
+finishes on the restored weights, or raises that its block was detached. Forwards from several
+threads one after another are fine.
+
+What users do to an offloaded model: ``state_dict()`` returns the real values and
+``load_state_dict()`` updates the host copy (``state_dict.py``); an in-place write to an offloaded
+parameter or a cast (``model.half()``) after enable raises at the next forward instead of being lost,
+and disable follows a cast; conjugate and negative views are resolved when the block is packed.
 
 Several ranks of one host (torchrun): with ``share_host_copy`` (default "auto": when torch.distributed
 is initialized, the backend is "ext" and the group has several ranks on this host) the ranks of a host
@@ -34,9 +52,9 @@ share one host copy in shared memory instead of one each; ``enable_layerwise_off
 collective that every rank must call with the same model, and ``mutate_params_scope`` is refused (merge
 LoRA before enabling). See ``sharing.py``.
 
-Tied weights: a parameter shared between two offloaded blocks, or between an offloaded block and any
-other part of the model, is refused at enable with an error naming both places (offloading one side
-would silently turn the other into a placeholder).
+Tied weights: a parameter (or its storage) shared between two offloaded blocks, or between an offloaded
+block and any other part of the model, is refused at enable with an error naming both places
+(offloading one side would silently turn the other into a placeholder, or untie the two).
 """
 from __future__ import annotations
 
@@ -48,11 +66,12 @@ import torch
 from torch import nn
 
 from fastoffload_ext import _backend
+from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.model_checks import check_block_kinds, check_devices, check_tied_parameters
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -68,7 +87,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
                              device: str | torch.device | int | None = None, pin_backing: str | None = None,
                              allow_pageable_fallback: bool = False,
                              pinned_limit_bytes: int | None = None, share_host_copy: bool | str = "auto",
-                             process_group: Any = None,
+                             process_group: Any = None, compress: bool | str = False,
                              block_lists: str | Sequence[str] | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
@@ -80,6 +99,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         cyclic: the last block prefetches the first, so the next step starts warm. Set False for
             modules that run once per request (text encoders).
         prefetch_depth: how many blocks ahead are copied while a block runs (device slots: depth + 1).
+            A depth above the number of offloaded blocks is clamped to it (deeper copies nothing more).
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
@@ -92,9 +112,16 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
             when torch.distributed is initialized, the backend is "ext" and several ranks of
             ``process_group`` run on this host (and all built the same blocks); True: always, raising
             when no process group is initialized or the ranks' blocks differ; False: one copy per
-            process. When sharing may happen this call is a collective: every rank of the group must
-            make it, with the same model. Shared blocks refuse ``mutate_params_scope``.
+            process. Unless it is False (or ``backend="python"``), this call is a collective whenever
+            torch.distributed is initialized with several ranks: every rank of the group must make it,
+            with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
+            ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
         process_group: the group whose ranks share (default: the default group).
+        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
+            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
+            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
+            decided from the first steps' copy and compute times; False: raw copies. True is refused with
+            share_host_copy=True, and turns the default share_host_copy="auto" off.
         block_lists: which direct-child ``nn.ModuleList``s to offload. None (default): the first one,
             FastVideo's rule. ``"all"``: every non-empty one, in registration order (Flux and
             HunyuanVideo: double-stream then single-stream blocks). A list of attribute names: those,
@@ -107,23 +134,34 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *, resi
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
         was skipped because CUDA is not available and no device was given.
     """
-    resolved = resolve_device(device)
-    if resolved is None:
-        logger.warning("CUDA is not available. Layerwise offloading is disabled.")
-        return None
-    options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
-                                 cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
-                                 pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
-                                 pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                 process_group=process_group, block_lists=block_lists)
-    _check_model(model, options)
-    offloaded = options.offloaded
-    was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
-    engine = _build_engine(options)
-    group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
-                                  options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
-    group.list_names = [name for name, _ in options.lists] or [options.list_name]
-    group.share = _negotiate_sharing(options, engine)
+    # Made before any check: when this call is a collective, a failure on this rank is sent to the
+    # others in the negotiation they wait in, and every rank raises together (sharing.py).
+    rendezvous = sharing.Rendezvous(share_host_copy, backend, process_group)
+    try:
+        resolved = resolve_device(device)
+        if resolved is None:
+            logger.warning("CUDA is not available. Layerwise offloading is disabled.")
+            rendezvous.skip("CUDA is not available")
+            return None
+        options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
+                                     cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
+                                     pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
+                                     pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
+                                     process_group=process_group, compress=compress,
+                                     block_lists=block_lists)
+        _check_model(model, options)
+        offloaded = options.offloaded
+        was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
+        engine = _build_engine(options)
+        group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
+                                      options.prefetch_depth, options.resident_blocks, options.cyclic, engine)
+        group.compress_mode = options.compress if engine is not None else "off"
+        group.list_names = [name for name, _ in options.lists] or [options.list_name]
+        group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
+                                           options.resident_blocks, engine)
+    except BaseException as error:
+        rendezvous.fail(error)  # a no-op once the negotiation ran
+        raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     _finish(model, group, options, was_on_cuda)
@@ -145,6 +183,7 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
     elif existing is not None:
         raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
+    check_block_kinds(options.offloaded, options.list_name, resident)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device)
     offset = 0
@@ -162,23 +201,20 @@ def _build_engine(options: OffloadOptions) -> Any:
     core = _backend.require_ext()
     index = -1 if options.device.type == "cpu" else options.device.index
     pool = core.PinnedPool(index, options.pin_backing, options.pinned_limit_bytes, options.allow_pageable_fallback, 0)
-    return core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
-
-
-def _negotiate_sharing(options: OffloadOptions, engine: Any) -> sharing.HostShare | None:
-    """Whether the ranks of this host share one host copy; a collective when sharing may happen."""
-    if engine is None:
-        return None
-    share = sharing.negotiate(options.share_host_copy, options.backend, options.process_group, options.offloaded,
-                              options.list_name, options.resident_blocks)
-    if share is not None:
-        share.pool = engine.pool
-    return share
+    engine = core.OffloadEngine(options.device, options.prefetch_depth + 1, pool)
+    if options.compress != "off":
+        codec.configure_engine(engine, options.compress)
+    return engine
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
     if group.engine is None:
-        return LayerwiseOffloadState(stream, group.device)
+        state = LayerwiseOffloadState(stream, group.device)
+        # One forward at a time per model (threads.py): every block of the model shares one gate.
+        if group.states:
+            state.gate = group.states[0].gate  # type: ignore[attr-defined]
+        state.block_index = len(group.states)
+        return state
     state = ExtLayerwiseOffloadState(group.engine, group.device)
     share = group.share
     if share is not None:
@@ -215,11 +251,11 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
     block: nn.Module | None = None
     try:
         if share is not None:
-            share.before_attach()  # other ranks wait here for the owner's packed copy
+            share.before_attach(options.offloaded)  # other ranks wait here for the owner's packed copy
         for block in options.offloaded:
             attached.append((block, _attach_one(group, block, stream)))
-        if share is not None:
-            share.after_attach()  # every rank attached: the owner unlinks the names
+        if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
+            group.share = None  # the ranks fell back to one copy each
     except BaseException as error:
         if share is not None:
             share.abort(error)  # the other ranks learn of it instead of waiting; the owner unlinks

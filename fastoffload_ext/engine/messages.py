@@ -5,14 +5,42 @@ share a message without importing each other.
 """
 from __future__ import annotations
 
-__all__ = ["GRAD_ERROR", "SHARED_MUTATION_ERROR"]
+import torch
+
+__all__ = ["CAST_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
+           "scalar_type_name"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
 # tests/test_binding_surface.py keeps the two texts identical.
 GRAD_ERROR = ("fastoffload: {where} is offloaded, its parameter '{name}' requires grad, and grad mode is on. "
-              "Offloaded weights live in device slots that later blocks overwrite, so a backward pass would read "
-              "the wrong bytes. Run the forward under torch.no_grad() or torch.inference_mode(), or call "
-              "model.requires_grad_(False); to train, keep the block resident.")
+              "An offloaded parameter is a placeholder between forwards, so its gradient would have nowhere to "
+              "live and an optimizer step would never reach its host copy. Freeze the offloaded blocks "
+              "(model.blocks.requires_grad_(False): gradients still flow through them to the input and to "
+              "parameters outside the blocks), or run under torch.no_grad() or torch.inference_mode(); to train a "
+              "block, keep it resident.")
 
 SHARED_MUTATION_ERROR = ("fastoffload: mutate_params_scope() is refused on this block: the host copy is shared by {n} "
                          "ranks of this host; mutate before enabling offload, or enable with share_host_copy=False")
+
+# The next three are raised by the compiled core too (csrc/offload_engine.cpp), with the same text.
+DETACHED_ERROR = ("fastoffload: block {index} was detached from the offload engine; re-enable offload to use it "
+                  "again")
+
+IN_PLACE_ERROR = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its "
+                  "placeholder or device slot holds no lasting copy), so the change would be silently lost. Change a "
+                  "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
+                  "first.")
+
+CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
+              "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "
+              "an offloaded block's host copy. Cast or move the model before enable_layerwise_offload, or disable "
+              "offload, cast, and enable it again.")
+
+SHARED_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: its host copy is shared by {n} ranks "
+                     "of this host, whose weights would change under them. Load the weights before "
+                     "enable_layerwise_offload, or enable with share_host_copy=False")
+
+
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """The core's name of a dtype ("Float", "Half", "BFloat16"), so both backends' messages read alike."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")

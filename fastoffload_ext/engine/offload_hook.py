@@ -1,4 +1,9 @@
-"""The forward hook that moves one block's weights: acquire before its forward, release after."""
+"""The forward hook that moves one block's weights: acquire before its forward, release after.
+
+With grad mode on, the block's forward also runs under saved-tensor hooks (autograd.py), so what
+autograd saves from the offloaded weights stays valid after they go back to placeholders; and the
+block's state dict holds the host copy's values (state_dict.py).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.autograd import SavedTensorGuard
 from fastoffload_ext.engine.hooks import ForwardHook
 from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state_dict import StateDictHooks
 
 __all__ = ["LayerwiseOffloadHook"]
 
@@ -20,6 +27,8 @@ class LayerwiseOffloadHook(ForwardHook):
     def __init__(self, state: BlockOffloadState) -> None:
         self.state = state
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
+        self.saved_tensors = SavedTensorGuard()
+        self.state_dict_hooks = StateDictHooks(state)
 
     @classmethod
     def name(cls) -> str:
@@ -27,10 +36,12 @@ class LayerwiseOffloadHook(ForwardHook):
 
     def on_attach(self, module: nn.Module) -> None:
         self.state.on_init(module)
+        self.state_dict_hooks.attach(module)
 
     def on_detach(self, module: nn.Module) -> None:
         device = self.detach_device if self.detach_device is not None else self.state.device
         self.state.restore(module, device)
+        self.state_dict_hooks.detach()
 
     # The entry points are compiler boundaries: torch.compile must not trace into host-side weight
     # movement (stream waits, copies, rebinding). Without the boundary dynamo would break the graph
@@ -46,10 +57,12 @@ class LayerwiseOffloadHook(ForwardHook):
         except BaseException:
             state.release()  # the manager only cleans up hooks whose pre_forward completed
             raise
+        self.saved_tensors.enter()
         return args, kwargs
 
     @torch.compiler.disable
     def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self.saved_tensors.leave()
         self.state.release()
         return output
 

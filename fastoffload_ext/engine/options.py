@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext import _backend
+from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.model_checks import find_block_lists
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", "choose_backend", "resolve_device",
+__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", "check_flags", "choose_backend",
+           "effective_prefetch_depth", "resolve_device",
            "validate_arguments"]
 
 BACKENDS = ("auto", "ext", "python")
@@ -48,6 +49,7 @@ class OffloadOptions:
     pinned_limit_bytes: int  # 0: no limit
     share_host_copy: bool | str
     process_group: Any
+    compress: str = "off"  # the engine's codec mode: "off", "on" or "auto" (fastoffload_ext.codec)
     lists: tuple[tuple[str, nn.ModuleList], ...] = ()  # (attribute name, list) in ring order
 
     @property
@@ -68,6 +70,9 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     except (RuntimeError, TypeError) as error:
         raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
     if resolved.type == "cpu":
+        if resolved.index not in (None, 0, -1):
+            raise OffloadConfigError(f"fastoffload: device {str(device)!r} names a CPU index, but the host is one "
+                                     "device for offload; pass device='cpu'")
         return torch.device("cpu")
     if resolved.type != "cuda":
         raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: layerwise offload "
@@ -109,6 +114,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The compiled core takes sizes as a C++ size_t; a larger Python int would fail inside the binding.
+MAX_BYTES = 2**63 - 1
+
+
 def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_backing: Any) -> None:
     """The arguments that need nothing but themselves to be checked."""
     if not _is_int(prefetch_depth) or prefetch_depth < 0:
@@ -118,8 +127,32 @@ def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_b
     if pinned_limit_bytes is not None and (not _is_int(pinned_limit_bytes) or pinned_limit_bytes < 0):
         raise OffloadConfigError(f"pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
                                  f"{pinned_limit_bytes!r}")
-    if pin_backing is not None and pin_backing not in PIN_BACKINGS:
+    if pinned_limit_bytes is not None and pinned_limit_bytes > MAX_BYTES:
+        raise OffloadConfigError(f"fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got "
+                                 f"{pinned_limit_bytes!r}; pass None for no limit")
+    if pin_backing is not None and (not isinstance(pin_backing, str) or pin_backing not in PIN_BACKINGS):
         raise OffloadConfigError(f"pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got {pin_backing!r}")
+
+
+def check_flags(is_replace: Any, allow_pageable_fallback: Any) -> None:
+    """Flags that must be real booleans: a string such as "no" is truthy and would silently mean True."""
+    for name, value in (("is_replace", is_replace), ("allow_pageable_fallback", allow_pageable_fallback)):
+        if not isinstance(value, bool):
+            raise OffloadConfigError(f"fastoffload: {name} must be True or False, got {value!r}")
+
+
+def effective_prefetch_depth(prefetch_depth: int, offloaded_blocks: int) -> int:
+    """``prefetch_depth`` clamped to the number of offloaded blocks.
+
+    Copying further ahead than every block there is changes nothing (the targets wrap onto blocks
+    already in a slot), but each unit of depth is a device slot: an unbounded depth would allocate
+    unbounded bookkeeping (10**9 raised std::bad_alloc in the core) for no effect.
+    """
+    if prefetch_depth > offloaded_blocks:
+        logger.info("prefetch_depth=%d is more than the %d offloaded blocks; using %d", prefetch_depth,
+                    offloaded_blocks, offloaded_blocks)
+        return offloaded_blocks
+    return prefetch_depth
 
 
 def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.ModuleList) -> int:
@@ -134,19 +167,24 @@ def check_resident_blocks(resident_blocks: Any, list_name: str, blocks: nn.Modul
 def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
                        prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
-                       block_lists: Any = None) -> OffloadOptions:
+                       compress: bool | str = False, block_lists: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises."""
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
+    check_flags(is_replace, allow_pageable_fallback)
     lists = find_block_lists(model, block_lists)
     list_name, blocks = lists[0] if len(lists) == 1 else _ring(lists)
     resident = check_resident_blocks(resident_blocks, list_name, blocks)
+    depth = effective_prefetch_depth(prefetch_depth, len(blocks) - resident)
     chosen = choose_backend(backend, device)
-    sharing.resolve(share_host_copy, chosen, process_group)
+    if compress is True and share_host_copy == "auto":
+        share_host_copy = False  # an explicit compress=True wins over sharing by default
+    sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
+    compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident_blocks=resident,
-                          prefetch_depth=prefetch_depth, cyclic=cyclic, is_replace=is_replace,
+                          prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
-                          process_group=process_group, lists=tuple(lists))
+                          process_group=process_group, compress=compress_mode, lists=tuple(lists))
 
 
 def _ring(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.ModuleList]:

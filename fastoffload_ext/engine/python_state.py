@@ -14,6 +14,12 @@ Deliberate differences from the seed, each tested:
   ``torch.no_grad()``/``torch.inference_mode()`` the check costs one flag read.
 - With ``device="cpu"`` the state runs with the host as its "device" (no streams, no pinning), so the
   algorithm is testable without a GPU.
+- One forward at a time (threads.py): the states of one model share a :class:`ForwardGate`; another
+  thread's acquire raises ``CONCURRENT_FORWARD_ERROR``, another thread's restore waits.
+- An offloaded parameter changed in place (its version counter moved) or cast (``model.half()``)
+  since the block last ran raises at the next acquire instead of running on stale values; restore
+  follows a cast, so ``.half()`` then disable gives float16, as on the resident model.
+- A restored (detached) block refuses acquire with the core's "detached" message.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import logging
 import torch
 from torch import nn
 
-from fastoffload_ext.engine.messages import GRAD_ERROR
+from fastoffload_ext.engine.messages import CAST_ERROR, DETACHED_ERROR, GRAD_ERROR, IN_PLACE_ERROR, scalar_type_name
 from fastoffload_ext.engine.state import BlockOffloadState, real_copy, tensor_placeholder
+from fastoffload_ext.engine.threads import ForwardGate
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,11 @@ class LayerwiseOffloadState:
         self.cpu_named_parameters: dict[str, torch.Tensor] = {}
         self.module_ref: nn.Module = None  # type: ignore[assignment]
         self.device: torch.device = torch.device(device)
+        # enable_layerwise_offload gives every state of a model the same gate and its index in the list.
+        self.gate = ForwardGate()
+        self.block_index: int | None = None
+        self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
+        self._detached = False
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         host = tensor.detach().to("cpu", copy=True) if tensor.device.type != "cpu" else tensor.detach().clone()
@@ -66,6 +78,20 @@ class LayerwiseOffloadState:
         self.cpu_named_parameters.update(host)
         for _, param in named:
             param.data = tensor_placeholder(param.data, self.device)
+        self._versions = {name: param._version for name, param in named}
+        self._detached = False
+
+    def _where(self) -> str:
+        return str(self.block_index) if self.block_index is not None else type(self.module_ref).__name__
+
+    def _check_binding(self, name: str, param: nn.Parameter, host: torch.Tensor) -> None:
+        """Raises when ``param`` was written in place or cast since it was last bound."""
+        if param.dtype != host.dtype or param.device != self.device:
+            raise OffloadStateError(CAST_ERROR.format(name=name, index=self._where(), now=scalar_type_name(param.dtype),
+                                                      now_device=param.device, was=scalar_type_name(host.dtype),
+                                                      device=self.device))
+        if param._version != self._versions.get(name, param._version):
+            raise OffloadStateError(IN_PLACE_ERROR.format(name=name, index=self._where()))
 
     def _check_grad(self) -> None:
         for name, param in self.module_ref.named_parameters():
@@ -75,24 +101,37 @@ class LayerwiseOffloadState:
     def acquire(self) -> None:
         if torch.is_grad_enabled():
             self._check_grad()
-        if self.async_copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.async_copy_stream)
-        gpu = self.gpu_named_parameters
+        self.gate.begin(id(self))
         try:
-            for name, param in self.module_ref.named_parameters():
-                loaded = gpu.get(name)
-                if loaded is None:
-                    # Nothing prefetched this block: load it now, on the current stream.
-                    loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
-                    gpu[name] = loaded
-                param.data = loaded
+            # Checked inside the gate: a restore from another thread may have finished while this
+            # thread waited to enter.
+            if self._detached:
+                raise OffloadStateError(DETACHED_ERROR.format(index=self._where()))
+            if self.async_copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.async_copy_stream)
+            self._bind_loaded()
         except BaseException:
             self.release()  # out of device memory half-way: no parameter stays bound, no copy stays held
             raise
 
+    def _bind_loaded(self) -> None:
+        gpu = self.gpu_named_parameters
+        named = list(self.module_ref.named_parameters())
+        for name, param in named:
+            self._check_binding(name, param, self.cpu_named_parameters[name])
+        for name, param in named:
+            loaded = gpu.get(name)
+            if loaded is None:
+                # Nothing prefetched this block: load it now, on the current stream.
+                loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
+                gpu[name] = loaded
+            param.data = loaded
+            self._versions[name] = param._version
+
     def prefetch(self) -> None:
-        if self.gpu_named_parameters:
-            return  # already loaded or prefetched
+        if self.gpu_named_parameters or self._detached:
+            return  # already loaded or prefetched, or detached
+        self.gate.check()
         try:
             if self.async_copy_stream is None:
                 for name, host in self.cpu_named_parameters.items():
@@ -115,6 +154,7 @@ class LayerwiseOffloadState:
             if name in self.cpu_named_parameters:
                 param.data = tensor_placeholder(param.data, self.device)
         self.gpu_named_parameters.clear()
+        self.gate.end(id(self))
 
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:
@@ -133,22 +173,35 @@ class LayerwiseOffloadState:
             self.acquire()
 
     def end_mutation(self) -> None:
-        self.cpu_named_parameters.clear()
-        self.gpu_named_parameters.clear()
-        self.on_init(self.module_ref)
+        with self.gate.exclusive():
+            self.cpu_named_parameters.clear()
+            self.gpu_named_parameters.clear()
+            self.on_init(self.module_ref)
+            self.gate.end(id(self))
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
-        for name, param in module.named_parameters():
-            host = self.cpu_named_parameters.get(name)
-            if host is None:
-                logger.warning("Parameter %s not found in the offload state during detachment.", name)
-                continue
-            # A loaded block (running, or inside mutate_params_scope) holds its current values on the
-            # device; an offloaded one holds a placeholder, whose shape differs from the host copy's.
-            source = param.data if tuple(param.shape) == tuple(host.shape) else host
-            param.data = real_copy(source, device)
-        self.gpu_named_parameters.clear()
-        self.cpu_named_parameters.clear()
+        with self.gate.exclusive():  # another thread's running block finishes first
+            for name, param in module.named_parameters():
+                host = self.cpu_named_parameters.get(name)
+                if host is None:
+                    logger.warning("Parameter %s not found in the offload state during detachment.", name)
+                    continue
+                param.data = self._current_value(param, host, device)
+            self.gpu_named_parameters.clear()
+            self.cpu_named_parameters.clear()
+            self._detached = True
+            self.gate.forget(id(self))
+
+    @staticmethod
+    def _current_value(param: nn.Parameter, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # A loaded block (running, or inside mutate_params_scope) holds its current values on the
+        # device; an offloaded one holds a placeholder, whose shape differs from the host copy's.
+        if tuple(param.shape) == tuple(host.shape):
+            return real_copy(param.data, device)
+        value = real_copy(host, device)
+        # A cast after enable (model.half()) left a placeholder of the new dtype: follow it, as the
+        # resident model would have, instead of silently handing back the old dtype.
+        return value if param.dtype == host.dtype else value.to(param.dtype)
 
     def host_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.cpu_named_parameters.values())

@@ -4,45 +4,60 @@ Why: under ``torchrun`` every rank holds the whole transformer and offloads it l
 used to pin its own full copy: an 8-GPU node with a 60 GiB DiT needed 480 GiB of locked RAM. With
 ``enable_layerwise_offload(..., share_host_copy=...)`` one process per host (the *owner*: the lowest
 global rank of that host) packs each block once into a POSIX shared-memory segment; the other ranks of
-the host map the same pages (no copy) and register them with CUDA themselves. Every rank keeps its own
-device slots, streams and events, so only host memory is shared.
+the host map the same pages read-only (no copy) and register them with CUDA themselves. Every rank keeps
+its own device slots, streams and events, so only host memory is shared.
 
-This module does the coordination, and only that: who owns, the segment names, the barriers and the
-unlinking. The mechanics (shm_open, mmap, pinning) are in ``csrc/shared_segment.cpp`` and the pool.
+This module does the coordination, and only that: who owns, the segment names, the exchanges and the
+unlinking. The mechanics (shm_open, mmap, flock, pinning, digests) are in ``csrc/shared_segment.cpp``,
+``csrc/digest.cpp`` and the pool.
 
-The protocol, three ``all_gather_object`` calls over the process group:
+The protocol: whenever ``torch.distributed`` is initialized with more than one rank, ``share_host_copy``
+is not False and the backend is not "python", ``enable_layerwise_offload`` is a collective, and every
+rank makes the same ``all_gather_object`` calls in the same order whatever happens on it. Each message
+carries the sender's status first, so a rank that failed locally still takes part and every rank raises
+together, naming the failing rank and its error.
 
-1. ``negotiate``: every rank sends (hostname, pid, rank, a random token, and for each offloaded block the
-   name, dtype, shape and stride of each parameter plus a sampled fingerprint of its values). From that
-   every rank computes the same verdict with no further message: share, do not share ("auto" and a
-   mismatch), or raise (``True`` and a mismatch; the rank that differs names the first differing
-   parameter, the others name that rank). The owner then sweeps ``/dev/shm`` of segments whose owner
-   pid is dead (left by a kill -9 during an earlier enable).
-2. The owner packs block *i* into ``/fastoffload-<owner pid>-<token>-<i>``; then "owner packed".
-3. The other ranks map the segments; then "all attached". The owner unlinks every name right after:
-   the mappings stay valid, the names are gone, so a crash or kill -9 of any rank from here on leaves
-   nothing behind in /dev/shm (the kernel frees the pages with the last mapping).
+1. ``negotiate``: every rank sends its status (None, or the error that stopped it before this point),
+   its hostname, rank, a proposal of names (a random job token and one random token per block, from
+   ``secrets``), and for each offloaded block the name, dtype, shape and stride of each parameter. From
+   that every rank computes the same verdict with no further message: raise (a rank failed; ``True``
+   and the layouts differ), do not share ("auto" and a mismatch, one rank per host, /dev/shm too small),
+   or share using the owner's names.
+2. The owner takes the job lock (``/fastoffload-<job>-lock``, flock'ed), creates every segment of the
+   host copy at once, then packs each block into its segment, hashing the bytes as it copies them. The
+   other ranks meanwhile hash their own parameters (the same 64-bit digest of the full contents, see
+   ``csrc/digest.h``). Everyone sends (status, digests). The verdict: raise (a rank failed; ``True``
+   and a parameter's digest differs from the owner's, naming it), fall back to one copy per rank on
+   every rank ("auto" and a digest differs, or the owner could not create the lock or a segment, e.g. a
+   name taken or /dev/shm full), or share. On a fall-back the owner moves what it packed to private
+   memory and the others pack their own copy, as with ``share_host_copy=False``. A rank's weights are
+   only replaced by the owner's copy after the digests matched.
+3. The other ranks map the segments read-only; then every rank sends its status. The owner unlinks
+   every name and its lock right after: the mappings stay valid, the names are gone, so a crash or kill
+   -9 of any rank from here on leaves nothing behind in /dev/shm (the kernel frees the pages with the
+   last mapping).
 
-Steps 2 and 3 carry each rank's status, so a failure on any rank (a layout the owner did not expect,
-/dev/shm full, Ctrl-C) makes every rank roll back and raise instead of waiting for a peer that gave up;
-the owner unlinks on that path too, in an ``atexit`` handler, and in the C++ segment's destructor.
+A failure after step 1 (a layout the owner did not expect, Ctrl-C) makes every rank roll back and raise
+instead of waiting for a peer that gave up; the owner unlinks on that path too, in an ``atexit``
+handler, and in the C++ segment's destructor. An owner killed before it unlinked leaves names behind;
+the next owner's sweep removes them, and only them: the names of a job whose lock is free (its owner is
+dead, whatever its PID namespace) and that belong to this user.
 
 Contract and limits:
-- ``enable_layerwise_offload`` is then a collective: every rank of the group must call it, in the same
-  order, with the same model (same parameter names, dtypes, shapes, strides and values). With NCCL the
-  object collectives use the current CUDA device: call ``torch.cuda.set_device(local_rank)`` first, as
-  torchrun scripts do.
+- Every rank of the group must call ``enable_layerwise_offload`` then, in the same order, with the same
+  model (same parameter names, dtypes, shapes, strides and values). With NCCL the object collectives use
+  the current CUDA device: call ``torch.cuda.set_device(local_rank)`` first, as torchrun scripts do.
 - ``mutate_params_scope`` is refused on a shared block (``SHARED_MUTATION_ERROR``): a LoRA merged by one
   rank would change the weights of every rank of the host under them. Merge before enabling offload,
-  or enable with ``share_host_copy=False``.
+  or enable with ``share_host_copy=False``. Host views of a shared block (``cpu_named_parameters``) are
+  copies, so writing to them changes nothing.
 - Ranks are grouped by hostname. Containers that share a hostname but not /dev/shm are not supported.
 - A rank that dies *during* enable leaves the others waiting in the collective until the process
-  group's timeout; if it was the owner, its segments stay until the next owner start sweeps them.
+  group's timeout.
 """
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import secrets
@@ -53,49 +68,42 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
-from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
 
-# Values sampled per parameter for the fingerprint: enough to tell different seeds, tensor-parallel shards
-# or a per-rank adapter apart, cheap enough for thousands of parameters.
-FINGERPRINT_SAMPLES = 64
+# Random bytes per name: 128 bits, so that no process watching /dev/shm can guess the next one.
+TOKEN_BYTES = 16
 
-# Owner prefixes whose names may still be linked; unlinked at interpreter exit whatever happened.
-_PENDING: dict[str, int] = {}
+# Names this process created that may still be linked, per job token; unlinked at interpreter exit.
+_PENDING: dict[str, list[str]] = {}
 
 
-def _unlink_pending(prefix: str | None = None) -> None:
-    """Unlinks the names under ``prefix`` (default: every pending prefix); missing names are fine."""
+def _unlink_pending(job: str | None = None) -> None:
+    """Unlinks the names of ``job`` (default: of every pending job); missing names are fine."""
     from fastoffload_ext import _backend
 
     core = _backend._C
-    for pending in [prefix] if prefix is not None else list(_PENDING):
-        for index in range(_PENDING.pop(pending, 0)):
+    for pending in [job] if job is not None else list(_PENDING):
+        for name in _PENDING.pop(pending, []):
             if core is not None:
-                core.unlink_shared_segment(f"{pending}-{index}")
+                core.unlink_shared_segment(name)
 
 
 atexit.register(_unlink_pending)
 
 
-def _fingerprint(tensor: torch.Tensor) -> str:
-    """A digest of up to FINGERPRINT_SAMPLES evenly spaced values (their raw bytes)."""
-    flat = tensor.detach().reshape(-1)
-    count = flat.numel()
-    if count == 0:
-        return ""
-    samples = min(count, FINGERPRINT_SAMPLES)
-    # Integer arithmetic: a float linspace rounds count - 1 up past the end once count exceeds 2**24.
-    index = torch.arange(samples, device=flat.device, dtype=torch.int64) * (count - 1) // max(samples - 1, 1)
-    sample = flat[index].cpu().contiguous().view(torch.uint8)
-    return hashlib.blake2b(sample.numpy().tobytes(), digest_size=8).hexdigest()
+def block_layout(block: nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]:
+    """(name, dtype, shape, stride) of each parameter: what the packed layout depends on."""
+    return [(name, str(p.dtype), tuple(p.shape), tuple(p.stride())) for name, p in block.named_parameters()]
 
 
-def block_signature(block: nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...], str]]:
-    """(name, dtype, shape, stride, fingerprint) of each parameter: what the packed layout depends on."""
-    return [(name, str(p.dtype), tuple(p.shape), tuple(p.stride()), _fingerprint(p))
-            for name, p in block.named_parameters()]
+def block_digests(block: nn.Module) -> list[int]:
+    """The 64-bit digest of each parameter's full contents, as the owner computes while packing."""
+    from fastoffload_ext import _backend
+
+    named = list(block.named_parameters())
+    return list(_backend.require_ext().tensor_digests([n for n, _ in named], [p.detach() for _, p in named]))
 
 
 def _shm_free_bytes() -> int | None:
@@ -112,10 +120,14 @@ def _packed_bytes_bound(blocks: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() + 4096 for block in blocks for p in block.parameters())
 
 
-def _first_difference(mine: list[Any], owners: list[Any], list_name: str, first_index: int, rank: int) -> str | None:
-    """The first way ``mine`` differs from the owner's signature, naming the parameter; None if equal.
+def _describe(rank: int, error: BaseException) -> str:
+    return f"rank {rank}: {type(error).__name__}: {error}"
 
-    Signatures number the offloaded blocks from 0; parameters are named by their index in the block
+
+def _first_difference(mine: list[Any], owners: list[Any], list_name: str, first_index: int, rank: int) -> str | None:
+    """The first way the layout ``mine`` differs from the owner's, naming the parameter; None if equal.
+
+    Layouts number the offloaded blocks from 0; parameters are named by their index in the block
     list (``first_index`` is the number of resident blocks before them).
     """
     if len(mine) != len(owners):
@@ -128,101 +140,26 @@ def _first_difference(mine: list[Any], owners: list[Any], list_name: str, first_
             extra = [n for n in names if n not in owner_names]
             missing = [n for n in owner_names if n not in names]
             first = next((a for a, b in zip(names, owner_names) if a != b), None)
-            detail = (f"parameter '{prefix}{extra[0]}' of rank {rank} is not on the owner" if extra
-                      else f"parameter '{prefix}{missing[0]}' is missing on rank {rank}" if missing
-                      else f"parameter '{prefix}{first}' comes in a different order")
-            return detail
-        for (name, dtype, shape, stride, digest), (_, o_dtype, o_shape, o_stride, o_digest) in zip(block, owner_block):
+            return (f"parameter '{prefix}{extra[0]}' of rank {rank} is not on the owner" if extra
+                    else f"parameter '{prefix}{missing[0]}' is missing on rank {rank}" if missing
+                    else f"parameter '{prefix}{first}' comes in a different order")
+        for (name, dtype, shape, stride), (_, o_dtype, o_shape, o_stride) in zip(block, owner_block):
             if (dtype, shape, stride) != (o_dtype, o_shape, o_stride):
                 return (f"parameter '{prefix}{name}' is {dtype} of shape {list(shape)}, stride {list(stride)} on rank "
-                        f"{rank} but "
-                        f"{o_dtype} of shape {list(o_shape)}, stride {list(o_stride)} on the owner")
-            if digest != o_digest:
-                return (f"parameter '{prefix}{name}' holds different values on rank {rank} than on the owner (tensor-parallel "
-                        "shards, a different seed or checkpoint, or a per-rank adapter cannot share one host copy)")
+                        f"{rank} but {o_dtype} of shape {list(o_shape)}, stride {list(o_stride)} on the owner")
     return None
 
 
-class HostShare:
-    """One enable's share of a host copy, seen from one rank (made by ``negotiate``)."""
-
-    def __init__(self, group: Any, rank: int, owner_rank: int, local_ranks: list[int], prefix: str,
-                 num_blocks: int) -> None:
-        self.group = group
-        self.rank = rank
-        self.owner_rank = owner_rank
-        self.local_ranks = local_ranks
-        self.prefix = prefix  # "/fastoffload-<owner pid>-<token>"
-        self.num_blocks = num_blocks
-        self.pool: Any = None
-        self._packed: bool | None = None    # step 2 done: did it succeed everywhere?
-        self._attached: bool | None = None  # step 3 done
-
-    @property
-    def owner(self) -> bool:
-        return self.rank == self.owner_rank
-
-    @property
-    def shared_by(self) -> int:
-        """How many ranks of this host map the copy."""
-        return len(self.local_ranks)
-
-    def segment_name(self, index: int) -> str:
-        return f"{self.prefix}-{index}"
-
-    def _statuses(self, error: BaseException | None) -> list[str]:
-        import torch.distributed as dist
-
-        mine = None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}"
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)
-        return [status for status in gathered if status is not None]
-
-    def before_attach(self) -> None:
-        """Non-owners: wait until every owner has packed its blocks (step 2). Owners: nothing yet."""
-        if self.owner:
-            return
-        failures = self._statuses(None)
-        self._packed = not failures
-        if failures:
-            raise RuntimeError("fastoffload: sharing the host copy failed on another rank, so this rank did not "
-                               "attach: " + "; ".join(failures))
-
-    def after_attach(self) -> None:
-        """Owners: report packing (step 2). All: report attaching (step 3); the owner unlinks the names."""
-        if self.owner:
-            failures = self._statuses(None)
-            self._packed = not failures
-            if failures:
-                raise RuntimeError("fastoffload: sharing the host copy failed on another rank while packing: "
-                                   + "; ".join(failures))
-        failures = self._statuses(None)
-        self._attached = not failures
-        self._unlink()
-        if failures:
-            raise RuntimeError("fastoffload: another rank of the group could not attach the shared host copy, so "
-                               "every rank rolled back: " + "; ".join(failures))
-
-    def abort(self, error: BaseException) -> None:
-        """This rank failed during enable: tell the others (so nobody waits forever), then unlink."""
-        try:
-            if self._packed is None:
-                self._packed = False
-                self._statuses(error)
-            elif self._packed and self._attached is None:
-                self._attached = False
-                self._statuses(error)
-        except Exception as collective_error:  # the group itself may be broken (a peer died)
-            logger.warning("fastoffload: could not tell the other ranks that this rank failed (%s)", collective_error)
-        finally:
-            self._unlink()
-
-    def _unlink(self) -> None:
-        if not self.owner:
-            return
-        if self.pool is not None:
-            self.pool.unlink_shared()
-        _unlink_pending(self.prefix)  # also a name whose block failed half-way, if any
+def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: list[Any], list_name: str,
+                       first_index: int, rank: int) -> str | None:
+    """The first parameter whose digest on ``rank`` differs from the owner's; None if all match."""
+    for index, (block, owner_block, layout) in enumerate(zip(mine, owners, layouts)):
+        for digest, owner_digest, entry in zip(block, owner_block, layout):
+            if digest != owner_digest:
+                return (f"parameter '{list_name}.{first_index + index}.{entry[0]}' holds different values on rank "
+                        f"{rank} than on the owner (tensor-parallel shards, a different seed or checkpoint, or a "
+                        "per-rank adapter cannot share one host copy)")
+    return None
 
 
 def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bool | None:
@@ -250,22 +187,112 @@ def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bo
     return None if dist.get_world_size(process_group) > 1 else False
 
 
-def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blocks: list[nn.Module],
-              list_name: str, first_index: int) -> HostShare | None:
-    """Step 1 (collective when sharing may happen): who owns, the names, and whether the ranks agree."""
-    decided = resolve(share_host_copy, backend, process_group)
-    if decided is False or not blocks:
-        return None
+def _collective_expected(share_host_copy: Any, backend: Any, process_group: Any) -> bool:
+    """Whether enable is a collective for these arguments. Never raises: decided before any check."""
+    if share_host_copy is False or backend == "python":
+        return False
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1)
+    except Exception:  # an unusable group: the argument checks that follow say what is wrong
+        return False
+
+
+def _gather(group: Any, message: Any) -> list[Any]:
     import torch.distributed as dist
 
-    group = process_group
-    rank = dist.get_rank()
-    mine = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "token": secrets.token_hex(6),
-            "blocks": [block_signature(block) for block in blocks], "shm_free": _shm_free_bytes(),
-            "needed": _packed_bytes_bound(blocks)}
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, message, group=group)
+    return gathered
 
+
+class Rendezvous:
+    """Step 1 of one ``enable_layerwise_offload`` call, seen from one rank.
+
+    Made before any argument is checked, so that a rank that fails before the negotiation still sends
+    its failure (``fail``) in the same collective the other ranks wait in (``negotiate``).
+    """
+
+    def __init__(self, share_host_copy: Any, backend: Any, process_group: Any) -> None:
+        self.group = process_group
+        self.collective = _collective_expected(share_host_copy, backend, process_group)
+        self.done = not self.collective
+
+    def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        self.done = True
+        return _gather(self.group, message)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank stopped before negotiating: tell the others, who then raise too. Never raises."""
+        if self.done:
+            return
+        import torch.distributed as dist
+
+        try:
+            self._exchange({"error": _describe(dist.get_rank(), error)})
+        except Exception as collective_error:  # the group itself may be broken
+            logger.warning("fastoffload: could not tell the other ranks that this rank failed (%s)", collective_error)
+
+    def skip(self, reason: str) -> None:
+        """This rank declined to offload (no CUDA): fine if every rank did, an error on all otherwise."""
+        if self.done:
+            return
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        everyone = self._exchange({"error": None, "skipped": f"rank {rank}: {reason}"})
+        _raise_failures(everyone, rank)
+        if any(info.get("skipped") is None for info in everyone):
+            raise OffloadStateError(f"fastoffload: this rank did not enable offload ({reason}) but other ranks of the "
+                                    "group did, so every rank raised; give every rank the same device (or none)")
+
+    def negotiate(self, share_host_copy: bool | str, backend: str, blocks: list[nn.Module], list_name: str,
+                  first_index: int, engine: Any) -> HostShare | None:
+        """Step 1 (see the module docstring); None when the ranks do not share. ``share_host_copy`` is the
+        validated value (compression may have turned the default off)."""
+        if not self.collective:
+            self.done = True
+            return None
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        try:
+            decided = resolve(share_host_copy, backend, self.group)
+            mine = {"error": None, "skipped": None, "host": socket.gethostname(), "rank": rank,
+                    "can_share": engine is not None and bool(blocks) and decided is not False,
+                    "job": secrets.token_hex(TOKEN_BYTES), "names": [secrets.token_hex(TOKEN_BYTES) for _ in blocks],
+                    "blocks": [block_layout(block) for block in blocks], "shm_free": _shm_free_bytes(),
+                    "needed": _packed_bytes_bound(blocks)}
+        except BaseException as error:
+            self.fail(error)
+            raise
+        everyone = self._exchange(mine)
+        _raise_failures(everyone, rank)
+        if any(info.get("skipped") is not None for info in everyone):
+            skipped = "; ".join(info["skipped"] for info in everyone if info.get("skipped") is not None)
+            raise OffloadStateError(f"fastoffload: other ranks of the group did not enable offload ({skipped}), so "
+                                    "every rank raised; give every rank the same device (or none)")
+        if not all(info["can_share"] for info in everyone):
+            return None
+        share = _verdict(self.group, everyone, mine, decided, list_name, first_index)
+        if share is not None:
+            share.engine = engine
+        return share
+
+
+def _raise_failures(everyone: list[dict[str, Any]], rank: int) -> None:
+    """Raises on a rank that did not fail itself when any rank sent a failure (its own error is raised by it)."""
+    failures = [info["error"] for info in everyone if info.get("error") is not None]
+    if failures:
+        raise OffloadStateError("fastoffload: enable_layerwise_offload failed on another rank of the group, so this "
+                                f"rank (rank {rank}) did not enable offload either: " + "; ".join(failures)
+                                + ". Fix that rank (its own error is in its log) and enable again on every rank")
+
+
+def _verdict(group: Any, everyone: list[dict[str, Any]], mine: dict[str, Any], decided: bool | None,
+             list_name: str, first_index: int) -> HostShare | None:
+    """The same decision on every rank, from the same gathered messages."""
     owners: dict[str, dict[str, Any]] = {}
     for info in everyone:
         if info["host"] not in owners or info["rank"] < owners[info["host"]]["rank"]:
@@ -273,11 +300,10 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
     differences = {}
     for info in everyone:
         owner = owners[info["host"]]
-        if info is owner:
-            continue
-        difference = _first_difference(info["blocks"], owner["blocks"], list_name, first_index, info["rank"])
-        if difference is not None:
-            differences[info["rank"]] = (difference, owner["rank"])
+        if info is not owner:
+            difference = _first_difference(info["blocks"], owner["blocks"], list_name, first_index, info["rank"])
+            if difference is not None:
+                differences[info["rank"]] = (difference, owner["rank"])
     # /dev/shm must hold the whole host copy (a Docker default is 64 MiB): judged on each host's owner.
     short = {host: owner for host, owner in owners.items()
              if owner["shm_free"] is not None and owner["shm_free"] < owner["needed"]
@@ -286,14 +312,12 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
         where = "; ".join(f"host {host}: {o['needed'] / 2**30:.2f} GiB needed, {o['shm_free'] / 2**30:.2f} GiB free"
                           for host, o in sorted(short.items()))
         if decided is None:
-            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy, /dev/shm is too small (%s); "
-                           "each rank pins its own copy", where)
+            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy, /dev/shm is too small "
+                           "(%s); each rank pins its own copy", where)
             return None
-        raise RuntimeError(f"fastoffload: cannot share the host copy: /dev/shm is too small ({where}). Enlarge it "
-                           "(in Docker: --shm-size; or remount the tmpfs larger), or enable with share_host_copy=False")
-    local_ranks = sorted(info["rank"] for info in everyone if info["host"] == mine["host"])
-    # "auto" shares only where some host runs several ranks, and only when every rank agrees: the
-    # verdict must be the same on every rank, since the next steps are collectives too.
+        raise OffloadStateError(f"fastoffload: cannot share the host copy: /dev/shm is too small ({where}). Enlarge it "
+                                "(in Docker: --shm-size; or remount the tmpfs larger), or enable with "
+                                "share_host_copy=False")
     alone_everywhere = len(owners) == len(everyone)
     if decided is None and (alone_everywhere or differences):
         if differences:
@@ -301,29 +325,177 @@ def negotiate(share_host_copy: bool | str, backend: str, process_group: Any, blo
                            "(%s)", "; ".join(f"rank {r}: {d}" for r, (d, _) in sorted(differences.items())))
         return None
     if differences:
-        if rank in differences:
-            difference, owner_rank = differences[rank]
-            raise RuntimeError(f"fastoffload: cannot share the host copy with rank {owner_rank} (the owner on this "
-                               f"host): {difference}. Build the same model on every rank, "
-                               "or enable with share_host_copy=False")
-        raise RuntimeError("fastoffload: cannot share the host copy: other ranks built different blocks ("
-                           + "; ".join(f"rank {r}: {d}"
-                                       for r, (d, _) in sorted(differences.items()))
-                           + "). Build the same model on every rank, or enable with share_host_copy=False")
-
-    from fastoffload_ext import _backend
-
-    core = _backend.require_ext()
+        if mine["rank"] in differences:
+            difference, owner_rank = differences[mine["rank"]]
+            raise OffloadStateError(f"fastoffload: cannot share the host copy with rank {owner_rank} (the owner on "
+                                    f"this host): {difference}. Build the same model on every rank, or enable with "
+                                    "share_host_copy=False")
+        raise OffloadStateError("fastoffload: cannot share the host copy: other ranks built different blocks ("
+                                + "; ".join(f"rank {r}: {d}" for r, (d, _) in sorted(differences.items()))
+                                + "). Build the same model on every rank, or enable with share_host_copy=False")
     owner = owners[mine["host"]]
-    # The compiled core checks every segment name against its prefix: take the prefix from there.
-    share = HostShare(group, rank, owner["rank"], local_ranks, f"/{core.SEGMENT_PREFIX}{owner['pid']}-{owner['token']}",
-                      len(blocks))
-    if share.owner:
-        removed = core.sweep_stale_segments()
-        if removed:
-            logger.info("fastoffload: removed %d stale shared segment(s) of dead processes from /dev/shm", removed)
-        _PENDING[share.prefix] = len(blocks)
-    return share
+    local_ranks = sorted(info["rank"] for info in everyone if info["host"] == mine["host"])
+    host_owner_ranks = {info["rank"]: owners[info["host"]]["rank"] for info in everyone}
+    return HostShare(group, mine["rank"], owner["rank"], local_ranks,
+                     owner["job"], owner["names"], auto=decided is None, layouts=mine["blocks"],
+                     host_owner_ranks=host_owner_ranks, list_name=list_name, first_index=first_index)
 
 
-__all__ = ["HostShare", "SHARED_MUTATION_ERROR", "block_signature", "negotiate", "resolve"]
+class HostShare:
+    """One enable's share of a host copy, seen from one rank (made by ``Rendezvous.negotiate``)."""
+
+    def __init__(self, group: Any, rank: int, owner_rank: int, local_ranks: list[int], job: str, names: list[str],
+                 *, auto: bool, layouts: list[Any], host_owner_ranks: dict[int, int], list_name: str,
+                 first_index: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.owner_rank = owner_rank
+        self.local_ranks = local_ranks
+        self.job = job  # the owner's random job token: "/fastoffload-<job>-<name>" and its lock
+        self.names = names
+        self.auto = auto
+        self.layouts = layouts
+        self.host_owner_ranks = host_owner_ranks
+        self.list_name = list_name
+        self.first_index = first_index
+        self.engine: Any = None
+        self.active = True                  # False once the ranks fell back to one copy each
+        self._packed: bool | None = None    # step 2 done: did it succeed everywhere?
+        self._attached: bool | None = None  # step 3 done
+        self._fallback: str | None = None   # why this owner could not create the host copy ("auto")
+        self._lock: Any = None
+
+    @property
+    def owner(self) -> bool:
+        return self.rank == self.owner_rank
+
+    @property
+    def shared_by(self) -> int:
+        """How many ranks of this host map the copy."""
+        return len(self.local_ranks)
+
+    @property
+    def pool(self) -> Any:
+        return self.engine.pool
+
+    def segment_name(self, index: int) -> str | None:
+        """Block ``index``'s segment; None once the ranks fell back to one copy each."""
+        from fastoffload_ext import _backend
+
+        # The compiled core checks every segment name against its prefix: take the prefix from there.
+        return f"/{_backend.require_ext().SEGMENT_PREFIX}{self.job}-{self.names[index]}" if self.active else None
+
+    def before_attach(self, blocks: list[nn.Module]) -> None:
+        """Owner: lock, sweep, create every segment. Others: hash their blocks, then step 2."""
+        if self.owner:
+            self._prepare_segments(blocks)
+            return
+        digests = [block_digests(block) for block in blocks]
+        self._step_two(None, digests)
+
+    def _prepare_segments(self, blocks: list[nn.Module]) -> None:
+        from fastoffload_ext import _backend
+
+        core = _backend.require_ext()
+        pending = _PENDING.setdefault(self.job, [])
+        try:
+            self._lock = core.JobLock(self.job)
+            removed = core.sweep_stale_segments()
+            if removed:
+                logger.info("fastoffload: removed %d stale shared segment(s) of dead jobs from /dev/shm", removed)
+            for index, block in enumerate(blocks):
+                named = list(block.named_parameters())
+                nbytes = core.packed_bytes([n for n, _ in named], [p for _, p in named])
+                self.pool.reserve_shared(self.segment_name(index), nbytes)
+                pending.append(self.segment_name(index))  # only names this process created
+        except RuntimeError as error:
+            if not self.auto:
+                raise
+            # Told to the others in step 2, where every rank falls back together.
+            self._fallback = _describe(self.rank, error)
+            self._unlink()
+            self.active = False
+
+    def _step_two(self, error: BaseException | None, digests: list[list[int]] | None) -> None:
+        """Step 2: every rank's status and digests; raises, falls back (``active`` False) or goes on."""
+        status = None if error is None else _describe(self.rank, error)
+        everyone = _gather(self.group, {"error": status, "fallback": self._fallback, "digests": digests,
+                                        "rank": self.rank})
+        self._packed = False
+        failures = [info["error"] for info in everyone if info["error"] is not None]
+        if error is not None:
+            return
+        if failures:
+            where = "while packing" if self.owner else "so this rank did not attach"
+            raise OffloadStateError(f"fastoffload: sharing the host copy failed on another rank {where}: "
+                                    + "; ".join(failures))
+        reasons = [info["fallback"] for info in everyone if info["fallback"] is not None]
+        by_rank = {info["rank"]: info["digests"] for info in everyone}
+        for info in everyone:
+            owner_rank = self.host_owner_ranks[info["rank"]]
+            if owner_rank != info["rank"] and by_rank[owner_rank] is not None:
+                difference = _digest_difference(info["digests"], by_rank[owner_rank], self.layouts, self.list_name,
+                                                self.first_index, info["rank"])
+                if difference is not None:
+                    reasons.append(f"rank {info['rank']}: {difference}")
+        if reasons and not self.auto:
+            raise OffloadStateError(f"fastoffload: cannot share the host copy: {'; '.join(reasons)}. Build the same "
+                                    "model on every rank, or enable with share_host_copy=False")
+        self._packed = True
+        if reasons:
+            logger.warning("fastoffload: share_host_copy='auto': not sharing the host copy (%s); each rank pins its "
+                           "own copy", "; ".join(reasons))
+            self.active = False
+
+    def after_attach(self, states: list[Any]) -> bool:
+        """Owner: step 2. All still sharing: step 3; the owner unlinks. Returns whether the copy is shared."""
+        if self.owner:
+            digests = ([list(self.engine.block_digests(state.handle)) for state in states] if self.active else None)
+            self._step_two(None, digests)
+            if not self.active:
+                self._take_back(states)
+                return False
+        elif not self.active:
+            return False
+        everyone = _gather(self.group, None)
+        failures = [status for status in everyone if status is not None]
+        self._attached = not failures
+        self._unlink()
+        if failures:
+            raise OffloadStateError("fastoffload: another rank of the group could not attach the shared host copy, "
+                                    "so every rank rolled back: " + "; ".join(failures))
+        return True
+
+    def _take_back(self, states: list[Any]) -> None:
+        """The owner's blocks leave the shared segments (the ranks fell back after it packed)."""
+        for state in states:
+            if state.shared_segment is not None:
+                self.engine.make_private(state.handle)
+                state.shared_segment = None
+        self._unlink()
+
+    def abort(self, error: BaseException) -> None:
+        """This rank failed during enable: tell the others (so nobody waits forever), then unlink."""
+        try:
+            if self._packed is None:
+                self._step_two(error, None)
+            elif self._packed and self.active and self._attached is None:
+                self._attached = False
+                _gather(self.group, _describe(self.rank, error))
+        except Exception as collective_error:  # the group itself may be broken (a peer died)
+            logger.warning("fastoffload: could not tell the other ranks that this rank failed (%s)", collective_error)
+        finally:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        if not self.owner:
+            return
+        if self.engine is not None:
+            self.pool.unlink_shared()
+        _unlink_pending(self.job)  # also a name whose block failed half-way, if any
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+__all__ = ["HostShare", "Rendezvous", "SHARED_MUTATION_ERROR", "block_digests", "block_layout", "resolve"]

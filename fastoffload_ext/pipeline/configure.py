@@ -15,7 +15,11 @@ may have overruled them. :func:`apply_offload_config` does all of it::
 
 What it does, in order:
 
-1. Checks every argument, so a mistake fails before anything is loaded or hooked.
+1. Checks every argument, so a mistake fails before anything is loaded or hooked: the components,
+   the transformer, the names and values of ``layerwise_options`` (against ``enable_layerwise_offload``
+   itself) and, when layerwise offload will run, ``device``, ``backend`` and ``share_host_copy``. What
+   only the loaded model can tell (its block list, ``resident_blocks`` against its length) is checked
+   by the engine when it runs.
 2. Resolves ``config`` through ``steps`` (default :data:`~fastoffload_ext.policy.DEVICE_POLICY_STEPS`)
    with :func:`~fastoffload_ext.policy.resolution.resolve`. The caller's config is not mutated.
 3. Components: when ``engine.offload.lazy_module_load`` resolved to True, each loader is wrapped in a
@@ -41,6 +45,7 @@ CUDA device; ``"cpu"`` runs the engine with the host as the device (how the CPU 
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
 from fastoffload_ext.policy import DEVICE_POLICY_STEPS
 from fastoffload_ext.policy.resolution import Resolution, ResolutionStep, resolve
@@ -169,13 +175,43 @@ def _check_transformer(transformer: nn.Module | LazyModule | str | None, loaders
 
 
 def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options' names against ``enable_layerwise_offload`` and the values that need no device."""
     if options is None:
         return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"fastoffload: layerwise_options must be a mapping of enable_layerwise_offload keyword "
+                        f"arguments, got {type(options).__name__}")
     reserved = [key for key in _RESERVED_LAYERWISE_OPTIONS if key in options]
     if reserved:
         raise ValueError(f"layerwise_options may not contain {', '.join(map(repr, reserved))}: pass the "
                          "transformer as transformer= and the device as device= to apply_offload_config")
+    # Imported here: the engine module is heavier and this module must stay importable without it.
+    from fastoffload_ext.engine import layerwise
+    from fastoffload_ext.engine.options import check_knobs
+
+    try:
+        inspect.signature(layerwise.enable_layerwise_offload).bind(None, **options)
+    except TypeError as error:
+        raise TypeError(f"fastoffload: layerwise_options does not fit enable_layerwise_offload ({error}); pass only "
+                        "its keyword arguments, e.g. prefetch_depth=, resident_blocks=, backend=") from None
+    check_knobs(options.get("prefetch_depth", 1), options.get("cyclic", True), options.get("pinned_limit_bytes"),
+                options.get("pin_backing"))
+    resident = options.get("resident_blocks")
+    if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
+        raise OffloadConfigError(f"resident_blocks must be None or an integer >= 0, got {resident!r}")
     return dict(options)
+
+
+def _check_layerwise_target(device: torch.device | str | None, options: Mapping[str, Any]) -> None:
+    """What enable will check against the device: done before any loader runs, not after."""
+    from fastoffload_ext.engine import sharing
+    from fastoffload_ext.engine.options import choose_backend, resolve_device
+
+    resolved = resolve_device(device)
+    if resolved is None:
+        return  # the engine declines (no CUDA, no device) and checks nothing more
+    chosen = choose_backend(options.get("backend", "auto"), resolved)
+    sharing.resolve(options.get("share_host_copy", "auto"), chosen, options.get("process_group"))
 
 
 def _load_now(name: str, loader: Callable[[], Any]) -> Any:
@@ -212,9 +248,11 @@ def apply_offload_config(
         :class:`AppliedOffload`: the components to use, what was done, and why.
 
     Raises:
-        TypeError: a component is not a loader, or ``transformer`` is of the wrong kind.
+        TypeError: a component is not a loader, ``transformer`` is of the wrong kind, or
+            ``layerwise_options`` names an argument ``enable_layerwise_offload`` does not take.
         ValueError: ``transformer`` names no component, ``layerwise_options`` holds ``model`` or
-            ``device``, or a loader returned None; resolution errors
+            ``device`` or a bad value (``OffloadConfigError``), ``device`` is not a device, or a loader
+            returned None; resolution errors
             (:class:`~fastoffload_ext.policy.resolution.ResolutionError`) and errors of
             ``enable_layerwise_offload`` propagate.
     """
@@ -223,6 +261,8 @@ def apply_offload_config(
     options = _check_layerwise_options(layerwise_options)
 
     resolution = resolve(config, steps)
+    if resolution.get(_LAYERWISE_PATH) and transformer is not None:
+        _check_layerwise_target(device, options)
 
     lazy = bool(resolution.get(_LAZY_PATH))
     built: dict[str, Any] = {}

@@ -14,13 +14,26 @@ The proxy is deliberately transparent: attribute access, calls and ``isinstance`
 component, loading it if needed, so code written for the real module keeps working. The two things
 that must *not* load it are ``repr`` (logging a pipeline must not pull gigabytes) and
 :func:`is_lazy_module` (the way to ask "is this a proxy?" without paying for the answer).
+
+Threads: the first use loads once. Threads that touch the proxy while it loads wait for that load
+and get the same instance, so a component is never in memory twice because two stages started
+together. The loader runs with the proxy's lock held; a loader that waits for another thread which
+uses the same proxy would deadlock, as it would with any lock.
+
+Copies: ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give a new, *unloaded* proxy with the same
+name, loader and materialize transform (deep-copied by ``deepcopy``; pickling needs a picklable
+loader and transform, e.g. module-level functions or ``functools.partial`` of them). A copy loads its own
+instance on first use; it shares neither the loaded component nor the release callbacks, which
+belong to whoever manages the original. None of them loads the component.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
@@ -33,7 +46,7 @@ __all__ = ["LazyModule", "is_lazy_module"]
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
 _STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_materialize_transform", "_lazy_module",
-                "_lazy_release_callbacks")
+                "_lazy_release_callbacks", "_lazy_lock")
 
 
 def _cuda_allocated_gib() -> float | None:
@@ -81,6 +94,8 @@ class LazyModule:
         _set_state(self, "_lazy_materialize_transform", None)
         _set_state(self, "_lazy_module", None)
         _set_state(self, "_lazy_release_callbacks", [])
+        # Reentrant: a loader or transform may read the proxy's own state (lazy_name, is_materialized).
+        _set_state(self, "_lazy_lock", threading.RLock())
 
     @property
     def lazy_name(self) -> str:
@@ -102,7 +117,15 @@ class LazyModule:
         loaded = _state(self, "_lazy_module")
         if loaded is not None:
             return loaded
+        with _state(self, "_lazy_lock"):
+            # Another thread may have loaded it while this one waited for the lock.
+            loaded = _state(self, "_lazy_module")
+            if loaded is not None:
+                return loaded
+            return self._load()
 
+    def _load(self) -> Any:
+        """Runs the loader and the transform; called with the lock held."""
         name = _state(self, "_lazy_name")
         logger.info("Loading deferred module %s", name)
         try:
@@ -138,6 +161,10 @@ class LazyModule:
             ValueError: the component is loaded and ``transform`` returned None for it; the proxy is
                 left exactly as it was (previous transform, previous instance).
         """
+        with _state(self, "_lazy_lock"):
+            self._add_transform(transform)
+
+    def _add_transform(self, transform: Callable[[Any], Any]) -> None:
         previous = _state(self, "_lazy_materialize_transform")
         loaded = _state(self, "_lazy_module")
 
@@ -166,14 +193,16 @@ class LazyModule:
         Returns:
             True if a loaded component was dropped, False if there was nothing to release.
         """
-        component = _state(self, "_lazy_module")
-        if component is None:
-            return False
+        with _state(self, "_lazy_lock"):
+            # Under the lock: a release never drops an instance that a load is still setting up.
+            component = _state(self, "_lazy_module")
+            if component is None:
+                return False
+            before = _cuda_allocated_gib()
+            _set_state(self, "_lazy_module", None)
+            del component
 
         name = _state(self, "_lazy_name")
-        before = _cuda_allocated_gib()
-        _set_state(self, "_lazy_module", None)
-        del component
         for callback in list(_state(self, "_lazy_release_callbacks")):
             callback()
         gc.collect()
@@ -187,6 +216,29 @@ class LazyModule:
         else:
             logger.info("Released deferred module %s", name)
         return True
+
+    # ---- copies (see the module docstring) ----------------------------------------------------
+
+    def __copy__(self) -> LazyModule:
+        clone = LazyModule(_state(self, "_lazy_name"), _state(self, "_lazy_loader"))
+        _set_state(clone, "_lazy_materialize_transform", _state(self, "_lazy_materialize_transform"))
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LazyModule:
+        clone = LazyModule(copy.deepcopy(_state(self, "_lazy_name"), memo),
+                           copy.deepcopy(_state(self, "_lazy_loader"), memo))
+        memo[id(self)] = clone
+        _set_state(clone, "_lazy_materialize_transform",
+                   copy.deepcopy(_state(self, "_lazy_materialize_transform"), memo))
+        return clone
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        # Only the recipe travels: a lock and a loaded component cannot (and should not) be pickled.
+        return (_rebuild, (_state(self, "_lazy_name"), _state(self, "_lazy_loader"),
+                           _state(self, "_lazy_materialize_transform")))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
 
     # ---- proxying -----------------------------------------------------------------------------
 
@@ -239,6 +291,13 @@ class LazyModule:
     def __repr__(self) -> str:
         state = "materialized" if _state(self, "_lazy_module") is not None else "deferred"
         return f"<LazyModule {_state(self, '_lazy_name')} ({state})>"
+
+
+def _rebuild(name: str, loader: Callable[[], Any], transform: Callable[[Any], Any] | None) -> LazyModule:
+    """An unloaded proxy from its recipe (what pickle stores)."""
+    proxy = LazyModule(name, loader)
+    _set_state(proxy, "_lazy_materialize_transform", transform)
+    return proxy
 
 
 def is_lazy_module(obj: Any) -> TypeGuard[LazyModule]:

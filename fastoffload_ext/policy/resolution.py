@@ -24,8 +24,10 @@ The contract:
 * Settings that no step decided and the input did not set receive the schema default after the
   last step, so :attr:`Resolution.config` holds every schema path. Steps see ``None`` for them
   (:meth:`ResolutionView.get`), which is how a step tells "unset" from "set to False".
-* Keys of the input that the schema does not name are carried through untouched: the offload
-  settings usually live inside a larger config.
+* Keys of the input that the schema does not name are carried through: the offload settings usually
+  live inside a larger config. Its containers (mappings, lists, tuples, sets) are copied, so the result
+  shares none with the input; every other value is the caller's own object, never copied, since a
+  config may hold a lock, a module or a device handle that cannot or must not be copied.
 
 :class:`Resolution` carries the final ``config``, ``provenance`` (path → name of the step that set it
 last), the full ``history`` of decisions, and :meth:`Resolution.explain`, a readable table of every
@@ -154,10 +156,31 @@ def _lookup(config: Mapping[str, Any], path: str) -> Any:
     return node
 
 
+def _copy_containers(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` with its containers copied (mappings as plain dicts) and every other object as is."""
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, Mapping):
+        copied: Any = {}
+        memo[id(value)] = copied
+        copied.update((key, _copy_containers(item, memo)) for key, item in value.items())
+        return copied
+    if isinstance(value, list):
+        copied = []
+        memo[id(value)] = copied
+        copied.extend(_copy_containers(item, memo) for item in value)
+        return copied
+    if type(value) is tuple:  # a named tuple is a value of its own type: carried as is
+        return tuple(_copy_containers(item, memo) for item in value)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(value) if type(value) in (set, frozenset) else value
+    return value
+
+
 def _plain_copy(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy as nested plain dicts, so any Mapping type (read-only ones too) can be resolved."""
-    return {key: _plain_copy(value) if isinstance(value, Mapping) else copy.deepcopy(value)
-            for key, value in config.items()}
+    """A copy as nested plain dicts, so any Mapping type (read-only ones too) can be resolved; values
+    that are not containers are carried as the same objects (see the module docstring)."""
+    return _copy_containers(config, {})
 
 
 def _store(config: dict[str, Any], path: str, value: Any) -> None:
@@ -203,7 +226,8 @@ class ResolutionView:
     """Read-only access to the config as it stands before a step runs.
 
     ``get`` hands out copies of nested mappings and lists, so a step can only influence the result
-    through what it returns, and every change is recorded.
+    through what it returns, and every change is recorded. Other objects (a lock, a module) are the
+    config's own, never copied.
     """
 
     __slots__ = ("_config",)
@@ -216,9 +240,7 @@ class ResolutionView:
         value = _lookup(self._config, path)
         if value is _UNSET:
             return None
-        if isinstance(value, (Mapping, list, set)):
-            return copy.deepcopy(value)
-        return value
+        return _copy_containers(value, {})
 
     def __contains__(self, path: object) -> bool:
         """Whether ``path`` is set to something other than None."""
@@ -318,7 +340,8 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
 
     Args:
         config: nested mappings, e.g. ``{"engine": {"offload": {"dit_layerwise": True}}}``. Never
-            mutated. Keys the schema does not name are carried through unchanged.
+            mutated. Keys the schema does not name are carried through: containers copied, other
+            objects as they are (never deep-copied).
         steps: the rules to apply, in order; each sees the results of those before it.
         schema: the settings steps may decide, with their defaults and value checks.
 

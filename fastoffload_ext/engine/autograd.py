@@ -1,0 +1,79 @@
+"""Keeps what autograd saved inside an offloaded block valid until backward.
+
+A grad-recording forward through an offloaded block whose own weights are frozen is a real use:
+training adapters outside the block list, or guidance that differentiates with respect to the
+latents. Autograd then saves some weights for backward, and two things would go wrong without care:
+
+- An op such as ``layer_norm`` saves the parameter object itself. When the block is released, that
+  parameter is rebound to its empty placeholder, so backward would see a tensor of shape ``(0,)``.
+  The pack hook here saves a detached alias of the parameter's *current* data instead, which keeps
+  those bytes alive after the rebinding.
+- An op such as ``linear`` saves a view of the weight. On the ext backend that view would point into
+  a device slot that later blocks overwrite; with grad mode on the engine therefore binds the
+  parameters to a private device copy of the slot (csrc/offload_engine.h), which the saved views
+  keep alive. The python backend loads fresh tensors per run, so its views are safe already.
+
+Saved-tensor hooks turn off autograd's own check that a saved tensor was not modified in place, so
+the pack hook records the version counter and the unpack hook repeats the check. The hooks run only
+when autograd saves something, i.e. when some input of the block requires grad; under
+``torch.no_grad()`` or ``inference_mode()`` the guard is never entered.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from fastoffload_ext.errors import OffloadStateError
+
+logger = logging.getLogger(__name__)
+
+MODIFIED_SAVED_TENSOR_ERROR = (
+    "fastoffload: a tensor that an offloaded block saved for backward (shape {shape}) was modified in place after "
+    "it was saved: it is at version {now}, saved at version {saved}. Its gradient would be wrong. Clone the tensor "
+    "before changing it in place, or change it after backward.")
+
+
+def _pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    # detach() shares the storage and the version counter but not the TensorImpl, so rebinding an
+    # offloaded parameter to its placeholder later does not change what was saved.
+    return tensor.detach(), tensor._version
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, version = packed
+    if tensor._version != version:
+        raise OffloadStateError(MODIFIED_SAVED_TENSOR_ERROR.format(shape=tuple(tensor.shape), now=tensor._version,
+                                                                   saved=version))
+    return tensor
+
+
+class SavedTensorGuard:
+    """Saved-tensor hooks around one offloaded block's forward (entered by its pre-hook, left by its post-hook).
+
+    Re-entrant calls of the same block nest; the scopes are left in the reverse order.
+    """
+
+    def __init__(self) -> None:
+        self._scopes: list[Any] = []
+
+    def enter(self) -> None:
+        """Starts the hooks when grad mode is on (otherwise records that there is nothing to leave)."""
+        if not torch.is_grad_enabled():
+            self._scopes.append(None)
+            return
+        scope = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        scope.__enter__()
+        self._scopes.append(scope)
+
+    def leave(self) -> None:
+        """Ends the scope the matching ``enter`` started (a no-op without one)."""
+        if not self._scopes:
+            return
+        scope = self._scopes.pop()
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+
+__all__ = ["MODIFIED_SAVED_TENSOR_ERROR", "SavedTensorGuard"]

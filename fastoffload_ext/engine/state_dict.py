@@ -1,0 +1,77 @@
+"""``state_dict()`` and ``load_state_dict()`` of an offloaded block: the real values, in and out.
+
+While offloaded, a block's parameters are empty placeholders, so the module's own state dict would
+hold ``(0, 0)`` tensors (and ``torch.save`` would write a garbage checkpoint), and loading would fail
+with a size mismatch. Module state-dict hooks put the host copy in:
+
+- ``state_dict()`` gets a copy of each offloaded parameter's host values (on the CPU, in the
+  parameter's current dtype). Copies rather than views: a write into the returned tensor must not
+  change an offloaded weight behind the engine's back (device slots would keep the old bytes). A
+  block that is running or inside ``mutate_params_scope`` already holds real values and is left as is.
+- ``load_state_dict()`` makes the block's parameters ordinary device tensors for the load (as
+  ``mutate_params_scope`` does), lets the module load into them, and rebuilds the host copy from
+  them; a block whose host copy is shared with other ranks refuses (``messages.SHARED_LOAD_ERROR``).
+
+Both work on the block list alone and through any parent (``model.state_dict()``), since torch runs
+every submodule's hooks.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from fastoffload_ext.engine.messages import SHARED_LOAD_ERROR
+from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.errors import OffloadStateError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StateDictHooks"]
+
+
+class StateDictHooks:
+    """The three state-dict hooks of one offloaded block."""
+
+    def __init__(self, state: BlockOffloadState) -> None:
+        self.state = state
+        self._handles: list[RemovableHandle] = []
+        self._loading = False
+
+    def attach(self, module: nn.Module) -> None:
+        # torch marks a state-dict hook with an attribute, which a bound method cannot carry.
+        self._handles = [module.register_state_dict_post_hook(functools.partial(StateDictHooks._real_values, self)),
+                         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks._before_load, self)),
+                         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks._after_load, self))]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _real_values(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, host in self.state.cpu_named_parameters.items():
+            key = prefix + name
+            entry = state_dict.get(key)
+            if entry is None or tuple(entry.shape) == tuple(host.shape):
+                continue  # not saved, or a live value (running, or inside mutate_params_scope)
+            value = host.detach().clone()
+            state_dict[key] = value if value.dtype == entry.dtype else value.to(entry.dtype)
+
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if getattr(self.state, "shared_segment", None) is not None:
+            index = getattr(self.state, "handle", None)
+            raise OffloadStateError(SHARED_LOAD_ERROR.format(index=index, n=getattr(self.state, "shared_by", 0)))
+        self.state.begin_mutation()
+        self._loading = True
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if not self._loading:
+            return
+        self._loading = False
+        with torch.no_grad():
+            self.state.end_mutation()

@@ -1,0 +1,214 @@
+"""What users do to an offloaded model, on both backends: never silently wrong.
+
+In-place edits, casts, state_dict/load_state_dict, lazy (conjugate/negative) views and weights tied by
+storage. Each either works exactly as on the resident model or raises a message that says what to do,
+with every value intact afterwards.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import fastoffload_ext as fo
+
+from ._models import make_pair, params_equal
+
+BACKENDS = ["ext", "python"]
+IN_PLACE = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its "
+            "placeholder or device slot holds no lasting copy), so the change would be silently lost. Change a "
+            "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload first.")
+CAST = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on cpu after offload was enabled "
+        "(its host copy holds {was} for cpu); .half(), .to(dtype) and .to(device) do not reach an offloaded block's "
+        "host copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable it "
+        "again.")
+
+
+def _x(seed: int = 1) -> torch.Tensor:
+    return torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _frozen_pair(n_blocks: int = 3) -> tuple[nn.Module, nn.Module]:
+    model, reference = make_pair(n_blocks)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    return model, reference
+
+
+# ---- in-place edits -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("edit", ["mul_", "zero_"])
+def test_in_place_edit_of_an_offloaded_parameter_is_never_lost_silently(backend: str, edit: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())  # the edit lands between steps, on the placeholder
+        weight = model.blocks[1].o.weight
+        weight.mul_(2) if edit == "mul_" else weight.zero_()
+        with pytest.raises(RuntimeError) as raised:
+            model(_x())
+    assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)  # the host copy was never touched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_edit_inside_mutate_params_scope_is_kept(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = fo.ModuleHookManager.get_from(model.blocks[1]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    with hook.mutate_params_scope(), torch.no_grad():
+        model.blocks[1].o.weight.mul_(2)
+    with torch.no_grad():
+        reference.blocks[1].o.weight.mul_(2)
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+# ---- casts after enable -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cast", ["half", "to_float64"])
+def test_cast_after_enable_is_refused_and_disable_follows_it(backend: str, cast: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    dtype = torch.float16 if cast == "half" else torch.float64
+    model.half() if cast == "half" else model.to(torch.float64)
+    with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+        model(_x().to(dtype))
+    core_name = {torch.float16: "Half", torch.float64: "Double"}[dtype]
+    assert str(raised.value) == CAST.format(name="qkv.weight", index=0, now=core_name, was="Float")
+    fo.disable_layerwise_offload(model)
+    reference.to(dtype)
+    # The restored model is what the cast made of the resident model: never float32 in disguise.
+    assert params_equal(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model(_x().to(dtype)), reference(_x().to(dtype)))
+
+
+# ---- state_dict and load_state_dict -------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_holds_the_real_values(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+    # The values are copies: writing into them cannot reach the offloaded weights behind the engine's back.
+    got["blocks.0.o.weight"].zero_()
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_updates_the_host_copy(backend: str) -> None:
+    model, _ = _frozen_pair()
+    other, _ = make_pair(3, seed=9)
+    other.requires_grad_(False)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=2)
+    with torch.no_grad():
+        model(_x())  # slots hold the old weights now
+    result = model.load_state_dict(other.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(_x()), other(_x()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, other)
+
+
+# ---- lazy conjugate / negative bits -------------------------------------------------------------
+
+class Scale(nn.Module):
+    """A block whose weight multiplies its input elementwise (complex or real)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Scales(nn.Module):
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Scale(w) for w in weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_conjugate_and_negative_views_keep_their_values(backend: str, bit: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.complex64 if bit == "conj" else torch.float32
+    bases = [torch.randn(8, dtype=dtype, generator=gen) for _ in range(3)]
+    lazy = [b.conj() if bit == "conj" else torch._neg_view(b) for b in bases]
+    model = Scales(lazy)
+    assert model.blocks[0].weight.is_conj() or model.blocks[0].weight.is_neg()
+    values = [b.resolve_conj().resolve_neg() for b in lazy]
+    x = torch.randn(8, dtype=dtype, generator=gen)
+    want = x * values[0] * values[1] * values[2]
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert all(torch.equal(block.weight, v) for block, v in zip(model.blocks, values))
+
+
+# ---- tied weights by storage --------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_sharing_storage_are_refused_like_tied_ones(backend: str) -> None:
+    model, reference = _frozen_pair()
+    model.blocks[0].o.weight = nn.Parameter(model.proj_in.weight.data, requires_grad=False)
+    with pytest.raises(ValueError) as raised:
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert str(raised.value) == (
+        "fastoffload: parameter proj_in.weight shares its storage with blocks.0.o.weight, which would be offloaded: "
+        "weights tied between an offloaded block and the rest of the model are not supported. Untie them (clone "
+        "one), or keep that block resident with resident_blocks")
+    assert fo.get_offload_group(model) is None and all(p.numel() > 0 for p in model.parameters())
+    model, _ = _frozen_pair()
+    model.blocks[2].up.weight = nn.Parameter(model.blocks[1].up.weight.data, requires_grad=False)
+    with pytest.raises(ValueError) as raised:
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert str(raised.value) == (
+        "fastoffload: parameter blocks.2.up.weight shares its storage with blocks.1.up.weight: tied weights across "
+        "offloaded blocks are not supported (offloading one would turn the other into a placeholder). Untie them "
+        "(clone one), or keep those blocks resident with resident_blocks")
+
+
+# ---- a detached block ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_detached_block_refuses_to_run_with_the_same_text(backend: str) -> None:
+    from fastoffload_ext.engine.messages import DETACHED_ERROR
+
+    model, reference = _frozen_pair()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    state = group.states[1]
+    fo.disable_layerwise_offload(model)
+    with pytest.raises(RuntimeError) as raised:
+        state.acquire()
+    assert str(raised.value).split("\n")[0] == DETACHED_ERROR.format(index=1)
+    assert params_equal(model, reference)
