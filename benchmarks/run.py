@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "budgets",
-            "disk")
+            "disk", "models")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget.
 SECTION_TIMEOUTS = {
@@ -44,6 +44,7 @@ SECTION_TIMEOUTS = {
     "codec": (600, 300),
     "budgets": (900, 420),
     "disk": (900, 400),
+    "models": (1500, 400),
 }
 
 

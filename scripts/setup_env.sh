@@ -27,6 +27,25 @@ if [ ${#missing[@]} -gt 0 ]; then
   pip_install "${missing[@]}" || echo "setup: could not install ${missing[*]} (offline?); continuing" >&2
 fi
 
+# The integration tests run against the real frameworks. FastVideo pins another torch and a long runtime
+# list, so it goes in without dependencies, plus only the modules its hooks and loaders import; torchvision
+# must match the installed torch (0.N+15 for torch 2.N) or pip would replace torch. Offline machines install
+# from .whl/ (see benchmarks/models.py) when it is there. FASTOFFLOAD_SKIP_INTEGRATIONS=1 skips all of it.
+if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
+  # An offline machine has the wheels in .whl/; asking the index there would only time out.
+  wheels=(); [ -d .whl ] && wheels=(--no-index --find-links .whl)
+  if ! have diffusers || ! have transformers || ! have accelerate; then
+    pip_install "${wheels[@]}" diffusers transformers accelerate sentencepiece \
+      || echo "setup: could not install diffusers/transformers (offline?); their tests skip" >&2
+  fi
+  if ! have fastvideo.hooks.layerwise_offload; then
+    tv_minor=$(( $("$PY" -c "import torch; print(torch.__version__.split('.')[1])") + 15 ))
+    { pip_install "${wheels[@]}" --no-deps fastvideo==0.2.1 "torchvision==0.${tv_minor}.*" &&
+      pip_install "${wheels[@]}" imageio einops remote_pdb ftfy; } \
+      || echo "setup: could not install fastvideo (offline?); its tests skip" >&2
+  fi
+fi
+
 # Rebuild only when the sources or the torch changed: a stamp of both sits next to the package.
 stamp=$(cat setup.py csrc/* | sha1sum | cut -d' ' -f1)-$("$PY" -c "import torch; print(torch.__version__)")
 if [ "$(cat fastoffload_ext/_build_stamp 2>/dev/null)" != "$stamp" ] || ! "$PY" -c "import fastoffload_ext._C" >/dev/null 2>&1; then

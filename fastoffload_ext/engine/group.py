@@ -27,6 +27,7 @@ class LayerwiseOffloadGroup:
         self.model_ref = model
         self.list_name = list_name
         self.blocks = blocks
+        self.list_names: list[str] = [list_name]  # the attribute names of the offloaded lists, in ring order
         self.device = device
         self.backend = backend
         self.prefetch_depth = prefetch_depth

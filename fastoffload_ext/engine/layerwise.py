@@ -8,6 +8,12 @@ stream; after it runs its weights are dropped again. The last block prefetches t
 so the next denoising step starts warm. It is a drop-in for FastVideo's
 ``fastvideo.hooks.layerwise_offload``: same names, same hook name, same callers.
 
+Models with several block lists (Flux: ``transformer_blocks`` then ``single_transformer_blocks``;
+HunyuanVideo: ``double_blocks`` then ``single_blocks``) opt in with ``block_lists="all"`` or a list of
+attribute names: the blocks of every listed list form one ring in execution order, so prefetch
+crosses from the last block of one list to the first of the next. The default stays FastVideo's
+first list.
+
 Two backends do the moving, with bit-identical results:
 - ``"ext"``: the compiled core. One packed pinned region per block, one copy per block into static
   device slots, event-ordered reuse, parameter rebinding in C++.
@@ -53,7 +59,7 @@ block and any other part of the model, is refused at enable with an error naming
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -90,7 +96,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                              device_budget: int | str | None = None, host_budget: int | str | None = "auto",
                              activation_reserve: int | str | None = None,
                              plan: OffloadPlan | None = None, weights: Any = None,
-                             disk_options: DiskOptions | None = None) -> LayerwiseOffloadGroup | None:
+                             disk_options: DiskOptions | None = None,
+                             block_lists: str | Sequence[str] | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
     Args:
@@ -145,6 +152,13 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
             everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. With an
             integer ``host_budget``, the blocks beyond it stay on disk and are read every step.
         disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
+        block_lists: which direct-child ``nn.ModuleList``s to offload. None (default): the first one,
+            FastVideo's rule. ``"all"``: every non-empty one, in registration order (Flux and
+            HunyuanVideo: double-stream then single-stream blocks). A list of attribute names: those,
+            in the order given, which must be the order the forward runs them in. The blocks of all
+            lists form one ring: the last block of a list prefetches the first of the next, the last
+            of the last list the first of the first (``cyclic``); ``resident_blocks`` counts from the
+            start of the ring.
 
     Returns:
         The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
@@ -165,7 +179,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
                                      process_group=process_group, compress=compress, device_budget=device_budget,
                                      host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
-                                     weights=weights, disk_options=disk_options)
+                                     weights=weights, disk_options=disk_options,
+                                     block_lists=block_lists)
         _check_model(model, options)
         checkpoint = _prepare_checkpoint(model, options)
         offloaded = options.offloaded
@@ -185,6 +200,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
             host_budget=host_budget, activation_reserve=activation_reserve)}
         # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
         first = options.offloaded_indices[0] if options.offloaded_indices else 0
+        group.list_names = [name for name, _ in options.lists] or [options.list_name]
         group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
                                            first, engine)
     except BaseException as error:
@@ -213,7 +229,13 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
                                  "disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
-    check_tied_parameters(model, options.list_name, blocks, set(offloaded))
+    offset = 0
+    # Per list, with the ring's offloaded set split across them: a weight tied to a block of another
+    # list is outside this list's offloaded set, so ties across lists are refused too.
+    for list_name, one_list in options.lists or ((options.list_name, blocks),):
+        in_list = {i - offset for i in offloaded if offset <= i < offset + len(one_list)}
+        check_tied_parameters(model, list_name, one_list, in_list)
+        offset += len(one_list)
 
 
 def _build_engine(options: OffloadOptions) -> Any:

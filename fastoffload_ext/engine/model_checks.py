@@ -7,14 +7,18 @@ other side would never see a change again, and disable would hand back two copie
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from fastoffload_ext.errors import OffloadConfigError
 
-__all__ = ["check_block_kinds", "check_devices", "check_tied_parameters", "find_block_list", "storage_key"]
+__all__ = ["ALL_LISTS", "check_block_kinds", "check_devices", "check_tied_parameters", "find_block_list",
+           "find_block_lists", "storage_key"]
+
+ALL_LISTS = "all"
 
 
 def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -24,6 +28,54 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
             return name, child
     # FastVideo's exact text: callers match it.
     raise OffloadConfigError("No nn.ModuleList found in the model for layerwise offloading.")
+
+
+def _named_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
+    return {name: child for name, child in model.named_children() if isinstance(child, nn.ModuleList)}
+
+
+def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) -> list[tuple[str, nn.ModuleList]]:
+    """The block lists to offload, in the order their blocks run (one ring across all of them).
+
+    None: FastVideo's rule, the first direct-child ``ModuleList``. ``"all"``: every non-empty
+    direct-child ``ModuleList`` in registration order, which is the order a model's forward runs them
+    in for the DiTs this targets (Flux, HunyuanVideo: double-stream, then single-stream blocks). A
+    sequence of attribute names: those lists, in that order (for a model that registers them in
+    another order than it runs them).
+    """
+    if block_lists is None:
+        return [find_block_list(model)]
+    lists = _named_lists(model)
+    if isinstance(block_lists, str):
+        if block_lists != ALL_LISTS:
+            raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute "
+                                     f"names, got the string {block_lists!r}; write block_lists=[{block_lists!r}] "
+                                     "for one list")
+        chosen = [(name, blocks) for name, blocks in lists.items() if len(blocks) > 0]
+        if not chosen:
+            find_block_list(model)  # FastVideo's error when there is no list at all
+            raise OffloadConfigError("fastoffload: block_lists='all' found only empty nn.ModuleLists in the model; "
+                                     "there are no blocks to offload")
+        return chosen
+    names = _check_names(block_lists, lists)
+    return [(name, lists[name]) for name in names]
+
+
+def _check_names(block_lists: Any, lists: dict[str, nn.ModuleList]) -> list[str]:
+    known = ", ".join(lists) or "none"
+    if not isinstance(block_lists, Sequence) or not block_lists:
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
+                                 f"attribute names of direct-child nn.ModuleLists (this model has: {known}), got {block_lists!r}")
+    names = list(block_lists)
+    for name in names:
+        if not isinstance(name, str) or name not in lists:
+            raise OffloadConfigError(f"fastoffload: block_lists names {name!r}, which is not a direct-child "
+                                     f"nn.ModuleList of the model; choose from: {known}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise OffloadConfigError(f"fastoffload: block_lists names {', '.join(map(repr, repeated))} more than once; "
+                                 "each list joins the ring once")
+    return names
 
 
 def storage_key(param: torch.Tensor) -> tuple[object, ...]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_list
+from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_lists
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.options import DiskOptions, check_storage_arguments
 from fastoffload_ext.planning.budgets import parse_size
@@ -42,9 +42,9 @@ class OffloadOptions:
 
     device: torch.device
     backend: str  # "ext" or "python": "auto" is decided here
-    list_name: str
-    blocks: nn.ModuleList
-    resident: tuple[int, ...]  # indices of the blocks kept on the device, never hooked
+    list_name: str  # the lists' names joined by "+" when there are several
+    blocks: nn.ModuleList  # every block of every list, in ring order
+    resident: tuple[int, ...]  # indices (in ring order) of the blocks kept on the device, never hooked
     prefetch_depth: int
     cyclic: bool
     is_replace: bool
@@ -65,6 +65,7 @@ class OffloadOptions:
     def offloaded_indices(self) -> tuple[int, ...]:
         resident = set(self.resident)
         return tuple(i for i in range(len(self.blocks)) if i not in resident)
+    lists: tuple[tuple[str, nn.ModuleList], ...] = ()  # (attribute name, list) in ring order
 
     @property
     def offloaded(self) -> list[nn.Module]:
@@ -173,7 +174,7 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                        pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
                        compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
                        activation_reserve: Any = None, plan: Any = None, weights: Any = None,
-                       disk_options: Any = None) -> OffloadOptions:
+                       disk_options: Any = None, block_lists: Any = None) -> OffloadOptions:
     """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
 
     The resident set and depth come from ``planning.layout``: as given without a budget, from the
@@ -181,7 +182,12 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     """
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
     check_flags(is_replace, allow_pageable_fallback)
-    list_name, blocks = find_block_list(model)
+    lists = find_block_lists(model, block_lists)
+    list_name, blocks = lists[0] if len(lists) == 1 else _ring(lists)
+    if weights is not None and len(lists) > 1:
+        raise OffloadConfigError("fastoffload: weights= builds one block list from a checkpoint; with several "
+                                 f"block lists ({list_name}) build the model, load it, then enable offload without "
+                                 "weights=, or pass block_lists=None")
     check_block_kinds(list(blocks), list_name, 0)  # before the layout, which sizes every block
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
@@ -207,4 +213,9 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                           process_group=process_group, compress=compress_mode, plan=layout.plan,
                           settings=layout.settings, weights=weights,
                           host_budget_bytes=disk_budget if isinstance(disk_budget, int) else None,
-                          disk_options=disk_options)
+                          disk_options=disk_options, lists=tuple(lists))
+
+
+def _ring(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.ModuleList]:
+    """Several lists as one: the ring is every block in order. The container is not put on the model."""
+    return "+".join(name for name, _ in lists), nn.ModuleList(block for _, blocks in lists for block in blocks)

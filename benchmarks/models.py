@@ -1,0 +1,463 @@
+"""Section models: real DiT architectures from diffusers, offloaded, against resident and the peers.
+
+Models (diffusers classes with their published configurations and random bf16 weights; nothing is
+downloaded): ``WanTransformer3DModel`` at the Wan2.1 1.3B and 14B sizes (``blocks``), and
+``FluxTransformer2DModel`` at FLUX.1 size with *both* of its block lists offloaded
+(``block_lists="all"``: 19 double-stream then 38 single-stream blocks in one ring). Each runs at two
+token counts: one where copying the blocks takes longer than computing them (transfer-bound) and
+one where the two are close (balanced); the ``compute/copy`` column (resident time / transfer floor)
+says which a row is on this machine.
+
+Measurement: host speed drifts between processes and over minutes, so every figure here comes from
+interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and ext stay
+alive for the whole model; each peer is then set up in turn and timed in rounds together with them
+(resident, ext, peer, in rotating order), and its ratios are taken within each round. Only one peer
+is alive at a time because a host copy of the 14B model is 28 GB. Every ratio is the median of the
+per-round ratios, with the lowest and highest round beside it.
+
+Rows per model and token count: ``resident``, ``floor`` (max(resident, offloaded bytes / peak H2D)),
+``ext`` (``enable_layerwise_offload`` with default settings, eager), and the peers of
+``benchmarks/peers.py``; a peer that cannot run has a row saying why. Every offloaded output is
+compared with the resident one bit for bit. ext's peak GPU memory is measured alone (before the
+resident copy exists) against (k+1) x largest block + the modules outside the lists + activations.
+
+``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: all; ``--quick``: wan-1.3b).
+Without a GPU the same models run at tiny configs on the host (device="cpu"), resident and ext only.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks import peers as peer_setups
+from benchmarks.interleave import Interleaved, run_interleaved
+from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, module_bytes, try_import
+from fastoffload_ext import enable_layerwise_offload
+
+TITLE = "models: Wan 1.3B / 14B and Flux (all block lists) vs resident and the peers, interleaved rounds"
+
+TABLES = {
+    "models": Table(
+        title="Real architectures (diffusers, random bf16 weights, batch 1, inference_mode): median of round medians; "
+              "ratios are medians of per-round ratios [lowest, highest round]",
+        columns=[
+            Column("model", "model"),
+            Column("tokens", "tokens"),
+            Column("backend", "backend"),
+            Column("ms", "ms", ".2f"),
+            Column("spread", "spread", ".1%"),
+            Column("x_resident", "x resident", ".3f"),
+            Column("x_floor", "x floor", ".3f"),
+            Column("range", "[round range]"),
+            Column("x_ext", "x ext", ".2f"),
+            Column("compute_over_copy", "compute/copy", ".2f"),
+            Column("peak_mib", "peak MiB", ".0f"),
+            Column("mem_ok", "mem<=bound"),
+            Column("bit_equal", "bit-equal"),
+            Column("pass", "pass"),
+        ],
+    ),
+}
+
+EXT_TARGET = 1.05  # x floor, eager, default settings
+MEM_SLACK_BYTES = 64 * MiB
+BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
+ENV_MODELS = "BENCHMARK_MODELS"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    cls_name: str
+    config: dict[str, Any]
+    cpu_config: dict[str, Any]
+    tokens: dict[str, int]  # label -> image/video tokens, on a GPU
+    cpu_tokens: dict[str, int]
+    block_lists: str | None
+    inputs: Callable[[dict[str, Any], int, torch.device], dict[str, torch.Tensor]] = field(repr=False)
+
+
+def _wan_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    # tokens = frames x (height / 2) x (width / 2) with Wan's (1, 2, 2) patches; 480x832 video: 1560 a frame.
+    per_frame, height, width = (1560, 60, 104) if config["num_layers"] > 4 else (16, 8, 8)
+    frames = max(1, tokens // per_frame)
+    generator = torch.Generator().manual_seed(tokens)
+    text = 512 if config["text_dim"] == 4096 else 8
+    return _place(dict(
+        hidden_states=torch.randn(1, config["in_channels"], frames, height, width, generator=generator),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, text, config["text_dim"], generator=generator),
+    ), device)
+
+
+def _place(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """On the device; activations in the weights' dtype, position ids as they are."""
+    def dtype(name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        return torch.bfloat16 if tensor.is_floating_point() and not name.endswith("_ids") else None
+
+    return {name: tensor.to(device, dtype(name, tensor)) for name, tensor in inputs.items()}
+
+
+def _flux_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(tokens)
+    text = 512 if config["joint_attention_dim"] == 4096 else 8
+    inputs = dict(
+        hidden_states=torch.randn(1, tokens, config["in_channels"], generator=generator),
+        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=generator),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=generator),
+        timestep=torch.tensor([0.5]),
+        img_ids=torch.randn(tokens, 3, generator=generator),
+        txt_ids=torch.zeros(text, 3),
+    )
+    if config.get("guidance_embeds"):
+        inputs["guidance"] = torch.tensor([3.5])
+    return _place(inputs, device)
+
+
+_WAN_COMMON = dict(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                   cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+_WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+                 text_dim=32, freq_dim=256, ffn_dim=32, num_layers=3, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+MODELS = {
+    "wan-1.3b": ModelSpec("wan-1.3b", "WanTransformer3DModel",
+                          dict(_WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
+                               num_layers=30),
+                          _WAN_TINY, {"transfer-bound": 1560, "balanced": 6240}, {"small": 16, "large": 64}, None,
+                          _wan_inputs),
+    "flux": ModelSpec("flux", "FluxTransformer2DModel",
+                      dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                           num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                           guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+                      dict(patch_size=1, in_channels=4, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                           axes_dims_rope=(4, 6, 6)),
+                      {"transfer-bound": 1024, "balanced": 9216}, {"small": 16, "large": 64}, "all", _flux_inputs),
+    "wan-14b": ModelSpec("wan-14b", "WanTransformer3DModel",
+                         dict(_WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824,
+                              num_layers=40),
+                         _WAN_TINY, {"transfer-bound": 1560, "balanced": 9360}, {"small": 16, "large": 64}, None,
+                         _wan_inputs),
+}
+
+
+def selected_models(ctx: Context) -> list[ModelSpec]:
+    wanted = os.environ.get(ENV_MODELS)
+    if wanted:
+        names = [name.strip() for name in wanted.split(",") if name.strip()]
+        unknown = [name for name in names if name not in MODELS]
+        if unknown:
+            ctx.note(f"{ENV_MODELS}: unknown model(s) {', '.join(unknown)} ignored; known: {', '.join(MODELS)}")
+        return [MODELS[name] for name in names if name in MODELS]
+    if ctx.cuda and ctx.quick:
+        return [MODELS["wan-1.3b"]]
+    if not ctx.cuda:
+        return [MODELS["wan-1.3b"], MODELS["flux"]]  # the 14B shape is the 1.3B's at tiny size
+    return list(MODELS.values())
+
+
+def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
+    """Random bf16 weights, initialised on the device when there is one (seconds, not minutes), on the host."""
+    import diffusers
+
+    config = spec.config if ctx.cuda else spec.cpu_config
+    previous = torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(ctx.device):
+            model = getattr(diffusers, spec.cls_name)(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                # Default-initialised norms and biases (ones, zeros) would hide a weight copied to the wrong slot.
+                param.add_(torch.randn_like(param), alpha=0.02)
+    return model.to("cpu").eval().requires_grad_(False)
+
+
+def block_list_names(model: nn.Module, block_lists: str | None) -> list[str]:
+    from fastoffload_ext.engine.model_checks import find_block_lists
+    return [name for name, _ in find_block_lists(model, block_lists)]
+
+
+def _raise(error: Exception) -> dict[str, Any]:
+    raise error
+
+
+def _timer(ctx: Context, fn: Callable[[], Any], iters: int) -> Callable[[], list[float]]:
+    def measure() -> list[float]:
+        times = []
+        for _ in range(iters):
+            if ctx.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                started = time.perf_counter_ns()
+                fn()
+                times.append((time.perf_counter_ns() - started) / 1e6)
+        return times
+    return measure
+
+
+def _forward(model: nn.Module, inputs: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(**inputs, return_dict=False)[0]
+    return run
+
+
+@dataclass
+class ModelRun:
+    """What one model's rows share: the models alive, inputs, references and the rounds so far."""
+
+    spec: ModelSpec
+    master: nn.Module
+    lists: list[str]
+    inputs: dict[str, dict[str, Any]]
+    references: dict[str, torch.Tensor] = field(default_factory=dict)
+    forwards: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # "config|label"
+    rounds: dict[str, list[float]] = field(default_factory=dict)  # resident and ext, across every session
+    offloaded_bytes: int = 0
+    largest_block: int = 0
+    non_block_bytes: int = 0
+    ext_peak: dict[str, int] = field(default_factory=dict)
+    ext_equal: dict[str, bool] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)
+
+
+def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any]) -> ModelRun:
+    master = build_host(spec, ctx)
+    lists = block_list_names(master, spec.block_lists)
+    tokens = spec.tokens if ctx.cuda else spec.cpu_tokens
+    config = spec.config if ctx.cuda else spec.cpu_config
+    inputs = {label: spec.inputs(config, count, ctx.device) for label, count in tokens.items()}
+    run = ModelRun(spec, master, lists, inputs)
+    blocks = [block for name in lists for block in getattr(master, name)]
+    sizes = [module_bytes(block) for block in blocks]
+    run.offloaded_bytes, run.largest_block = sum(sizes), max(sizes)
+    run.non_block_bytes = module_bytes(master) - run.offloaded_bytes
+    # ext first and alone, so its peak GPU memory is its own.
+    ext = copy.deepcopy(master)
+    peer_setups._rest_to(ext, ctx.device, lists)
+    kwargs = {"block_lists": spec.block_lists} if spec.block_lists else {}
+    if enable(ext, device=ctx.device, **kwargs) is None:
+        raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
+    ext_outputs = {}
+    for label, inputs in run.inputs.items():
+        _reset_peak(ctx)
+        ext_outputs[label] = _forward(ext, inputs)().to("cpu", copy=True)
+        run.ext_peak[label] = _peak(ctx)
+    resident = copy.deepcopy(master).to(ctx.device)
+    for label, inputs in run.inputs.items():
+        _reset_peak(ctx)
+        run.references[label] = _forward(resident, inputs)().to("cpu", copy=True)
+        peak = _peak(ctx)
+        if peak:
+            run.activations[label] = max(0, peak - module_bytes(master))
+        run.ext_equal[label] = bool(torch.equal(ext_outputs[label], run.references[label]))
+        run.forwards[f"resident|{label}"] = _forward(resident, inputs)
+        run.forwards[f"ext|{label}"] = _forward(ext, inputs)
+    return run
+
+
+def _reset_peak(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(ctx: Context) -> int:
+    if not ctx.cuda:
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def _session(ctx: Context, run: ModelRun, extra: dict[str, Callable[[], torch.Tensor]]) -> Interleaved:
+    """Interleaved rounds of resident, ext and ``extra``, every token count; resident/ext rounds are kept."""
+    big = module_bytes(run.master) > BIG_MODEL_BYTES
+    iters = 2 if (big or not ctx.cuda) else (3 if ctx.quick else 5)
+    rounds = 3 if (big or ctx.quick or not ctx.cuda) else 5  # on the host the point is the bit-equal column
+    forwards = {**{k: v for k, v in run.forwards.items()}, **extra}
+    for forward in forwards.values():
+        forward()  # warm-up outside the rounds: first loads, lazy inits, allocator growth
+    result = run_interleaved({name: _timer(ctx, forward, iters) for name, forward in forwards.items()}, rounds)
+    for name in run.forwards:
+        run.rounds.setdefault(name, []).extend(result.rounds[name])
+    return result
+
+
+def _transfer_ms(ctx: Context, run: ModelRun, peak_gbps: float | None) -> float | None:
+    return run.offloaded_bytes / (peak_gbps * GB) * 1e3 if (ctx.cuda and peak_gbps) else None
+
+
+def _ratio(values: list[float]) -> tuple[float, str]:
+    return float(statistics.median(values)), f"[{min(values):.3f}, {max(values):.3f}]"
+
+
+# One row of the table, written once every session of the model has run: (labels, figures,
+# reason it was skipped, error it raised).
+PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception | None]
+
+
+def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer) -> list[PendingRow]:
+    labels = {label: {"model": run.spec.name, "tokens": _tokens_label(run, label), "backend": peer.name}
+              for label in run.inputs}
+    if not ctx.cuda:
+        return [(row, None, "needs a CUDA device", None) for row in labels.values()]
+    holder: dict[str, Any] = {}
+    try:
+        model = copy.deepcopy(run.master)
+        holder["model"] = model
+        holder["teardown"] = peer.setup(model, ctx.device, run.lists)
+        extra = {f"{peer.name}|{label}": _forward(model, inputs) for label, inputs in run.inputs.items()}
+        equal = {label: bool(torch.equal(extra[f"{peer.name}|{label}"]().to("cpu"), run.references[label]))
+                 for label in run.inputs}
+        result = _session(ctx, run, extra)
+    except peer_setups.PeerUnavailable as error:
+        return [(row, None, str(error), None) for row in labels.values()]
+    except Exception as error:  # a peer that breaks costs its rows only
+        return [(row, None, None, error) for row in labels.values()]
+    finally:
+        teardown = holder.pop("teardown", None)
+        if teardown is not None:
+            teardown()
+        holder.clear()
+        free_memory()
+    notes = [peer.how]
+    if peer.name == "sglang" and peer_setups.STUBBED.get("sglang"):
+        notes.append("stubbed (absent, not on its offload path): " + ", ".join(peer_setups.STUBBED["sglang"]))
+    rows: list[PendingRow] = []
+    for label, row in labels.items():
+        name = f"{peer.name}|{label}"
+        x_ext, spread = _ratio(result.ratios(name, f"ext|{label}"))
+        rows.append((row, {"ms": result.median_ms(name), "spread": result.spread(name),
+                           "x_resident": result.ratio(name, f"resident|{label}"), "x_ext": x_ext, "range": spread,
+                           "bit_equal": equal[label], "note": "; ".join(notes)}, None, None))
+    return rows
+
+
+def _write(ctx: Context, rows: list[PendingRow]) -> None:
+    for labels, values, skipped, error in rows:
+        if skipped is not None:
+            ctx.skip("models", labels, skipped)
+        elif error is not None:
+            ctx.run_row("models", labels, lambda error=error: _raise(error))
+        else:
+            ctx.run_row("models", labels, lambda values=values: values)
+
+
+def _tokens_label(run: ModelRun, label: str) -> str:
+    return f"{run.spec.tokens.get(label, run.spec.cpu_tokens.get(label))} ({label})"
+
+
+def _own_rows(ctx: Context, run: ModelRun, peak_gbps: float | None, k: int,
+              peer_rows: list[PendingRow]) -> list[PendingRow]:
+    transfer = _transfer_ms(ctx, run, peak_gbps)
+    rows: list[PendingRow] = []
+    for label in run.inputs:
+        base = {"model": run.spec.name, "tokens": _tokens_label(run, label)}
+        resident, ext = run.rounds[f"resident|{label}"], run.rounds[f"ext|{label}"]
+        resident_ms = float(statistics.median(resident))
+        rows.append(({**base, "backend": "resident"}, {
+            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0,
+            "compute_over_copy": resident_ms / transfer if transfer else None}, None, None))
+        if transfer:
+            floor = [max(r, transfer) for r in resident]
+            rows.append(({**base, "backend": "floor"}, {
+                "ms": float(statistics.median(floor)), "x_floor": 1.0,
+                "note": f"max(resident, {run.offloaded_bytes / GB:.2f} GB / {peak_gbps:.1f} GB/s = {transfer:.1f} ms)"},
+                None, None))
+        x_resident, spread = _ratio([e / r for e, r in zip(ext, resident)])
+        values: dict[str, Any] = {"ms": float(statistics.median(ext)),
+                                  "spread": (max(ext) - min(ext)) / statistics.median(ext),
+                                  "x_resident": x_resident, "range": spread, "bit_equal": run.ext_equal[label],
+                                  "note": f"{len(run.lists)} list(s) offloaded: {', '.join(run.lists)}; "
+                                          f"{len(resident)} rounds"}
+        if transfer:
+            values["x_floor"], values["range"] = _ratio([e / max(r, transfer) for e, r in zip(ext, resident)])
+            ran = [v for labels, v, _, _ in peer_rows if v is not None and labels["tokens"] == base["tokens"]]
+            values["pass"] = values["x_floor"] <= EXT_TARGET and all(v["x_ext"] > 1.0 for v in ran)
+        if ctx.cuda and label in run.activations:
+            bound = (k + 1) * run.largest_block + run.non_block_bytes + run.activations[label] + MEM_SLACK_BYTES
+            values.update(peak_mib=run.ext_peak[label] / MiB, mem_bound_mib=bound / MiB,
+                          mem_ok=run.ext_peak[label] <= bound)
+        rows.append(({**base, "backend": "ext"}, values, None, None))
+    return rows
+
+
+def run(ctx: Context) -> None:
+    diffusers, reason = try_import("diffusers")
+    specs = selected_models(ctx)
+    if diffusers is None:
+        for spec in specs:
+            ctx.skip("models", {"model": spec.name, "backend": "all"}, reason)
+        return
+    enable = enable_layerwise_offload
+    from benchmarks.forward import peak_h2d_gbps
+    peak = peak_h2d_gbps(ctx) if ctx.cuda else None
+    if not ctx.cuda:
+        ctx.note("no CUDA device: tiny configs of the same classes on the host (device='cpu'); resident and ext "
+                 "only, for the bit-equal column; the peers need a GPU")
+    ctx.progress.add(len(specs) * (len(peer_setups.PEERS) + 1))
+    for spec in specs:
+        try:
+            model_run = _prepare(ctx, spec, enable)
+        except Exception as error:
+            ctx.run_row("models", {"model": spec.name, "backend": "all"},
+                        lambda error=error: _raise(error))
+            continue
+        _session(ctx, model_run, {})
+        ctx.progress.finish()
+        pending: list[PendingRow] = []
+        for peer in peer_setups.PEERS:
+            pending.extend(_peer_rows(ctx, model_run, peer))
+            ctx.progress.finish()
+        own = _own_rows(ctx, model_run, peak, ctx.options.prefetch_depth, pending)
+        # Per token count: resident, floor, ext, then the peers.
+        for label in model_run.inputs:
+            tokens = _tokens_label(model_run, label)
+            _write(ctx, [row for row in own + pending if row[0]["tokens"] == tokens])
+        del model_run
+        free_memory()
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model and token count: ext against its floor, and the fastest peer that ran with its ratio to ext."""
+    lines = []
+    keys = list(dict.fromkeys((row.get("model"), row.get("tokens")) for row in rows if row.get("backend") == "ext"))
+    for model, tokens in keys:
+        group = [row for row in rows if row.get("model") == model and row.get("tokens") == tokens]
+        ext = next(row for row in group if row.get("backend") == "ext")
+        if not ext.get("ms"):
+            continue
+        ran = [row for row in group if row.get("backend") not in ("ext", "resident", "floor") and row.get("ms")]
+        head = f"{model} {tokens}: ext {ext['ms']:.2f} ms"
+        if ext.get("x_floor") is not None:
+            verdict = "meets" if ext["x_floor"] <= EXT_TARGET else "MISSES"
+            head += f" = {ext['x_floor']:.3f}x floor {ext.get('range', '')} ({verdict} <={EXT_TARGET:.2f}x)"
+        if ext.get("bit_equal") is False:
+            head += ", NOT bit-equal"
+        lines.append(head)
+        if ran:
+            best = min(ran, key=lambda row: row["ms"])
+            exact = "" if best.get("bit_equal") is not False else ", not bit-equal"
+            faster = all(row.get("x_ext", 0) > 1.0 for row in ran)
+            lines.append(f"{model} {tokens}: fastest peer {best['backend']} {best['ms']:.2f} ms{exact}, "
+                         f"{best.get('x_ext', float('nan')):.2f}x ext {best.get('range', '')}; ext faster than "
+                         f"every peer that ran: {'yes' if faster else 'NO'}")
+    return lines

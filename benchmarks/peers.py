@@ -1,0 +1,265 @@
+"""The other offloaders the models section measures, each set up the way its own project does it.
+
+Every peer is the installed package's code, not a re-implementation: FastVideo's
+``fastvideo.hooks.layerwise_offload``, SGLang's diffusion ``LayerwiseOffloadManager``, mmgp's
+``offload.profile``, diffusers' ``apply_group_offloading`` (block and leaf level) and accelerate's
+``cpu_offload``.
+
+FastVideo and SGLang are imported *module only*: their top-level ``__init__`` pulls in a whole serving
+runtime (FastVideo: video I/O, FSDP loaders; SGLang: the LLM server, its kernels), which the offload
+module itself never calls and which the GPU machine cannot install offline. :func:`import_module_only`
+loads the offload module with its package's ``__init__`` skipped; a few third-party modules that
+SGLang's import chain names but its offload path never calls are replaced by stubs when absent
+(listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip installed them, or
+inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a zip).
+
+Each setup takes the model (on the host), the device and the names of the model's block lists, and
+returns a teardown; a peer that cannot run raises :class:`PeerUnavailable` with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib
+import importlib.machinery
+import importlib.util
+import io
+import os
+import sys
+import tempfile
+import types
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+WHEEL_DIR = Path(__file__).resolve().parents[1] / ".whl"
+SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compressed_tensors",
+                "compressed_tensors.config", "compressed_tensors.quantization", "gguf")
+SGLANG_OFFLOAD = "sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload"
+FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
+
+Teardown = Callable[[], None]
+MAX_STUBS = 60
+# package -> the modules stubbed to import its offload module (for the rows' notes).
+STUBBED: dict[str, list[str]] = {}
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer cannot run here; the message says why (the row shows it)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    setup: Callable[[nn.Module, torch.device, list[str]], Teardown]
+    # What the row's note says about how the peer was set up.
+    how: str
+
+
+def _add_wheels(package: str) -> None:
+    """Puts ``package`` on sys.path from ``.whl/`` when pip did not install it.
+
+    The archive is unpacked next to it first: zipimport cannot import namespace packages (directories
+    without ``__init__.py``), and SGLang's runtime tree is made of them.
+    """
+    if _importable(package):
+        return
+    archives = sorted(glob.glob(str(WHEEL_DIR / f"{package}-*.whl")) + glob.glob(str(WHEEL_DIR / f"{package}-*.zip")))
+    for archive in archives:
+        # Outside the repository: the checkout travels to the GPU machine, the unpacked tree need not.
+        target = Path(tempfile.gettempdir()) / "fastoffload-peers" / Path(archive).stem
+        if not (target / package).is_dir():
+            with zipfile.ZipFile(archive) as opened:
+                opened.extractall(target)
+        if str(target) not in sys.path:
+            sys.path.append(str(target))
+        importlib.invalidate_caches()
+        return
+
+
+def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *,
+                       stub_missing: bool = False) -> types.ModuleType:
+    """``module`` of ``package`` without running the ``__init__`` of ``package`` and of its first
+    subpackage (deeper packages import normally).
+
+    ``stubs`` are replaced by stub modules when absent; with ``stub_missing``, so is any other
+    third-party module the import chain asks for and this machine lacks (the import is retried from
+    scratch after each one). What was stubbed is in :data:`STUBBED`.
+    """
+    if module in sys.modules:
+        return sys.modules[module]
+    _add_wheels(package)
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PeerUnavailable(f"{package} is not installed and no {package}-*.whl is in {WHEEL_DIR}")
+    root = list(spec.submodule_search_locations)[0]
+    wanted = [stub for stub in stubs if not _importable(stub)]
+    for _ in range(MAX_STUBS):
+        _bare_parents(package, module, root)
+        for stub in wanted:
+            sys.modules.setdefault(stub, _stub_module(stub))
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            missing = error.name or ""
+            if not stub_missing or not missing or missing.split(".")[0] == package or missing in wanted:
+                raise PeerUnavailable(f"importing {module} failed: {error}"[:300]) from error
+            wanted.append(missing)
+            for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+                del sys.modules[name]  # a half-imported chain would be reused as it is
+            continue
+        except Exception as error:
+            raise PeerUnavailable(f"importing {module} failed: {type(error).__name__}: {error}"[:300]) from error
+        STUBBED[package] = list(wanted)
+        return loaded
+    raise PeerUnavailable(f"importing {module} needs more than {MAX_STUBS} modules this machine lacks")
+
+
+def _bare_parents(package: str, module: str, root: str) -> None:
+    parts = module.split(".")
+    for depth in (1, 2):
+        name = ".".join(parts[:depth])
+        if name not in sys.modules and depth < len(parts):
+            bare = types.ModuleType(name)
+            bare.__path__ = [os.path.join(root, *parts[1:depth])]  # type: ignore[attr-defined]
+            sys.modules[name] = bare
+
+
+class _StubMeta(type):
+    def __getattr__(cls, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubMeta(name, (_Stub,), {})
+
+
+class _Stub(metaclass=_StubMeta):
+    """Anything a stubbed module is asked for at import time: a class that can be subclassed,
+    instantiated, called as a decorator (it hands back what it decorates) and asked for attributes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if len(args) == 1 and not kwargs else _Stub()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub()
+
+
+def _stub_module(name: str) -> types.ModuleType:
+    stub = types.ModuleType(name)
+    stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    stub.__path__ = []  # type: ignore[attr-defined]  # a package, so "stub.sub" resolves too
+
+    def attribute(name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubMeta(name, (_Stub,), {})
+
+    stub.__getattr__ = attribute  # type: ignore[method-assign]
+    return stub
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _rest_to(model: nn.Module, device: torch.device, offloaded: list[str]) -> None:
+    """Everything outside the offloaded lists to the device (the caller's job for FastVideo-style hooks)."""
+    for name, child in model.named_children():
+        if name not in offloaded:
+            child.to(device)
+    for param in model._parameters.values():
+        if param is not None:
+            param.data = param.data.to(device)
+    for key, buffer in list(model._buffers.items()):
+        if buffer is not None:
+            model._buffers[key] = buffer.to(device)
+
+
+def fastvideo(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
+    module = import_module_only("fastvideo", FASTVIDEO_OFFLOAD)
+    # FastVideo's rule: the first direct-child ModuleList only; the rest of the model is resident.
+    _rest_to(model, device, lists[:1])
+    with torch.cuda.device(device):
+        module.enable_layerwise_offload(model)
+    return lambda: None
+
+
+def sglang(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
+    module = import_module_only("sglang", SGLANG_OFFLOAD, SGLANG_STUBS, stub_missing=True)
+    # What SGLang's OffloadableDiTMixin.configure_layerwise_offload does, with its defaults
+    # (prefetch 1, no resident layers, pinned host memory): one manager per block list, every list
+    # replaced before the rest of the model moves to the device.
+    with torch.cuda.device(device):
+        managers = [module.LayerwiseOffloadManager(model, layers_attr_str=name, num_layers=len(getattr(model, name)),
+                                                   enabled=True, pin_cpu_memory=True, prefetch_size=1, initialize=False)
+                    for name in lists]
+        for manager in managers:
+            manager._initialize_layer_weights()
+        model.to(device)
+        for manager in managers:
+            manager._finalize_initialization()
+            manager.register_forward_hooks()
+
+    def teardown() -> None:
+        for manager in managers:
+            manager.remove_forward_hooks()
+            manager.release_all()
+
+    return teardown
+
+
+def mmgp(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
+    _add_wheels("mmgp")
+    try:
+        from mmgp import offload, profile_type
+    except Exception as error:
+        raise PeerUnavailable(f"mmgp: {type(error).__name__}: {error}"[:300]) from error
+    # Its pinned-RAM, low-VRAM profile; no quantization, no dtype change: the same weights as the others.
+    with contextlib.redirect_stdout(io.StringIO()):
+        handle = offload.profile({"transformer": model}, profile_type.HighRAM_LowVRAM, quantizeTransformer=False,
+                                 convertWeightsFloatTo=None)
+    return handle.release
+
+
+def _diffusers_group(offload_type: str) -> Callable[[nn.Module, torch.device, list[str]], Teardown]:
+    def setup(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
+        try:
+            from diffusers.hooks import apply_group_offloading
+        except Exception as error:
+            raise PeerUnavailable(f"diffusers: {type(error).__name__}: {error}"[:300]) from error
+        grouping = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+        apply_group_offloading(model, onload_device=device, offload_type=offload_type, use_stream=True, **grouping)
+        return lambda: None
+
+    return setup
+
+
+def accelerate(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
+    try:
+        from accelerate import cpu_offload
+    except Exception as error:
+        raise PeerUnavailable(f"accelerate: {type(error).__name__}: {error}"[:300]) from error
+    cpu_offload(model, execution_device=device)
+    return lambda: None
+
+
+PEERS = (
+    Peer("fastvideo", fastvideo, "fastvideo.hooks.layerwise_offload.enable_layerwise_offload (first list only)"),
+    Peer("sglang", sglang, "SGLang LayerwiseOffloadManager per list, prefetch 1, pinned"),
+    Peer("mmgp", mmgp, "mmgp offload.profile HighRAM_LowVRAM, no quantization"),
+    Peer("diffusers", _diffusers_group("block_level"), "apply_group_offloading block_level, 1 block/group, stream"),
+    Peer("diffusers leaf", _diffusers_group("leaf_level"), "apply_group_offloading leaf_level, stream"),
+    Peer("accelerate", accelerate, "accelerate cpu_offload"),
+)

@@ -1,0 +1,223 @@
+"""Layerwise offload for the transformer of a diffusers pipeline, and what the pipeline may do with it.
+
+``offload_transformer(pipe)`` enables this engine on ``pipe.transformer`` (and ``pipe.transformer_2``
+where the pipeline has a second denoiser), puts the modules outside the block list on the offload
+device, and defines the pipeline's device operations on the offloaded model:
+
+- ``model.to(device)``, ``.cuda()``, ``.cpu()``, and so ``pipe.to(device)``: a move to the offload
+  device works (the modules outside the block list go there; the blocks stay offloaded). A move to
+  any other device raises :class:`~fastoffload_ext.errors.OffloadStateError` before anything moves:
+  the blocks are streamed to one device, and the rest of the model cannot run elsewhere. Undo the
+  offload first (``disable_layerwise_offload(model, device=...)``). The dtype part of ``to`` goes to
+  the engine unchanged (its cast rules are the engine's: docs/DESIGN.md, "Behaviour contract").
+- ``pipe.enable_model_cpu_offload()``: works for the other components and keeps the layerwise
+  offload: the offloaded transformer is kept out of accelerate's whole-model hooks (which would move
+  it to the CPU after every call) and stays on its offload device.
+- ``pipe.enable_sequential_cpu_offload()`` would put accelerate's per-parameter hooks on the
+  offloaded blocks; it raises :class:`OffloadStateError` instead.
+
+``bound(pipe, name, component)`` puts a component into a pipeline slot for one stage only, so that a
+pipeline built with that slot empty can hand its stages :class:`~fastoffload_ext.pipeline.lazy.LazyModule`
+components: diffusers asks every component it holds for its device on each call, which would load a
+lazy one that the release schedule has dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastoffload_ext.engine.layerwise import LayerwiseOffloadGroup, enable_layerwise_offload, get_offload_group
+from fastoffload_ext.errors import OffloadStateError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DENOISER_NAMES", "bound", "guard_device_moves", "offload_transformer"]
+
+DENOISER_NAMES = ("transformer", "transformer_2")
+_GUARDED_METHODS = ("to", "cuda", "cpu")
+_GUARD_ATTRIBUTE = "_fastoffload_device_guard"
+
+MOVE_ERROR = ("fastoffload: {what} would move the layerwise-offloaded {model} to {target}, but its blocks are "
+              "offloaded to {device} and the rest of the model must run there too. Move it to {device} (or leave "
+              "it), or undo the offload first: fastoffload_ext.disable_layerwise_offload(model, device={target!r})")
+SEQUENTIAL_ERROR = ("fastoffload: enable_sequential_cpu_offload would put accelerate's per-parameter hooks on "
+                    "the layerwise-offloaded {names}, whose blocks this engine already streams. Use "
+                    "enable_model_cpu_offload() (it keeps the layerwise offload) or undo the offload first with "
+                    "fastoffload_ext.disable_layerwise_offload")
+
+
+def _same_device(target: torch.device, device: torch.device) -> bool:
+    if target.type != device.type:
+        return False
+    if target.index is None or device.index is None:
+        # "cuda" means the current device, which is where enable put the blocks when it chose one.
+        return target.type != "cuda" or (device.index or 0) == torch.cuda.current_device()
+    return target.index == device.index
+
+
+def _target_of(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    if method == "cpu":
+        return torch.device("cpu")
+    if method == "cuda":
+        index = args[0] if args else kwargs.get("device")
+        if index is None:
+            return torch.device("cuda")
+        return torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
+    device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device
+
+
+def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    """The device of a ``DiffusionPipeline.to`` call: its arguments are a device, a dtype, or both."""
+    device = kwargs.get("device")
+    for arg in args:
+        if not isinstance(arg, torch.dtype):
+            device = arg
+    return None if device is None else torch.device(device)
+
+
+def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def move(*args: Any, **kwargs: Any) -> Any:
+        group = get_offload_group(model)
+        # Arguments that diffusers' own ``to`` accepts but torch's parser does not.
+        parse_kwargs = {k: v for k, v in kwargs.items() if k not in ("silence_dtype_warnings",)}
+        target = _target_of(method, args, parse_kwargs)
+        if group is not None and target is not None and not _same_device(target, group.device):
+            raise OffloadStateError(MOVE_ERROR.format(what=f"{type(model).__name__}.{method}()",
+                                                      model=type(model).__name__, target=str(target),
+                                                      device=str(group.device)))
+        result = original(*args, **kwargs)
+        return model if result is model else result
+
+    return move
+
+
+def guard_device_moves(model: nn.Module) -> None:
+    """Make ``model.to``/``cuda``/``cpu`` refuse moves away from its offload device (see the module doc).
+
+    The guard is per instance and checks the offload at call time, so it is harmless after
+    ``disable_layerwise_offload``: moves then go through unchecked.
+    """
+    if getattr(model, _GUARD_ATTRIBUTE, False):
+        return
+    for method in _GUARDED_METHODS:
+        # Bound method of the class: the guard wraps whatever ``to`` the model's class defines.
+        object.__setattr__(model, method, _guarded(model, method, getattr(model, method)))
+    object.__setattr__(model, _GUARD_ATTRIBUTE, True)
+
+
+def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
+    """Everything outside the offloaded block list goes to the offload device (the blocks' buffers already did)."""
+    for name, child in model.named_children():
+        if name not in group.list_names:
+            child.to(group.device)
+    for key, param in model.named_parameters(recurse=False):
+        param.data = param.data.to(group.device)
+    for key, buffer in model.named_buffers(recurse=False):
+        setattr(model, key, buffer.to(group.device))
+
+
+def _offloaded_names(pipe: Any) -> list[str]:
+    return [name for name in DENOISER_NAMES
+            if isinstance(getattr(pipe, name, None), nn.Module) and get_offload_group(getattr(pipe, name)) is not None]
+
+
+def _wrap_pipeline_offloads(pipe: Any) -> None:
+    """Wraps ``pipe.enable_model_cpu_offload`` so accelerate's hooks skip the offloaded denoisers."""
+    original = pipe.enable_model_cpu_offload
+    if getattr(original, "_fastoffload_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def enable_model_cpu_offload(*args: Any, **kwargs: Any) -> Any:
+        hidden = {name: getattr(pipe, name) for name in _offloaded_names(pipe)}
+        # Hidden from the pipeline's components for the call: diffusers first moves every component
+        # to the CPU, then hooks each one in its offload sequence.
+        for name in hidden:
+            object.__setattr__(pipe, name, None)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for name, model in hidden.items():
+                object.__setattr__(pipe, name, model)
+
+    enable_model_cpu_offload._fastoffload_wrapped = True  # type: ignore[attr-defined]
+    object.__setattr__(pipe, "enable_model_cpu_offload", enable_model_cpu_offload)
+
+    move = pipe.to
+
+    @functools.wraps(move)
+    def to(*args: Any, **kwargs: Any) -> Any:
+        # Checked for every denoiser before the pipeline moves anything: diffusers moves the
+        # components one by one, and a refusal half-way would leave the pipeline split.
+        target = _pipeline_target(args, kwargs)
+        for name in _offloaded_names(pipe):
+            group = get_offload_group(getattr(pipe, name))
+            if group is not None and target is not None and not _same_device(target, group.device):
+                raise OffloadStateError(MOVE_ERROR.format(what=f"pipe.to({str(target)!r})", model=f"pipe.{name}",
+                                                          target=str(target), device=str(group.device)))
+        return move(*args, **kwargs)
+
+    object.__setattr__(pipe, "to", to)
+
+    @functools.wraps(pipe.enable_sequential_cpu_offload)
+    def enable_sequential_cpu_offload(*args: Any, **kwargs: Any) -> Any:
+        names = _offloaded_names(pipe)
+        if names:
+            raise OffloadStateError(SEQUENTIAL_ERROR.format(names=" and ".join(f"pipe.{n}" for n in names)))
+        return type(pipe).enable_sequential_cpu_offload(pipe, *args, **kwargs)
+
+    object.__setattr__(pipe, "enable_sequential_cpu_offload", enable_sequential_cpu_offload)
+
+
+def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
+                        **options: Any) -> dict[str, LayerwiseOffloadGroup]:
+    """Enable layerwise offload on the pipeline's denoiser(s) and define the pipeline's moves on them.
+
+    Args:
+        pipe: a diffusers ``DiffusionPipeline`` (anything with the denoiser as an attribute works).
+        names: the attributes to offload; default: those of :data:`DENOISER_NAMES` that hold a module.
+        **options: keyword arguments of ``enable_layerwise_offload`` (``device``, ``backend``,
+            ``prefetch_depth``, ...), the same for every denoiser.
+
+    Returns:
+        Attribute name -> the offload group. A denoiser the engine declined (no CUDA and no device
+        given) is left out and stays as it was.
+    """
+    present = tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
+    chosen = names if names is not None else present
+    groups: dict[str, LayerwiseOffloadGroup] = {}
+    for name in chosen:
+        model = getattr(pipe, name)
+        group = enable_layerwise_offload(model, **options)
+        if group is None:
+            continue
+        _place_rest(model, group)
+        guard_device_moves(model)
+        groups[name] = group
+    if groups and hasattr(pipe, "enable_model_cpu_offload"):
+        _wrap_pipeline_offloads(pipe)
+    logger.info("Offloaded %s of %s layer by layer", ", ".join(groups) or "nothing", type(pipe).__name__)
+    return groups
+
+
+@contextlib.contextmanager
+def bound(pipe: Any, name: str, component: Any) -> Iterator[Any]:
+    """``pipe.<name>`` holds ``component`` inside the block and what it held before afterwards.
+
+    Setting the slot through the pipeline's own ``__setattr__`` records the component in the
+    pipeline's config, which inspects (and so would load) a lazy component; the slot is set directly.
+    """
+    previous = getattr(pipe, name)
+    object.__setattr__(pipe, name, component)
+    try:
+        yield component
+    finally:
+        object.__setattr__(pipe, name, previous)

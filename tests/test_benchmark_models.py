@@ -1,0 +1,91 @@
+"""The models benchmark section on the host: tiny configs of the real diffusers classes, resident and
+ext bit-equal, every GPU-only peer row saying why it did not run; and its summary lines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
+
+from benchmarks import models, peers  # noqa: E402
+from benchmarks.utils import Context, Options, read_journal  # noqa: E402
+from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
+
+
+def test_the_section_runs_on_the_host_bit_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(models.ENV_MODELS, "wan-1.3b,flux")
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
+    try:
+        models.run(ctx)
+    finally:
+        ctx.close()
+    rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+    ext = [row for row in rows if row["backend"] == "ext"]
+    assert len(ext) == 4 and all(row["bit_equal"] is True for row in ext), json.dumps(ext)[:2000]
+    assert {row["model"] for row in ext} == {"wan-1.3b", "flux"}
+    flux = next(row for row in ext if row["model"] == "flux")
+    assert "2 list(s) offloaded: transformer_blocks, single_transformer_blocks" in flux["note"]
+    skipped = [row for row in rows if row["backend"] in {peer.name for peer in peers.PEERS}]
+    assert len(skipped) == 4 * len(peers.PEERS) and all(row["skipped"] == "needs a CUDA device" for row in skipped)
+    assert all(row.get("ms", 0) > 0 for row in rows if row["backend"] in ("resident", "ext"))
+
+
+def test_summary_names_the_fastest_peer_and_its_ratio_to_ext() -> None:
+    rows = [
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "resident", "ms": 200.0},
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "floor", "ms": 430.0},
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "ext", "ms": 440.0, "x_floor": 1.023,
+         "range": "[1.010, 1.040]", "bit_equal": True},
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "sglang", "ms": 480.0, "x_ext": 1.09,
+         "range": "[1.05, 1.12]", "bit_equal": True},
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "mmgp", "ms": 900.0, "x_ext": 2.05,
+         "range": "[2.0, 2.1]", "bit_equal": False},
+        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "fastvideo", "skipped": "why"},
+    ]
+    assert models.summarize(rows) == [
+        "flux 1024 (transfer-bound): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
+        "flux 1024 (transfer-bound): fastest peer sglang 480.00 ms, 1.09x ext [1.05, 1.12]; ext faster than every "
+        "peer that ran: yes",
+    ]
+
+
+def test_summary_flags_a_miss_and_a_faster_peer() -> None:
+    rows = [
+        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
+         "range": "[1.06, 1.10]", "bit_equal": False},
+        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "sglang", "ms": 48.0, "x_ext": 0.96,
+         "range": "[0.95, 0.97]", "bit_equal": True},
+    ]
+    assert models.summarize(rows) == [
+        "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal",
+        "wan-1.3b 1560 (transfer-bound): fastest peer sglang 48.00 ms, 0.96x ext [0.95, 0.97]; ext faster than every "
+        "peer that ran: NO",
+    ]
+
+
+def test_fastvideo_offload_module_imports_without_its_runtime() -> None:
+    import_fastvideo("fastvideo.hooks.layerwise_offload")
+    with root_logging_kept():
+        module = peers.import_module_only("fastvideo", peers.FASTVIDEO_OFFLOAD)
+    assert module.__name__ == peers.FASTVIDEO_OFFLOAD and callable(module.enable_layerwise_offload)
+
+
+def test_a_missing_peer_package_says_where_it_looked() -> None:
+    with pytest.raises(peers.PeerUnavailable, match=r"no_such_peer is not installed and no no_such_peer-\*\.whl is in"):
+        peers.import_module_only("no_such_peer", "no_such_peer.offload")
+
+
+def test_stub_modules_can_be_subclassed_called_and_used_as_decorators() -> None:
+    stub = peers._stub_module("absent_runtime")
+    base = stub.Object
+
+    @stub.register_object("key")
+    class Derived(base):  # type: ignore[misc, valid-type]
+        pass
+
+    assert issubclass(Derived, base) and Derived().anything is not None
+    with pytest.raises(AttributeError):
+        stub.__file__  # noqa: B018

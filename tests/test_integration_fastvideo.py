@@ -1,0 +1,198 @@
+"""The FastVideo integration against the installed fastvideo package (no FastVideo file edited).
+
+The transformer-loader test runs FastVideo's own ``TransformerLoader.load``, the code that reads the
+``dit_layerwise_offload`` flag; only the steps that build a FastVideo model from a checkpoint (config
+lookup, model registry, the FSDP loader, which on a machine without CUDA has no device to load onto)
+hand it this suite's model instead.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from fastoffload_ext import LayerwiseOffloadGroup, LayerwiseOffloadHook, ModuleHookManager, get_offload_group
+from fastoffload_ext.engine import hooks as our_hooks
+from fastoffload_ext.engine import layerwise as our_layerwise
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.integrations import fastvideo as integration
+from tests._fastvideo import import_fastvideo
+from tests._models import OFFLOAD_DEVICES, make_pair
+
+fv_offload = import_fastvideo("fastvideo.hooks.layerwise_offload")
+fv_hooks = import_fastvideo("fastvideo.hooks.hooks")
+component_loader = import_fastvideo("fastvideo.models.loader.component_loader")
+lora_pipeline = import_fastvideo("fastvideo.pipelines.lora_pipeline")
+
+ORIGINAL_ENABLE = fv_offload.enable_layerwise_offload
+ORIGINAL_HOOK = fv_offload.LayerwiseOffloadHook
+ORIGINAL_MANAGER = fv_hooks.ModuleHookManager
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled() -> Iterator[None]:
+    integration.uninstall()
+    yield
+    integration.uninstall()
+
+
+def _offload_hook(block: torch.nn.Module) -> Any:
+    manager = ModuleHookManager.get_from(block)
+    assert manager is not None
+    return manager.get_forward_hook("LayerwiseOffloadHook")
+
+
+class _DitConfig:
+    """Stands in for FastVideo's DiT config: the loader only asks it to take the checkpoint's config."""
+
+    arch_config = None
+
+    def update_model_arch(self, config: dict[str, Any]) -> None:
+        del config
+
+
+def _load_through_fastvideo(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, model: torch.nn.Module) -> torch.nn.Module:
+    from fastvideo.configs.pipelines.wan import WanT2V480PConfig
+    from fastvideo.fastvideo_args import FastVideoArgs
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(tmp_path, "model.safetensors"))
+    monkeypatch.setattr(component_loader, "get_diffusers_config", lambda model: {"_class_name": "Stack"})
+    monkeypatch.setattr(component_loader.ModelRegistry, "resolve_model_cls", lambda name: (type(model), None))
+    monkeypatch.setattr(component_loader, "maybe_load_fsdp_model", lambda **kwargs: model)
+    monkeypatch.setattr(component_loader, "record_resolved_attention_backend", lambda config: None)
+    config = WanT2V480PConfig()
+    config.dit_config = _DitConfig()
+    config.dit_precision = "fp32"
+    args = FastVideoArgs(model_path=str(tmp_path), inference_mode=True, dit_layerwise_offload=True,
+                         pipeline_config=config)
+    return component_loader.TransformerLoader().load(str(tmp_path), args)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_the_loader_flag_runs_this_engine_bit_exact(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, device: str,
+                                                      backend: str) -> None:
+    model, reference = make_pair(4)
+    integration.install(device=device, backend=backend)
+    loaded = _load_through_fastvideo(monkeypatch, tmp_path, model)
+    assert loaded is model
+    group = get_offload_group(model)
+    assert isinstance(group, LayerwiseOffloadGroup) and group.backend == backend and len(group.states) == 4
+    for block in model.blocks:
+        assert type(_offload_hook(block)) is LayerwiseOffloadHook
+        assert type(ModuleHookManager.get_from(block)) is our_hooks.ModuleHookManager
+    reference.to(device)
+    model.proj_in.to(device)
+    model.proj_out.to(device)
+    x = torch.randn(3, 16, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+
+
+def test_install_rebinds_names_the_loaders_imported_before_the_call() -> None:
+    assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
+    integration.install(device="cpu")
+    names = integration.replaced_names()
+    assert "fastvideo.models.loader.component_loader.enable_layerwise_offload" in names
+    assert "fastvideo.pipelines.lora_pipeline.LayerwiseOffloadHook" in names
+    assert "fastvideo.hooks.hooks.ModuleHookManager" in names
+    assert component_loader.enable_layerwise_offload is fv_offload.enable_layerwise_offload
+    assert component_loader.enable_layerwise_offload is not ORIGINAL_ENABLE
+    assert lora_pipeline.LayerwiseOffloadHook is our_layerwise.LayerwiseOffloadHook
+    assert fv_hooks.ModuleHookManager is our_hooks.ModuleHookManager
+    assert integration.is_installed() and integration.installed_options() == {"device": "cpu"}
+
+
+def test_uninstall_puts_fastvideo_back() -> None:
+    integration.install(device="cpu")
+    assert integration.uninstall() is True
+    assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
+    assert fv_offload.enable_layerwise_offload is ORIGINAL_ENABLE
+    assert lora_pipeline.LayerwiseOffloadHook is ORIGINAL_HOOK
+    assert fv_hooks.ModuleHookManager is ORIGINAL_MANAGER
+    assert not integration.is_installed() and integration.replaced_names() == []
+    assert integration.uninstall() is False
+
+
+def test_install_twice_replaces_the_options() -> None:
+    integration.install(device="cpu", prefetch_depth=2)
+    integration.install(device="cpu", backend="python")
+    assert integration.installed_options() == {"device": "cpu", "backend": "python"}
+    model, reference = make_pair(3)
+    component_loader.enable_layerwise_offload(model)
+    group = get_offload_group(model)
+    assert group is not None and group.backend == "python" and group.prefetch_depth == 1
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    integration.uninstall()
+    assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
+
+
+def test_uninstall_leaves_a_name_someone_else_rebound(caplog: pytest.LogCaptureFixture) -> None:
+    integration.install(device="cpu")
+
+    def other_patch(model: torch.nn.Module, is_replace: bool = False) -> None:
+        del model, is_replace
+
+    # Set by hand, not with monkeypatch: its undo would put back install()'s replacement.
+    component_loader.enable_layerwise_offload = other_patch
+    try:
+        integration.uninstall()
+        assert component_loader.enable_layerwise_offload is other_patch
+        assert fv_offload.enable_layerwise_offload is ORIGINAL_ENABLE
+        assert "component_loader.enable_layerwise_offload changed after install(); left as it is" in caplog.text
+    finally:
+        component_loader.enable_layerwise_offload = ORIGINAL_ENABLE
+
+
+def test_fastvideo_lora_scope_reaches_this_engine_and_stays_exact() -> None:
+    integration.install(device="cpu")
+    model, reference = make_pair(3)
+    fv_offload.enable_layerwise_offload(model)
+    block = model.blocks[1]
+    with torch.no_grad():
+        with lora_pipeline._get_hook_ctx(block):
+            block.up.weight.add_(0.5)
+        reference.blocks[1].up.weight.add_(0.5)
+        x = torch.randn(2, 16)
+        assert torch.equal(model(x), reference(x))
+
+
+def test_is_replace_swaps_fastvideo_style_hooks() -> None:
+    integration.install(device="cpu")
+    model, reference = make_pair(2)
+    fv_offload.enable_layerwise_offload(model)
+    first = _offload_hook(model.blocks[0])
+    fv_offload.enable_layerwise_offload(model, is_replace=True)
+    assert _offload_hook(model.blocks[0]) is not first
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_unknown_option_is_refused_and_nothing_changes() -> None:
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: install\(\) got unknown option\(s\) prefetch;"):
+        integration.install(prefetch=2)
+    assert not integration.is_installed()
+    assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
+
+
+def test_fastvideo_arguments_cannot_be_preset() -> None:
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: install\(\) cannot preset is_replace: FastVideo"):
+        integration.install(is_replace=True)
+    assert not integration.is_installed()
+
+
+def test_missing_fastvideo_module_says_what_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(integration.SOURCES, "fastvideo.no_such_module", ("anything",))
+    with pytest.raises(ImportError, match=r"^fastoffload: the FastVideo integration needs an importable fastvideo, "
+                                          r"but importing fastvideo.no_such_module failed"):
+        integration.install(device="cpu")
+    assert not integration.is_installed()
+    assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
