@@ -20,7 +20,6 @@ Tables:
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.utils import Column, Context, GiB, Table
+from benchmarks.utils import Column, Context, GiB, Table, spawn_child
 
 TITLE = "disk: start-up from a checkpoint and the disk tier, against the disk's read bandwidth"
 
@@ -181,23 +180,7 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
 
 
 def _spawn(config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks.disk", "--child", json.dumps(config)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)  # the child's own session: only what we started
-        process.communicate()
-        raise TimeoutError(f"disk child did not finish in {timeout:.0f} s") from None
-    for line in stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-            if "child_error" in result:
-                raise RuntimeError(result["child_error"])
-            return result
-    tail = (stderr or "").strip().splitlines()[-3:]
-    raise RuntimeError(f"disk child exited with {process.returncode} and no result: " + " | ".join(tail))
+    return spawn_child("benchmarks.disk", config, timeout, RESULT_PREFIX)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks.utils import Column, Context, GiB, Table
+from benchmarks.utils import Column, Context, GiB, Table, spawn_child
 
 TITLE = "startup: enable_layerwise_offload wall time, pinned bytes, peak RSS"
 
@@ -101,23 +100,7 @@ def run(ctx: Context) -> None:
 
 
 def _spawn(config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks.startup", "--child", json.dumps(config)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)  # the child's own session: only what we started
-        process.communicate()
-        raise TimeoutError(f"startup child did not finish in {timeout:.0f} s") from None
-    for line in stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-            if "child_error" in result:
-                raise RuntimeError(result["child_error"])
-            return result
-    tail = (stderr or "").strip().splitlines()[-3:]
-    raise RuntimeError(f"startup child exited with {process.returncode} and no result: " + " | ".join(tail))
+    return spawn_child("benchmarks.startup", config, timeout, RESULT_PREFIX)
 
 
 # --------------------------------------------------------------------------------------------------

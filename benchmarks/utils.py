@@ -614,3 +614,29 @@ def gbps(nbytes: float, ms: float | None) -> float | None:
     if not ms or ms <= 0:
         return None
     return nbytes / (ms / 1e3) / GB
+
+
+def spawn_child(module: str, config: dict[str, Any], timeout: float, result_prefix: str) -> dict[str, Any]:
+    """Runs ``python -m module --child CONFIG`` in its own session; returns the JSON after ``result_prefix``.
+
+    A fresh process measures start-up and peak RSS without this one's allocations; its own session
+    lets a timeout kill everything it started and nothing else.
+    """
+    command = [sys.executable, "-m", module, "--child", json.dumps(config)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    name = module.rsplit(".", 1)[-1]
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.communicate()
+        raise TimeoutError(f"{name} child did not finish in {timeout:.0f} s") from None
+    for line in stdout.splitlines():
+        if line.startswith(result_prefix):
+            result = json.loads(line[len(result_prefix):])
+            if "child_error" in result:
+                raise RuntimeError(result["child_error"])
+            return result
+    tail = (stderr or "").strip().splitlines()[-3:]
+    raise RuntimeError(f"{name} child exited with {process.returncode} and no result: " + " | ".join(tail))
