@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
-from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints
 from fastoffload_ext.errors import OffloadStateError
 
 __all__ = ["ExtLayerwiseOffloadState"]
 
 
-class ExtLayerwiseOffloadState:
+class ExtLayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block over the compiled core (backend ``"ext"``)."""
 
     backend = "ext"
@@ -84,18 +84,6 @@ class ExtLayerwiseOffloadState:
     def release(self) -> None:
         if self.handle is not None:
             self.engine.release(self.handle)
-
-    @torch.compiler.disable
-    def wait_and_replace_params(self) -> None:
-        self.acquire()
-
-    @torch.compiler.disable
-    def prefetch_params(self) -> None:
-        self.prefetch()
-
-    @torch.compiler.disable
-    def release_gpu_params(self) -> None:
-        self.release()
 
     def begin_mutation(self) -> None:
         if self.shared_segment is not None:

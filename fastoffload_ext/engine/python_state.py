@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.messages import CAST_ERROR, DETACHED_ERROR, GRAD_ERROR, IN_PLACE_ERROR, scalar_type_name
-from fastoffload_ext.engine.state import BlockOffloadState, real_copy, tensor_placeholder
+from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints, real_copy, tensor_placeholder
 from fastoffload_ext.engine.threads import ForwardGate
 from fastoffload_ext.errors import OffloadStateError
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LayerwiseOffloadState"]
 
 
-class LayerwiseOffloadState:
+class LayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block, FastVideo's pure-Python algorithm (backend ``"python"``)."""
 
     backend = "python"
@@ -155,18 +155,6 @@ class LayerwiseOffloadState:
                 param.data = tensor_placeholder(param.data, self.device)
         self.gpu_named_parameters.clear()
         self.gate.end(id(self))
-
-    @torch.compiler.disable
-    def wait_and_replace_params(self) -> None:
-        self.acquire()
-
-    @torch.compiler.disable
-    def prefetch_params(self) -> None:
-        self.prefetch()
-
-    @torch.compiler.disable
-    def release_gpu_params(self) -> None:
-        self.release()
 
     def begin_mutation(self) -> None:
         with torch.no_grad():

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["BlockOffloadState", "real_copy", "tensor_placeholder"]
+__all__ = ["BlockOffloadState", "SeedEntryPoints", "real_copy", "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -77,3 +77,22 @@ def real_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy = torch.empty_like(tensor, device=device)
     copy.copy_(tensor)
     return copy
+
+
+class SeedEntryPoints:
+    """FastVideo's three method names, over a state's ``acquire``/``prefetch``/``release``.
+
+    Compiler boundaries, as the hook's entry points are: dynamo must not trace host-side weight movement.
+    """
+
+    @torch.compiler.disable
+    def wait_and_replace_params(self) -> None:
+        self.acquire()  # type: ignore[attr-defined]
+
+    @torch.compiler.disable
+    def prefetch_params(self) -> None:
+        self.prefetch()  # type: ignore[attr-defined]
+
+    @torch.compiler.disable
+    def release_gpu_params(self) -> None:
+        self.release()  # type: ignore[attr-defined]
