@@ -36,12 +36,17 @@ _TIE_MS = 1e-6  # predictions closer than this are equal (float noise of the sim
 
 
 def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int, int, int]:
-    """(resident bytes, slot bytes, device bytes, host bytes) of one candidate."""
+    """(resident bytes, slot bytes, device bytes, host bytes) of one candidate.
+
+    Slots hold decoded blocks (``block_bytes``); coded copies add the engine's two staging buffers on
+    the device, and the host holds what the copies move (``transfer_bytes``).
+    """
     resident_bytes = sum(costs.block_bytes[b] for b in resident)
-    offloaded = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
-    slot = max(offloaded) if offloaded else 0
+    offloaded = [b for b in range(costs.blocks) if b not in resident]
+    slot = max((costs.block_bytes[b] for b in offloaded), default=0)
     slots = (depth + 1) if offloaded else 0
-    return resident_bytes, slot, resident_bytes + slots * slot + costs.activation_bytes, sum(offloaded)
+    device = resident_bytes + slots * slot + costs.staging_bytes(offloaded) + costs.activation_bytes
+    return resident_bytes, slot, device, sum(costs.moved_bytes(b) for b in offloaded)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -64,7 +69,7 @@ def _spread_sets(n: int) -> Iterable[frozenset[int]]:
 
 
 def _heaviest_prefixes(costs: BlockCosts) -> Iterable[frozenset[int]]:
-    order = sorted(range(costs.blocks), key=lambda b: (-costs.block_bytes[b], b))
+    order = sorted(range(costs.blocks), key=lambda b: (-costs.copy_ms(b), -costs.block_bytes[b], b))
     for count in range(costs.blocks + 1):
         yield frozenset(order[:count])
 
@@ -118,17 +123,19 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
             f"copies that the {costs.blocks - len(fixed)} offloaded blocks need; keep more blocks resident, "
             "or raise host_budget")
     slot = max(costs.block_bytes, default=0)
-    need = (depth + 1) * slot + costs.activation_bytes
+    staging = costs.staging_bytes(range(costs.blocks))
+    need = (depth + 1) * slot + staging + costs.activation_bytes
     if device_budget is not None and device_budget < need:
         return OffloadConfigError(
             f"fastoffload: device_budget {format_bytes(device_budget)} is smaller than what offload needs at least: "
-            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + {reserve} activation reserve = "
-            f"{format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
+            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + "
+            + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
+            + f"{reserve} activation reserve = {format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
             "lower activation_reserve")
     return OffloadConfigError(
         f"fastoffload: host_budget {format_bytes(host_budget)} is too small: no resident set that fits device_budget "
         f"{format_bytes(device_budget)} leaves the offloaded blocks' pinned copies within it (all "
-        f"{costs.blocks} blocks need {format_bytes(sum(costs.block_bytes))}). Raise host_budget (free host memory), "
+        f"{costs.blocks} blocks need {format_bytes(sum(map(costs.moved_bytes, range(costs.blocks))))}). Raise host_budget (free host memory), "
         "or raise device_budget so that more blocks stay resident")
 
 
@@ -151,9 +158,21 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
                         if 0 < len(plan_resident) < n - 1 else ""))
     if depth > 1:
         parts.append(f"depth {depth} lets short windows borrow from longer ones")
+    offloaded = [b for b in range(n) if b not in plan_resident]
+    coded = [b for b in offloaded if costs.is_coded(b)]
+    if coded:
+        raw = sum(costs.block_bytes[b] for b in offloaded)
+        moved = sum(costs.moved_bytes(b) for b in offloaded)
+        parts.append(f"compressed: {len(coded)} of {len(offloaded)} offloaded blocks move coded bytes, "
+                     f"{format_bytes(moved)} of {format_bytes(raw)} ({moved / raw if raw else 1.0:.3f}x) cross PCIe "
+                     "and sit in pinned host memory")
+    overhead = costs.block_overhead_ms * len(offloaded)
     exposed = step_ms - max(ideal_ms, 0.0)
     parts.append(f"predicted {step_ms:.3f} ms = {step_ms / ideal_ms if ideal_ms > 0 else 1.0:.3f}x the ideal "
-                 f"{ideal_ms:.3f} ms" + (f" ({exposed:.3f} ms of copy exposed)" if exposed > _TIE_MS * 1e3 else ""))
+                 f"{ideal_ms:.3f} ms" + (f" ({exposed:.3f} ms exposed" if exposed > _TIE_MS * 1e3 else "")
+                 + (f", of which up to {overhead:.3f} ms is the hooks' fixed {1e3 * costs.block_overhead_ms:.0f} us "
+                    f"per offloaded block)" if exposed > _TIE_MS * 1e3 and overhead > 0 else
+                    ")" if exposed > _TIE_MS * 1e3 else ""))
     if budget is None:
         parts.append("no device budget given")
     return "; ".join(parts)
@@ -212,13 +231,16 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
     compute = costs.total_compute_ms()
     ideal = max(compute, copy_ms) if costs.overlap else compute + copy_ms
-    offloaded = costs.blocks - len(chosen)
+    offloaded = [b for b in range(costs.blocks) if b not in chosen]
     plan = OffloadPlan(
         blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
         num_slots=(depth + 1) if offloaded else 0, slot_bytes=slot, resident_bytes=resident_bytes,
         host_bytes=host, activation_bytes=costs.activation_bytes, device_bytes=device,
         device_budget=device_budget, host_budget=host_budget, predicted_step_ms=ms, ideal_ms=ideal,
         compute_ms=compute, copy_ms=copy_ms, candidates=scored,
+        raw_offloaded_bytes=sum(costs.block_bytes[b] for b in offloaded),
+        compressed_blocks=sum(1 for b in offloaded if costs.is_coded(b)),
+        staging_bytes=costs.staging_bytes(offloaded), overhead_ms=costs.block_overhead_ms * len(offloaded),
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget), costs=costs)
     logger.debug("%s", plan)
     return plan
