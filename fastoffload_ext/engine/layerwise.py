@@ -209,6 +209,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     _finish(model, group, options, was_on_cuda)
+    if group.plan is not None and group.compress_mode == "on":
+        from fastoffload_ext.planning import replan as replanning
+
+        # The plan counted estimated compressed sizes; the engine has encoded now and knows the real ones.
+        return replanning.recheck(group)
     return group
 
 

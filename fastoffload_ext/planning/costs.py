@@ -115,7 +115,10 @@ class BlockCosts:
         return self.block_bytes[block] / (self.decode_gbps * 1e6) if self.is_coded(block) else 0.0
 
     def staging_bytes(self, offloaded: Sequence[int]) -> int:
-        """Device staging the engine keeps for coded copies: two buffers of the largest coded block."""
+        """Device staging the engine keeps for coded copies: two buffers of the largest coded block (none
+        with the host as the device, which decodes straight from the host copy)."""
+        if not self.overlap:
+            return 0
         coded = [self.moved_bytes(b) for b in offloaded if self.is_coded(b)]
         return STAGING_BUFFERS * max(coded) if coded else 0
 
