@@ -68,6 +68,18 @@ TABLES = {
             Column("pass", "pass"),
         ],
     ),
+    "compressed": Table(
+        title="Compressed copies (compress=True) planned with the bytes that move, vs the raw plan at the same budget "
+              "(interleaved rounds), median ms",
+        columns=[
+            Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
+            Column("raw_plan", "raw plan"), Column("plan", "coded plan"), Column("raw_moved_mib", "raw moved MiB", ".0f"),
+            Column("moved_mib", "coded moved MiB", ".0f"), Column("predicted_ms", "pred ms", ".2f"),
+            Column("ms", "ms", ".2f"), Column("raw_ms", "raw ms", ".2f"), Column("x_raw", "x raw plan", ".3f"),
+            Column("x_floor", "x floor", ".3f"), Column("peak_mib", "peak MiB", ".0f"),
+            Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"), Column("pass", "pass"),
+        ],
+    ),
     "depth": Table(
         title="Prefetch depth, every block offloaded (interleaved rounds): median ms and ratio to depth 1",
         columns=[
@@ -258,12 +270,8 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
     try:
         config = Config(ctx, master, workload, inputs, {"plan": plan, "device_budget": budget})
         live["plan"] = config
-        if ctx.cuda:
-            worst = config.peak_bytes or 0
-            for _ in range(2):
-                _reset_peak(ctx)
-                config.forward()
-                worst = max(worst, _peak(ctx) - config.base)
+        worst = _peak_of(ctx, config)
+        if worst is not None:
             result.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
         mine = _key(plan.resident, plan.prefetch_depth, plan.blocks)
         for name, kwargs in grid(costs, budget).items():
@@ -364,6 +372,66 @@ def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tup
         ctx.run_row("depth", {"workload": workload.name, "depth": k}, lambda figures=figures: figures)
 
 
+def _peak_of(ctx: Context, config: Config) -> int | None:
+    """The configuration's worst device peak over its first forward and two more (None without CUDA)."""
+    if not ctx.cuda:
+        return None
+    worst = config.peak_bytes or 0
+    for _ in range(2):
+        _reset_peak(ctx)
+        config.forward()
+        worst = max(worst, _peak(ctx) - config.base)
+    return worst
+
+
+def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], costs: Any,
+                    budget: int, shared: dict[str, Any]) -> dict[str, Any]:
+    """The raw plan and the plan with compressed copies at one budget, with the resident model, interleaved.
+
+    The coded plan is made as a user's would be: the calibrated table with the sampled compressed sizes
+    (``planning.compressed``); enable then re-checks it with the engine's real sizes, and the row
+    reports the re-checked plan.
+    """
+    import dataclasses
+
+    from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning.compressed import estimate_transfer_bytes
+
+    coded_costs = dataclasses.replace(costs, transfer_bytes=tuple(estimate_transfer_bytes(_ring(workload, master))))
+    raw_plan, coded_plan = plan_offload(costs, budget), plan_offload(coded_costs, budget)
+    live: dict[str, Config] = {}
+    try:
+        live["coded"] = Config(ctx, master, workload, inputs, {"plan": coded_plan, "device_budget": budget,
+                                                               "compress": True})
+        worst = _peak_of(ctx, live["coded"])
+        live["raw"] = Config(ctx, master, workload, inputs, {"plan": raw_plan, "device_budget": budget})
+        iters = ctx.iters(6, quick=5)
+        timers = {name: c.timer(iters) for name, c in live.items()}
+        timers[RESIDENT] = shared["resident_timer"](iters)
+        rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
+        applied = live["coded"].group.plan
+        row = dict(budget_mib=budget / MiB, raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
+                   plan=f"{len(applied.resident)}/{applied.blocks} d{applied.prefetch_depth}",
+                   raw_moved_mib=raw_plan.host_bytes / MiB, moved_mib=applied.host_bytes / MiB,
+                   compressed_blocks=applied.compressed_blocks, predicted_ms=applied.predicted_step_ms,
+                   ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"), x_raw=rounds.ratio("coded", "raw"),
+                   x_raw_range=rounds.ratio_spread("coded", "raw"), resident_ms=rounds.median_ms(RESIDENT),
+                   rounds=rounds.as_dict(), why=applied.why, bit_equal=live["coded"].bit_equal(shared["reference"]))
+        checks = [row["bit_equal"], row["x_raw"] <= 1.0]
+        if worst is not None:
+            row.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
+            checks.append(row["mem_ok"])
+        peak_gbps = shared.get("peak_gbps")
+        if ctx.cuda and peak_gbps:
+            row["x_floor"] = row["ms"] / max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
+        row["pass"] = all(checks) if ctx.cuda else None
+        return row
+    finally:
+        for config in live.values():
+            config.close()
+        free_memory()
+
+
 def _budgets(ctx: Context, workload: Workload, costs: Any) -> list[tuple[str, int | str]]:
     total = sum(costs.block_bytes)
     least = 2 * max(costs.block_bytes) + costs.activation_bytes
@@ -415,6 +483,10 @@ def _run_workload(ctx: Context, workload: Workload, peak: float | None, depth_sw
             return _judge(ctx, result, plan, budget_bytes, label, workload, shared)
 
         ctx.run_row("budgets", {"workload": name, "budget": label}, row)
+    if workload.name.split("-")[0] in FLOOR_WORKLOADS:
+        label, budget = next((lb, b) for lb, b in _budgets(ctx, workload, costs) if lb == "50%")
+        ctx.run_row("compressed", {"workload": name, "budget": label},
+                    lambda: _compressed_row(ctx, master, workload, inputs, costs, int(budget), shared))
     shared.clear()  # the resident model goes before the depth sweep builds its three copies
     free_memory()
     if depth_sweep:
@@ -451,6 +523,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                          + (f", {row['x_ideal']:.3f}x ideal, {row['x_floor']:.3f}x floor" if row.get("x_ideal") else "")
                          + (f", pass {row['pass']}" if row.get("pass") is not None else "")
                          + (f" ({row['note']})" if row.get("note") else ""))
+        elif row.get("x_raw") is not None:
+            lines.append(f"{row['workload']} {row['budget']} compressed: plan {row['plan']} {row['ms']:.2f} ms = "
+                         f"{row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
+                         + (f", {row['x_floor']:.3f}x floor" if row.get("x_floor") else "")
+                         + (f", pass {row['pass']}" if row.get("pass") is not None else ""))
         elif row.get("depth") in DEPTHS[1:] and row.get("x_depth1") is not None:
             lines.append(f"{row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1 "
                          f"(rounds {row['ratio_lo']:.3f}..{row['ratio_hi']:.3f})")
