@@ -398,6 +398,10 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
     from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 
     coded_costs = dataclasses.replace(costs, transfer_bytes=tuple(estimate_transfer_bytes(_ring(workload, master))))
+    if not ctx.cuda:  # the host decoder is what a coded copy costs there, far below the GPU kernel's rate
+        from fastoffload_ext.planning.calibration import measure_host_decode_gbps
+
+        coded_costs = dataclasses.replace(coded_costs, decode_gbps=measure_host_decode_gbps())
     raw_plan, coded_plan = plan_offload(costs, budget), plan_offload(coded_costs, budget)
     live: dict[str, Config] = {}
     try:

@@ -284,6 +284,33 @@ def fit_block_overhead(costs: BlockCosts, measured: Measurement, resident: Colle
     return max(0.0, value)
 
 
+DECODE_PROBE_BYTES = 8 * 1024**2
+
+
+def measure_host_decode_gbps(*, nbytes: int = DECODE_PROBE_BYTES, repeats: int = 3) -> float:
+    """The host decoder's output rate (GB/s), median of ``repeats``: what a compressed copy costs with the
+    host as the device. Cached per process. (On CUDA the decode kernel runs at HBM speed beside the copy,
+    and the cost table keeps its default.)"""
+    key = f"decode/{nbytes}"
+    if key in _BANDWIDTH_CACHE:
+        return _BANDWIDTH_CACHE[key]
+    from fastoffload_ext import _backend
+
+    core = _backend.require_ext()
+    generator = torch.Generator().manual_seed(0)
+    values = (torch.randn(nbytes // 2, generator=generator) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    coded = core.codec_encode(values, [(0, values.numel(), True)])
+    times = []
+    for index in range(repeats + 1):
+        begin = time.perf_counter()
+        core.codec_decode(coded)
+        if index:  # the first decode pays first-touch of its output
+            times.append(time.perf_counter() - begin)
+    gbps = nbytes / (statistics.median(times) * 1e9)
+    _BANDWIDTH_CACHE[key] = gbps
+    return gbps
+
+
 # A simulated gap this short means the block's copy was ready when the block before it ended.
 HIDDEN_GAP_MS = 1e-3
 
@@ -310,6 +337,8 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
     costs = BlockCosts(measured.block_ms, tuple(block_bytes), bandwidth, other_ms=measured.other_ms,
                        activation_bytes=activation, overlap=device.type == "cuda", calibrated=True,
                        transfer_bytes=moved)
+    if costs.compressed and device.type == "cpu":
+        costs = dataclasses.replace(costs, decode_gbps=measure_host_decode_gbps())
     if depth is not None:
         overhead = fit_block_overhead(costs, measured, resident, depth, cyclic)
         costs = dataclasses.replace(costs, block_overhead_ms=overhead)
@@ -321,4 +350,4 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
 
 __all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
            "cached_h2d_gbps", "calibrate_costs", "fit_block_overhead", "measure_blocks", "measure_h2d_gbps",
-           "probe_bytes_for", "spread_of"]
+           "measure_host_decode_gbps", "probe_bytes_for", "spread_of"]
