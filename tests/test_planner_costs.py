@@ -186,19 +186,24 @@ def test_sampled_estimate_errs_high_by_little() -> None:
 def test_compressed_planned_model_is_bit_exact_and_plans_with_the_engine_bytes() -> None:
     pytest.importorskip("fastoffload_ext._C")
     model, reference, x = _pair(6)
-    block = module_packed_bytes(model.blocks[0])
+    raws = [module_packed_bytes(b) for b in model.blocks]
+    block = raws[0]
     group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", compress=True,
                                         device_budget=4 * block, activation_reserve=0)
     plan = group.stats()["plan"]
     assert plan["compressed"] and plan["host_bytes"] == sum(_engine_bytes(group))  # re-checked after the encode
+    before = dict(zip(group.offloaded_indices, _engine_bytes(group)))
     with torch.inference_mode():
         expected = reference(x)
         assert torch.equal(model(x), expected)
         costs = group.calibrate(lambda: model(x))
     group = fo.get_offload_group(model)
     assert costs.compressed and costs.block_overhead_ms >= 0.0
-    offloaded = [b for b in range(6) if b not in set(group.plan.resident)]
-    assert [costs.moved_bytes(b) for b in offloaded] == _engine_bytes(group)
+    for block, real in zip(group.offloaded_indices, _engine_bytes(group)):
+        if block in before:  # offloaded while calibrating: the engine's own figure
+            assert costs.moved_bytes(block) == real == before[block]
+        else:  # resident while calibrating: the sampled estimate, a little high
+            assert real <= costs.moved_bytes(block) <= real + 0.02 * raws[block]
     with torch.inference_mode():
         assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     fo.disable_layerwise_offload(model, "cpu")
@@ -223,3 +228,9 @@ def test_compression_fits_a_host_budget_that_raw_copies_do_not() -> None:
     assert group.stats()["pinned_bytes"] <= host_budget
     with torch.inference_mode():
         assert torch.equal(model(x), reference(x)) and torch.equal(model(x), reference(x))
+
+
+def test_ties_go_to_the_evenly_spread_resident_set() -> None:
+    costs = BlockCosts([1.4] * 30, [87 * MiB] * 30, GBPS, other_ms=1.5)
+    plan = plan_offload(costs, 17 * 87 * MiB)
+    assert plan.resident == tuple(range(0, 30, 2)) and plan.prefetch_depth == 1

@@ -2,11 +2,12 @@
 
 It is a pure function of its inputs. Every candidate (resident set, depth) is scored by the pipeline
 simulation (``simulate.py``) and must fit: resident bytes + (depth + 1) slots of the largest offloaded
-block + the activation reserve within the device budget, and the offloaded blocks' host copies within
-the host budget. The fastest predicted candidate wins. Equal predictions go to the one that keeps more
-bytes resident (what the simulation leaves out, the per-block hook cost and the copies' pressure on
-memory bandwidth, only ever favours residency), then to less device memory, then to the shallower
-prefetch.
+block (+ staging for compressed copies) + the activation reserve within the device budget, and the
+offloaded blocks' host copies within the host budget. The fastest predicted candidate wins. Equal
+predictions go to the one predicted fastest with copies 10 % slower (slack in the copy windows), then
+to the one that keeps more bytes resident (what the simulation leaves out, the copies' pressure on
+memory bandwidth, only ever favours residency), then to the shortest run of offloaded blocks in a row,
+then to less device memory, then to the shallower prefetch.
 
 Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
 count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
@@ -16,6 +17,7 @@ time. The candidate list does not depend on the budget, so a larger budget never
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,6 +35,10 @@ DEFAULT_MAX_DEPTH = 3
 EXHAUSTIVE_LIMIT = 8
 GREEDY_LIMIT = 32
 _TIE_MS = 1e-6  # predictions closer than this are equal (float noise of the simulation)
+# Equal predictions go to the layout that loses least when copies run this much slower: several
+# layouts often tie (every copy hidden, or the step bound by the same total), and the one with slack
+# in its copy windows is the one a drifting host does not push over.
+SLOW_COPY_FACTOR = 1.1
 
 
 def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int, int, int]:
@@ -52,6 +58,16 @@ def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[in
 @functools.lru_cache(maxsize=1 << 16)
 def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) -> float:
     return simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
+
+
+def _longest_run(resident: frozenset[int], n: int) -> int:
+    """The most offloaded blocks in a row (around the wrap): among equal predictions the layout whose
+    copies each have a resident block's compute nearby is the one real jitter hurts least."""
+    longest = run = 0
+    for index in range(2 * n):  # twice round, so a run across the wrap is counted whole
+        run = 0 if (index % n) in resident else run + 1
+        longest = max(longest, min(run, n))
+    return longest
 
 
 def _even(n: int, count: int, offset: float) -> frozenset[int]:
@@ -209,7 +225,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
     fixed = frozenset(resident) if resident is not None else None
     depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
-    best: tuple[tuple[float, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
     scored = 0
     for depth in depths:
         sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
@@ -221,7 +238,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                 continue
             scored += 1
             ms = _score(costs, chosen, depth, cyclic)
-            key = (round(ms / _TIE_MS) * _TIE_MS, -resident_bytes, device, depth, tuple(sorted(chosen)))
+            key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
+                   -resident_bytes, _longest_run(chosen, costs.blocks), device, depth, tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:

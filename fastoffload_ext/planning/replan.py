@@ -20,6 +20,7 @@ from typing import Any
 
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs
+from fastoffload_ext.planning.compressed import estimate_block
 from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
 from fastoffload_ext.planning.planner import plan_offload
 
@@ -38,13 +39,17 @@ def transfer_bytes(group: Any, sizes: list[int]) -> list[int]:
     """What each block's copy moves now: the engine's compressed bytes for blocks it sends coded.
 
     Read after the calibration step, so a ``compress="auto"`` engine has decided; a block still
-    measuring counts raw, and so does a resident block (it has no host copy to measure), so a re-plan
-    that offloads it errs towards the raw bytes until the next calibration.
+    measuring counts raw. A resident block has no host copy to measure: with ``compress=True`` it
+    counts the sampled estimate (``compressed.py``), with "auto" raw (the engine decides later).
     """
     moved = list(sizes)
     engine = group.engine
-    if engine is None or getattr(group, "compress_mode", "off") == "off":
+    mode = getattr(group, "compress_mode", "off")
+    if engine is None or mode == "off":
         return moved
+    if mode == "on":
+        for index in group.resident:
+            moved[index] = estimate_block(group.blocks[index])
     for index, state in zip(group.offloaded_indices, group.states):
         handle = getattr(state, "handle", None)
         if handle is None or engine.is_removed(handle):
