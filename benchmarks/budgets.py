@@ -31,6 +31,7 @@ only bit-equality and the planner's choice mean anything; memory, ideal and floo
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -392,15 +393,12 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
     (``planning.compressed``); enable then re-checks it with the engine's real sizes, and the row
     reports the re-checked plan.
     """
-    import dataclasses
-
     from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning.calibration import measure_host_decode_gbps
     from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 
     coded_costs = dataclasses.replace(costs, transfer_bytes=tuple(estimate_transfer_bytes(_ring(workload, master))))
     if not ctx.cuda:  # the host decoder is what a coded copy costs there, far below the GPU kernel's rate
-        from fastoffload_ext.planning.calibration import measure_host_decode_gbps
-
         coded_costs = dataclasses.replace(coded_costs, decode_gbps=measure_host_decode_gbps())
     raw_plan, coded_plan = plan_offload(costs, budget), plan_offload(coded_costs, budget)
     live: dict[str, Config] = {}
