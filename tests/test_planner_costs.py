@@ -234,3 +234,32 @@ def test_ties_go_to_the_evenly_spread_resident_set() -> None:
     costs = BlockCosts([1.4] * 30, [87 * MiB] * 30, GBPS, other_ms=1.5)
     plan = plan_offload(costs, 17 * 87 * MiB)
     assert plan.resident == tuple(range(0, 30, 2)) and plan.prefetch_depth == 1
+
+
+@pytest.mark.cuda
+def test_cuda_compressed_plan_counts_the_staging_and_stays_within_the_budget() -> None:
+    model, reference, _ = make_pair(12, torch.bfloat16, d=D)
+    reference.to("cuda")
+    place_outside_blocks(model, "cuda")
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    block = module_packed_bytes(model.blocks[0])
+    reserve = 256 * 1024  # activations of a 2x5x128 input and the allocator's rounding of each tensor
+    budget = 6 * block + reserve
+    with torch.inference_mode():
+        want = reference(x)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    group = fo.enable_layerwise_offload(model, device="cuda", backend="ext", compress=True, device_budget=budget,
+                                        activation_reserve=reserve)
+    plan = group.plan
+    assert plan.compressed and plan.staging_bytes > 0 and plan.device_bytes <= budget
+    assert plan.host_bytes == sum(_engine_bytes(group))
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    fo.disable_layerwise_offload(model, "cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q.to(p.device)), name
