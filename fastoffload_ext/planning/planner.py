@@ -62,7 +62,8 @@ def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) 
 
 def _longest_run(resident: frozenset[int], n: int) -> int:
     """The most offloaded blocks in a row (around the wrap): among equal predictions the layout whose
-    copies each have a resident block's compute nearby is the one real jitter hurts least."""
+    copies each have a resident block's compute nearby is the one real jitter hurts least. Only for
+    measured tables: a bytes-only plan keeps the first blocks, as ``resident_blocks=N`` does."""
     longest = run = 0
     for index in range(2 * n):  # twice round, so a run across the wrap is counted whole
         run = 0 if (index % n) in resident else run + 1
@@ -239,7 +240,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
             scored += 1
             ms = _score(costs, chosen, depth, cyclic)
             key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
-                   -resident_bytes, _longest_run(chosen, costs.blocks), device, depth, tuple(sorted(chosen)))
+                   -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
+                   tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:
