@@ -263,3 +263,17 @@ def test_cuda_compressed_plan_counts_the_staging_and_stays_within_the_budget() -
     fo.disable_layerwise_offload(model, "cpu")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q.to(p.device)), name
+
+
+def test_a_fixed_layout_with_compression_is_checked_against_the_coded_host_bytes() -> None:
+    pytest.importorskip("fastoffload_ext._C")
+    model, reference, x = _pair(4)
+    block = module_packed_bytes(model.blocks[0])
+    host_budget = int(3.5 * block)  # four raw copies do not fit, four coded ones (~0.76 each) do
+    raw_model, _, _ = _pair(4)
+    with pytest.raises(OffloadConfigError, match=re.escape("more than host_budget")):
+        fo.enable_layerwise_offload(raw_model, device="cpu", backend="ext", host_budget=host_budget)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", compress=True, host_budget=host_budget)
+    assert group.plan is None and len(group.states) == 4
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))

@@ -108,10 +108,15 @@ def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torc
 
 
 def _check_host(host_budget: int | None, blocks: Sequence[nn.Module], resident: tuple[int, ...],
-                explicit: bool) -> None:
+                explicit: bool, compress: str = "off") -> None:
     if host_budget is None:
         return
-    need = sum(module_packed_bytes(block) for i, block in enumerate(blocks) if i not in set(resident))
+    offloaded = [block for i, block in enumerate(blocks) if i not in set(resident)]
+    need = sum(map(module_packed_bytes, offloaded))
+    if need > host_budget and compress == "on":
+        # compress=True keeps only the coded copies on the host ("auto" holds both while it measures);
+        # sampled only when the raw bytes would not fit, so enable pays for it only then.
+        need = sum(estimate_transfer_bytes(offloaded))
     if need > host_budget:
         source = "host_budget" if explicit else "the host memory this process may use"
         raise OffloadConfigError(
@@ -142,7 +147,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     if not planned:
         fixed = resident if isinstance(resident, tuple) else ()
         _, host, _ = _budgets(settings, blocks, device, costs)
-        _check_host(host, blocks, fixed, settings["host_budget"] != AUTO)
+        _check_host(host, blocks, fixed, settings["host_budget"] != AUTO, compress)
         return Layout(fixed, 1 if depth is None else int(depth), None, settings)
     if settings["device_budget"] is None:
         settings["device_budget"] = AUTO  # "auto" residency or depth without a budget: what the device has free
