@@ -74,7 +74,8 @@ TABLES = {
               "(interleaved rounds), median ms",
         columns=[
             Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
-            Column("raw_plan", "raw plan"), Column("plan", "coded plan"), Column("raw_moved_mib", "raw moved MiB", ".0f"),
+            Column("raw_plan", "raw plan"), Column("plan", "coded plan"),
+            Column("raw_moved_mib", "raw moved MiB", ".0f"),
             Column("moved_mib", "coded moved MiB", ".0f"), Column("predicted_ms", "pred ms", ".2f"),
             Column("ms", "ms", ".2f"), Column("raw_ms", "raw ms", ".2f"), Column("x_raw", "x raw plan", ".3f"),
             Column("x_floor", "x floor", ".3f"), Column("peak_mib", "peak MiB", ".0f"),
@@ -412,7 +413,8 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
         timers[RESIDENT] = shared["resident_timer"](iters)
         rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
         applied = live["coded"].group.plan
-        row = dict(budget_mib=budget / MiB, raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
+        row = dict(budget_mib=budget / MiB,
+                   raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
                    plan=f"{len(applied.resident)}/{applied.blocks} d{applied.prefetch_depth}",
                    raw_moved_mib=raw_plan.host_bytes / MiB, moved_mib=applied.host_bytes / MiB,
                    compressed_blocks=applied.compressed_blocks, predicted_ms=applied.predicted_step_ms,

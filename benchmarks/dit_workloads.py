@@ -41,7 +41,8 @@ def _workload(ctx: Context, spec: Any, name: str, label: str, tokens: int) -> Wo
         return (), {**spec.inputs(config, tokens, device), "return_dict": False}
 
     info = {"tokens": tokens, "regime": label, "block_lists": spec.block_lists}
-    return Workload(name=f"{name}{'' if ctx.cuda else '-cpu'} {tokens}t", character=f"diffusers {spec.cls_name}, {tokens} tokens ({label})",
+    return Workload(name=f"{name}{'' if ctx.cuda else '-cpu'} {tokens}t",
+                    character=f"diffusers {spec.cls_name}, {tokens} tokens ({label})",
                     build_host=build, make_inputs=make_inputs, output=lambda out: out[0], target=None, info=info)
 
 

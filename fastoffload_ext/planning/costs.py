@@ -78,7 +78,8 @@ class BlockCosts:
             raise OffloadConfigError(f"fastoffload: BlockCosts block_overhead_ms and copy_latency_ms must be >= 0, got "
                                      f"{self.block_overhead_ms} and {self.copy_latency_ms}")
         if not self.decode_gbps > 0:
-            raise OffloadConfigError(f"fastoffload: BlockCosts decode_gbps must be > 0 (GB/s), got {self.decode_gbps!r}")
+            raise OffloadConfigError(f"fastoffload: BlockCosts decode_gbps must be > 0 (GB/s), got "
+                                     f"{self.decode_gbps!r}")
         if len(self.compute_ms) != len(self.block_bytes):
             raise OffloadConfigError(f"fastoffload: BlockCosts needs one compute time per block: got "
                                      f"{len(self.compute_ms)} compute times for {len(self.block_bytes)} blocks")
