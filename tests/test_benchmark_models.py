@@ -3,13 +3,17 @@ ext bit-equal, every GPU-only peer row saying why it did not run; and its summar
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
 from benchmarks import models, peers  # noqa: E402
+from benchmarks.phases import PhaseLog  # noqa: E402
 from benchmarks.utils import Context, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
@@ -89,3 +93,75 @@ def test_stub_modules_can_be_subclassed_called_and_used_as_decorators() -> None:
     assert issubclass(Derived, base) and Derived().anything is not None
     with pytest.raises(AttributeError):
         stub.__file__  # noqa: B018
+
+
+def _tiny_wan() -> torch.nn.Module:
+    ctx = Context("models", Options(device="cpu", progress=False), os.devnull)
+    try:
+        return models.build_master(models.MODELS["wan-1.3b"], ctx)
+    finally:
+        ctx.close()
+
+
+def test_a_host_copy_moves_only_the_listed_block_lists_and_keeps_every_value() -> None:
+    master = _tiny_wan()
+    copied = models.host_copy(master, ["blocks"])
+    assert copied is not master
+    mine, theirs = dict(copied.state_dict(keep_vars=True)), master.state_dict(keep_vars=True)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]) and tensor.data_ptr() != theirs[name].data_ptr(), name
+    assert all(param.device.type == "cpu" for param in copied.blocks.parameters())
+
+
+def _run_for(spec: models.ModelSpec, elapsed_s: float) -> models.ModelRun:
+    log = PhaseLog("models", echo=False)
+    log.started -= elapsed_s
+    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log)
+
+
+def _cuda_ctx() -> Context:
+    ctx = Context("models", Options(device="cpu", progress=False), os.devnull)
+    ctx.cuda = True  # the reasons are decided before anything touches a device
+    return ctx
+
+
+def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(models.ENV_PEERS, raising=False)
+    run = _run_for(models.MODELS["wan-14b"], 0.0)
+    by_name = {peer.name: peer for peer in peers.PEERS}
+    ctx = _cuda_ctx()
+    try:
+        assert models._peer_skip_reason(ctx, run, by_name["sglang"], 480.0) is None
+        reason = models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0)
+        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one 600 s")
+        assert "BENCHMARK_MODEL_PEERS=all runs it" in reason
+        monkeypatch.setenv(models.ENV_PEERS, "all")
+        assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
+    finally:
+        ctx.close()
+
+
+def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
+    run = _run_for(models.MODELS["flux"], 500.0)
+    ctx = _cuda_ctx()
+    try:
+        reason = models._peer_skip_reason(ctx, run, peers.PEERS[0], 480.0)
+    finally:
+        ctx.close()
+    assert reason is not None and reason.startswith("not run: the section's time budget (480 s, "
+                                                    "BENCHMARK_MODELS_BUDGET_S) was spent after 50")
+
+
+def test_peers_are_set_up_strongest_first() -> None:
+    assert [peer.name for peer in models._peers_in_run_order()] == list(models.RUN_ORDER)
+    assert set(models.RUN_ORDER) == {peer.name for peer in peers.PEERS}
+
+
+def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    log = PhaseLog("models")
+    line = log.mark("wan-14b: master built")
+    assert re.fullmatch(r"\[models \d\d:\d\d:\d\d \+\d+s\] rss \d+\.\d GB \(high-water \d+\.\d GB\)"
+                        r"( gpu \d+\.\d GB)?: wan-14b: master built", line), line
+    assert capsys.readouterr().err.strip() == line
+    assert log.summary().startswith("models: host RSS peak ") and log.summary().endswith("wan-14b: master built")
