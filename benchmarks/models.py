@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.interleave import Interleaved, run_interleaved
 from benchmarks.phases import PhaseLog
@@ -274,6 +275,8 @@ class ModelRun:
     ext_peak: dict[str, int] = field(default_factory=dict)
     ext_equal: dict[str, bool] = field(default_factory=dict)
     activations: dict[str, int] = field(default_factory=dict)
+    # Torch's numerics switches when the references were computed; every peer runs under them too.
+    settings: dict[str, Any] = field(default_factory=peer_diff.numerics_settings)
 
 
 def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: PhaseLog) -> ModelRun:
@@ -387,10 +390,24 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     run.log.mark(f"{name} {peer.name}: host copy")
     holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
     run.log.mark(f"{name} {peer.name}: set up")
+    changed = peer_diff.settings_changed(run.settings, peer_diff.numerics_settings())
+    if changed:
+        # Measured under its own switches, its rows (and the resident and ext rounds beside them) would
+        # differ for a reason that is not offload.
+        holder["notes"].append(f"its set-up changed torch's numerics ({changed}); put back for its rows")
+        peer_diff.restore_settings(run.settings)
     holder["extra"] = {f"{peer.name}|{label}": _forward(holder["model"], inputs) for label, inputs in run.inputs.items()}
     equal = {label: bool(torch.equal(holder["extra"][f"{peer.name}|{label}"]().to("cpu"), run.references[label]))
              for label in run.inputs}
     run.log.mark(f"{name} {peer.name}: bit-equal checked")
+    unequal = [label for label in run.inputs if not equal[label]]
+    if unequal:
+        label = unequal[0]
+        why = peer_diff.first_difference(run.master, _forward(run.master, run.inputs[label]),
+                                         holder["extra"][f"{peer.name}|{label}"])
+        holder["notes"].append(f"not bit-equal: {why}")
+        free_memory()  # the resident trace
+        run.log.mark(f"{name} {peer.name}: first difference traced")
     result = _session(ctx, run, holder["extra"])
     run.log.mark(f"{name} {peer.name}: timed")
     return equal, result
@@ -402,7 +419,10 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
         if teardown is not None:
             teardown()
     finally:
+        notes = holder.get("notes", [])
         holder.clear()
+        holder["notes"] = notes
+        peer_diff.restore_settings(run.settings)  # a teardown may leave switches of its own behind
         free_memory()
         empty_host_cache()  # pinned blocks a peer took through torch's host allocator
         run.log.mark(f"{run.spec.name} {peer.name}: released")
@@ -414,7 +434,7 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, budget_s: fl
     skipped = _peer_skip_reason(ctx, run, peer, budget_s)
     if skipped is not None:
         return [(row, None, skipped, None) for row in labels.values()]
-    holder: dict[str, Any] = {}
+    holder: dict[str, Any] = {"notes": []}
     try:
         equal, result = _peer_session(ctx, run, peer, holder)
     except peer_setups.PeerUnavailable as error:
@@ -424,7 +444,7 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, budget_s: fl
         return [(row, None, None, error) for row in labels.values()]
     finally:
         _release(holder, run, peer)
-    notes = [peer.how]
+    notes = [peer.how, *holder["notes"]]
     if peer.name == "sglang" and peer_setups.STUBBED.get("sglang"):
         notes.append("stubbed (absent, not on its offload path): " + ", ".join(peer_setups.STUBBED["sglang"]))
     rows: list[PendingRow] = []
