@@ -21,9 +21,12 @@ offloader at a time; a peer's model, hooks and pinned blocks are freed before th
 host then holds ext's pinned copy plus one peer's copies (pageable and pinned): about 2-3x the model.
 Every phase prints a line with the time, host RSS and GPU memory to stderr (a killed run shows where
 it was) and the phases go into the notes. Peers are set up strongest first; the 14B model runs only
-FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all), and once
-``BENCHMARK_MODELS_BUDGET_S`` seconds (default 480) have passed no further peer starts; skipped peers
-have rows saying why.
+FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all). The section has
+``BENCHMARK_MODELS_BUDGET_S`` seconds (default 480); at each model's start what is left is split evenly
+over the models still to run, and once a model's share is spent no further peer of it starts. Skipped
+peers have rows saying why. A peer that is not bit-equal gets, in its note, the first traced op where
+its forward parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches
+are compared and put back around every peer.
 
 Rows per model and token count: ``resident``, ``floor`` (max(resident, offloaded bytes / peak H2D)),
 ``ext`` (``enable_layerwise_offload`` with default settings, eager), and the peers of
@@ -368,16 +371,16 @@ def _ratio(values: list[float]) -> tuple[float, str]:
 PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception | None]
 
 
-def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, budget_s: float) -> str | None:
+def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> str | None:
     if not ctx.cuda:
         return "needs a CUDA device"
     wanted = run.spec.peers
     if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
         return (f"not run on {run.spec.name} so that the section fits one 600 s GPU command (each peer needs its "
                 f"own host copy, pinned, and rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
-    if run.log.elapsed_s() > budget_s:
-        return (f"not run: the section's time budget ({budget_s:.0f} s, {ENV_BUDGET}) was spent after "
-                f"{run.log.elapsed_s():.0f} s; the stronger peers ran first")
+    if run.log.elapsed_s() > deadline_s:
+        return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ended at "
+                f"{deadline_s:.0f} s and it was {run.log.elapsed_s():.0f} s; the stronger peers ran first")
     return None
 
 
@@ -428,10 +431,10 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
         run.log.mark(f"{run.spec.name} {peer.name}: released")
 
 
-def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, budget_s: float) -> list[PendingRow]:
+def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> list[PendingRow]:
     labels = {label: {"model": run.spec.name, "tokens": _tokens_label(run, label), "backend": peer.name}
               for label in run.inputs}
-    skipped = _peer_skip_reason(ctx, run, peer, budget_s)
+    skipped = _peer_skip_reason(ctx, run, peer, deadline_s)
     if skipped is not None:
         return [(row, None, skipped, None) for row in labels.values()]
     holder: dict[str, Any] = {"notes": []}
@@ -520,7 +523,7 @@ def _peers_in_run_order() -> list[peer_setups.Peer]:
     return sorted(peer_setups.PEERS, key=lambda peer: rank.get(peer.name, len(rank)))
 
 
-def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None, budget_s: float) -> None:
+def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None, deadline_s: float) -> None:
     try:
         model_run = _prepare(ctx, spec, enable_layerwise_offload, log)
     except Exception as error:
@@ -532,7 +535,7 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
     ctx.progress.finish()
     pending: list[PendingRow] = []
     for peer in _peers_in_run_order():
-        pending.extend(_peer_rows(ctx, model_run, peer, budget_s))
+        pending.extend(_peer_rows(ctx, model_run, peer, deadline_s))
         ctx.progress.finish()
     own = _own_rows(ctx, model_run, peak, ctx.options.prefetch_depth, pending)
     order = {peer.name: index for index, peer in enumerate(peer_setups.PEERS)}
@@ -555,11 +558,15 @@ def run(ctx: Context) -> None:
     if not ctx.cuda:
         ctx.note("no CUDA device: tiny configs of the same classes on the host (device='cpu'); resident and ext "
                  "only, for the bit-equal column; the peers need a GPU")
-    log = PhaseLog("models", echo=ctx.options.progress)
+    log = PhaseLog("models", echo=ctx.options.progress or ctx.cuda)  # on a GPU a killed run must show where it was
     budget_s = _budget_s(ctx)
     ctx.progress.add(len(specs) * (len(peer_setups.PEERS) + 1))
-    for spec in specs:
-        _run_model(ctx, spec, log, peak, budget_s)
+    for index, spec in enumerate(specs):
+        # What is left of the budget, split evenly over the models still to run: time a small model
+        # does not use goes to the large ones after it, and no model's peers can starve the next's.
+        deadline_s = log.elapsed_s() + max(0.0, budget_s - log.elapsed_s()) / (len(specs) - index)
+        log.mark(f"{spec.name}: peers may start until +{deadline_s:.0f}s")
+        _run_model(ctx, spec, log, peak, deadline_s)
         free_memory()
         empty_host_cache()
         log.mark(f"{spec.name}: done, freed")
