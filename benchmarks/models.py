@@ -213,6 +213,11 @@ def build_master(spec: ModelSpec, ctx: Context) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
+    """:func:`build_master`, then on the host (for sections that want a host model to copy from)."""
+    return build_master(spec, ctx).to("cpu")
+
+
 def host_copy(master: nn.Module, lists: list[str] | None = None) -> nn.Module:
     """A copy of ``master`` with the listed block lists (all of it when None) on the host, the rest where
     ``master`` is. The copy is made on the device and moved tensor by tensor, so the host never holds
