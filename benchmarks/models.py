@@ -22,7 +22,7 @@ host then holds ext's pinned copy plus one peer's copies (pageable and pinned): 
 Every phase prints a line with the time, host RSS and GPU memory to stderr (a killed run shows where
 it was) and the phases go into the notes. Peers are set up strongest first; the 14B model runs only
 FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all). The section has
-``BENCHMARK_MODELS_BUDGET_S`` seconds (default 480); at each model's start what is left is split evenly
+``BENCHMARK_MODELS_BUDGET_S`` seconds (default 420); at each model's start what is left is split evenly
 over the models still to run, and once a model's share is spent no further peer of it starts. Skipped
 peers have rows saying why. A peer that is not bit-equal gets, in its note, the first traced op where
 its forward parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches
@@ -91,7 +91,7 @@ ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all": every peer on every model, also wh
 ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
 # Seconds from the section's start after which no further peer is set up (its rows say so): the whole
 # section must fit one GPU command of 600 s together with the bandwidth section and the start-up.
-DEFAULT_BUDGET_S = 480.0
+DEFAULT_BUDGET_S = 420.0
 # Peers in the order they are set up: the strongest first, so a spent time budget cuts the weakest.
 RUN_ORDER = ("fastvideo", "sglang", "diffusers", "mmgp", "diffusers leaf", "accelerate")
 # On a 28 GB model each peer costs a host copy, its pinning and its rounds: only the strongest run.
