@@ -38,7 +38,8 @@ if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
     pip_install "${wheels[@]}" diffusers transformers accelerate sentencepiece \
       || echo "setup: could not install diffusers/transformers (offline?); their tests skip" >&2
   fi
-  if ! have fastvideo; then
+  # Installed or not, by its files: importing it needs the modules below, which may be what is missing.
+  if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fastvideo') is None)" 2>/dev/null; then
     tv_minor=$(( $("$PY" -c "import torch; print(torch.__version__.split('.')[1])") + 15 ))
     pip_install "${wheels[@]}" --no-deps fastvideo==0.2.1 "torchvision==0.${tv_minor}.*" \
       || echo "setup: could not install fastvideo (offline?); its tests skip" >&2
