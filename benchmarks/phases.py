@@ -43,5 +43,6 @@ class PhaseLog:
 
     def summary(self) -> str:
         """One line for the notes: every phase's RSS, and the largest seen."""
+        # Without the wall-clock stamp (the elapsed seconds say when) and the section name.
         return f"{self.name}: host RSS peak {self.peak_rss / GB:.1f} GB; phases: " + " | ".join(
-            line.split("] ", 1)[-1] for line in self.lines)
+            line.split(" ", 2)[-1].replace("] ", " ", 1) for line in self.lines)
