@@ -192,6 +192,13 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
     disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
+    # compress=True makes the copies move (and the host pin) the coded bytes: the planner counts those.
+    layout = resolve_layout(list(blocks), device, list_name, compress="on" if compress is True else "off",
+                            resident_blocks=resident_blocks,
+                            prefetch_depth=prefetch_depth, device_budget=device_budget,
+                            host_budget=None if weights is not None else host_budget,
+                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
+    depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
     if compress is True and share_host_copy == "auto":
         share_host_copy = False  # an explicit compress=True wins over sharing by default
@@ -201,12 +208,6 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     if weights is not None and compress_mode != "off":
         raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
                                  "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
-    # The planner needs the codec mode: compressed copies move (and pin) fewer bytes.
-    layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
-                            prefetch_depth=prefetch_depth, device_budget=device_budget,
-                            host_budget=None if weights is not None else host_budget,
-                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic, compress=compress_mode)
-    depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,

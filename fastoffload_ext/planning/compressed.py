@@ -42,11 +42,12 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_ratio(tensor: torch.Tensor) -> float:
     """The coded / raw ratio the engine's codec reaches on ``tensor`` (1.0: it travels raw)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES:
-        return 1.0
     from fastoffload_ext import _backend
 
+    nbytes = tensor.numel() * tensor.element_size()
+    # Without the compiled core nothing is compressed (enable refuses compress=True there itself).
+    if tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES or not _backend.ext_available():
+        return 1.0
     core = _backend.require_ext()
     raw = _sample(tensor)
     coded = core.codec_encode(raw, [(0, raw.numel(), True)], max_ratio=MAX_RATIO, min_bytes=MIN_BYTES)
