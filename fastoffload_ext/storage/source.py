@@ -26,7 +26,7 @@ from fastoffload_ext import _backend
 from fastoffload_ext.errors import CheckpointError
 from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
 from fastoffload_ext.storage.options import DiskOptions
-from fastoffload_ext.storage.tiers import TierPlan, check_host_budget, plan_tiers
+from fastoffload_ext.storage.tiers import TierPlan, plan_tiers, resolve_host_budget
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,18 @@ class CheckpointSource:
     # Before anything changes.
     @classmethod
     def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, offloaded: list[int], weights: Any,
-                host_budget: object, options: DiskOptions | None) -> CheckpointSource:
+                host_budget: object, options: DiskOptions | None,
+                device: torch.device | None = None) -> CheckpointSource:
         options = options if options is not None else DiskOptions()
-        budget = check_host_budget(host_budget)
         checkpoint = open_checkpoint(weights)
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
-        tiers = plan_tiers(block_bytes, budget, options.staging_buffers)
+        # On the host device the resident weights land in host memory too, beside the pinned blocks.
+        on_host = sum(e.nbytes for e in resident.values()) if device is not None and device.type == "cpu" else 0
+        credit = sum(p.numel() * p.element_size() for i in offloaded for p in blocks[i].parameters()
+                     if p.device.type == "cpu")
+        budget = resolve_host_budget(host_budget, on_host, credit)
+        tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         return cls(checkpoint, sources, resident, tiers, options)
 
@@ -192,10 +197,15 @@ class CheckpointSource:
             module._buffers[leaf] = load()
 
     def start(self, engine: Any) -> None:
-        """Waits for the host tier's pinning (overlapped with the reads) and starts the disk tier, if any."""
-        engine.finish_loading()
+        """Waits for the host tier's reads and pins, and starts the disk tier, if any.
+
+        The blocks' reads were only queued while the blocks were attached; with a disk tier, its staging
+        ring is allocated and pinned while they still run, and the engine waits for them after that.
+        """
         if self.tiers.disk:
             engine.start_disk_tier(self.tiers.staging_buffers)
+        else:
+            engine.finish_loading()
 
     def roll_back(self) -> None:
         """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""
