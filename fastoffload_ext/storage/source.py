@@ -24,6 +24,7 @@ from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.errors import CheckpointError
+from fastoffload_ext.planning.budgets import AUTO
 from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.tiers import TierPlan, plan_tiers, resolve_host_budget
@@ -88,14 +89,23 @@ class CheckpointSource:
         checkpoint = open_checkpoint(weights)
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
+        budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
+        tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
+        sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
+        return cls(checkpoint, sources, resident, tiers, options)
+
+    @staticmethod
+    def _host_use(blocks: nn.ModuleList, offloaded: list[int], resident: dict[str, TensorEntry],
+                  device: torch.device | None, host_budget: object) -> tuple[int, int]:
+        """(bytes the build adds to host memory beside the pinned blocks, bytes the blocks hold there now
+        and the build frees): what a measured host budget must leave room for, and may count as free."""
+        if host_budget != AUTO:
+            return 0, 0  # a given budget is taken as it is
         # On the host device the resident weights land in host memory too, beside the pinned blocks.
         on_host = sum(e.nbytes for e in resident.values()) if device is not None and device.type == "cpu" else 0
         credit = sum(p.numel() * p.element_size() for i in offloaded for p in blocks[i].parameters()
                      if p.device.type == "cpu")
-        budget = resolve_host_budget(host_budget, on_host, credit)
-        tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
-        sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
-        return cls(checkpoint, sources, resident, tiers, options)
+        return on_host, credit
 
     @staticmethod
     def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
