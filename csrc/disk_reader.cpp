@@ -194,11 +194,20 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
   for (size_t f : files) check_unchanged(f);
 
   // A job smaller than threads x chunk_bytes is cut finer, so that every worker has a request in flight
-  // (a block of a small model would otherwise be one or two requests).
+  // (a block of a small model would otherwise be one or two requests), unless the queue already holds a
+  // request for every worker (a checkpoint load queues its blocks back to back): then full-size
+  // requests, which the disk serves faster.
   uint64_t total = 0;
   for (const auto& r : *owned) total += r.nbytes;
+  size_t queued = 0;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queued = queue_.size();
+  }
   const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
-  const size_t limit = std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
+  const size_t limit = queued >= workers_.size()
+                           ? chunk_bytes_
+                           : std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
   std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
