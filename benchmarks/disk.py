@@ -153,7 +153,7 @@ def _kvikio_setting(kvikio: Any, name: str, value: Any = None) -> Any:
     """kvikio.defaults' ``name`` (set to ``value`` first when given), across its old and new APIs."""
     defaults = kvikio.defaults
     if value is not None:
-        if hasattr(defaults, "set") and not hasattr(defaults, f"set_{name}"):
+        if hasattr(defaults, "set"):  # newer releases: one setter for every property
             defaults.set(name, value)
         else:
             getattr(defaults, f"set_{name}" if hasattr(defaults, f"set_{name}") else f"{name}_reset")(value)
