@@ -356,9 +356,9 @@ def test_meta_parameter_in_a_later_block_refuses_before_touching_anything(backen
     original = snapshot(model)
     with torch.device("meta"):
         model.blocks[3] = Stack(1).blocks[0]
-    with pytest.raises(ValueError, match=r"^parameter 3\.qkv\.weight is on the meta device and has no values to "
-                                         r"offload; materialize the model first \(e\.g\. to_empty\(device=\.\.\.\) "
-                                         r"then load_state_dict\)$"):
+    with pytest.raises(ValueError, match=r"^fastoffload: parameter 3\.qkv\.weight is on the meta device and has no "
+                                         r"values to offload; materialize the model first \(e\.g\. "
+                                         r"to_empty\(device=\.\.\.\) then load_state_dict\)$"):
         fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     _assert_untouched(model, original, range(3))
     assert not has_hooks(model.blocks[3]) and model.blocks[3].qkv.weight.is_meta

@@ -220,13 +220,14 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
         first = blocks[offloaded[0]] if offloaded else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
-            # FastVideo's exception and text: its callers catch and match them.
-            raise AssertionError(f"Expect hook exists in {options.list_name} for replacement.")
+            # FastVideo's exception type, and its text after the prefix: its callers catch and search for them.
+            raise AssertionError(f"fastoffload: Expect hook exists in {options.list_name} for replacement. Call "
+                                 "enable_layerwise_offload without is_replace=True when no offload is there yet")
         if existing is not None:
             disable_layerwise_offload(model)
     elif existing is not None:
-        raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
-                                 "disable_layerwise_offload(model) first, or pass is_replace=True")
+        raise OffloadConfigError(f"fastoffload: layerwise offload is already enabled on this model ({existing!r}); "
+                                 "call disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
     offset = 0
@@ -375,7 +376,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
     """
     group = get_offload_group(model)
     if group is None:
-        raise OffloadConfigError("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")
+        raise OffloadConfigError("fastoffload: layerwise offload is not enabled on this model (no "
+                                 "enable_layerwise_offload call to undo); call disable only after enable")
     target = group.device if device is None else torch.device(device)
     for state in group.states:
         block = state.module_ref
