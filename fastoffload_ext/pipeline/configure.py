@@ -219,9 +219,32 @@ def _check_layerwise_target(device: torch.device | str | None, options: Mapping[
 def _load_now(name: str, loader: Callable[[], Any]) -> Any:
     component = loader()
     if component is None:
-        raise ValueError(f"fastoffload: loader for component {name} returned None; the loader must return the built "
-                         "component (check for a missing return statement)")
+        raise ValueError(f"fastoffload: loader for component {name} returned None; the loader must return the "
+                         "built component (check for a missing return statement)")
     return component
+
+
+def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device | str | None,
+                     options: dict[str, Any]) -> tuple[LayerwiseAction, Any]:
+    """Layerwise offload of ``target`` as resolved: now, on load (a lazy target), or not; and its result."""
+    if not resolution.get(_LAYERWISE_PATH):
+        return LayerwiseAction.DISABLED, None
+    if target is None:
+        logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "
+                       "pass transformer= to apply_offload_config")
+        return LayerwiseAction.NO_TRANSFORMER, None
+    # Imported here: the engine module is heavier and this module must stay importable without it.
+    from fastoffload_ext.engine.layerwise import enable_layerwise_offload
+
+    if is_lazy_module(target):
+        def offload_on_load(module: Any) -> Any:
+            enable_layerwise_offload(module, device=device, **options)
+            return module
+
+        target.set_materialize_transform(offload_on_load)
+        return LayerwiseAction.ON_LOAD, None
+    layerwise_result = enable_layerwise_offload(target, device=device, **options)
+    return (LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED), layerwise_result
 
 
 def apply_offload_config(
@@ -276,27 +299,7 @@ def apply_offload_config(
     target = transformer
     if not is_lazy_module(transformer) and isinstance(transformer, str):
         target = built[transformer]
-    layerwise_result: Any = None
-    if not resolution.get(_LAYERWISE_PATH):
-        action = LayerwiseAction.DISABLED
-    elif target is None:
-        action = LayerwiseAction.NO_TRANSFORMER
-        logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "
-                       "pass transformer= to apply_offload_config")
-    else:
-        # Imported here: the engine module is heavier and this module must stay importable without it.
-        from fastoffload_ext.engine.layerwise import enable_layerwise_offload
-
-        if is_lazy_module(target):
-            def offload_on_load(module: Any) -> Any:
-                enable_layerwise_offload(module, device=device, **options)
-                return module
-
-            target.set_materialize_transform(offload_on_load)
-            action = LayerwiseAction.ON_LOAD
-        else:
-            layerwise_result = enable_layerwise_offload(target, device=device, **options)
-            action = LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED
+    action, layerwise_result = _apply_layerwise(resolution, target, device, options)
 
     not_applied = tuple(path for path in _NOT_IMPLEMENTED_PATHS if resolution.get(path))
     if not_applied:
