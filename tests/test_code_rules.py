@@ -1,7 +1,8 @@
 """House rules that a reader of the source checks by eye, checked by the source's syntax tree instead.
 
 One error style: every message the package builds for an exception (Python and the compiled core's
-``TORCH_CHECK``) starts with ``fastoffload: ``.
+``TORCH_CHECK``) starts with ``fastoffload: ``. And no function in the package or the benchmark suite
+grows past about 80 lines (its docstring included), so each still reads as one job.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from fastoffload_ext.errors import MESSAGE_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "fastoffload_ext"
+MAX_FUNCTION_LINES = 80
 
 
 def _sources(*folders: str) -> Iterator[tuple[Path, ast.Module]]:
@@ -120,3 +121,19 @@ def test_every_torch_check_message_starts_with_the_prefix() -> None:
 def test_the_torch_check_pattern_reads_a_multi_line_check() -> None:
     source = 'TORCH_CHECK(a.size() == b.size(),\n  "fastoffload: sizes must match, got ", a.size());'
     assert [m.group(1) for m in _TORCH_CHECK.finditer(source)] == ["fastoffload: sizes must match, got "]
+
+
+def long_functions() -> list[str]:
+    """``file:line name (N lines)`` for every function over the limit, its docstring included."""
+    found = []
+    for path, tree in _sources("fastoffload_ext", "benchmarks"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_is_over_80_lines() -> None:
+    assert long_functions() == []
