@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 import fastoffload_ext as fo
-from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager, _backend
+from fastoffload_ext import _backend
 from fastoffload_ext.engine import layerwise as layerwise_module
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
-from ._models import Stack, make_pair, params_equal, place_outside_blocks
+from ._models import Stack, make_pair, offload_hook, params_equal, place_outside_blocks
 from ._trees import has_hooks, mismatches, snapshot
 
 BACKENDS = ["ext", "python"]
@@ -46,12 +46,6 @@ def _setup(n_blocks: int = N_BLOCKS, seed: int = 0):
     with torch.no_grad():
         want = reference(x)
     return model, reference, x, want
-
-
-def _hook(block: nn.Module) -> LayerwiseOffloadHook:
-    hook = ModuleHookManager.get_from(block).get_forward_hook(LayerwiseOffloadHook.name())
-    assert isinstance(hook, LayerwiseOffloadHook)
-    return hook
 
 
 def assert_idle(model: Stack, group: fo.LayerwiseOffloadGroup) -> None:
@@ -189,7 +183,7 @@ def test_enabling_twice_is_refused_and_the_first_offload_keeps_working(backend: 
                                              "is_replace=True"):
             fo.enable_layerwise_offload(model, device="cpu", backend=again, prefetch_depth=3)
     assert fo.get_offload_group(model) is group
-    assert all(_hook(b).state is s for b, s in zip(model.blocks, group.states))
+    assert all(offload_hook(b).state is s for b, s in zip(model.blocks, group.states))
     if group.engine is not None:
         assert group.engine.pool.stats()["in_use_bytes"] == in_use  # no second copy of the weights
     assert_step_exact(model, group, x, want)
@@ -543,7 +537,7 @@ def test_mutate_params_scope_raising_rebuilds_the_host_copy(backend: str, fault:
         model(x)
     block = model.blocks[1]
     with pytest.raises(fault, match="conversion failed"):
-        with _hook(block).mutate_params_scope():
+        with offload_hook(block).mutate_params_scope():
             assert all(p.numel() > 0 for p in block.parameters())
             if when == "after_change":
                 _lora_convert(block)
