@@ -16,6 +16,8 @@ state the expected behaviour (remove the marker once fixed).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -46,6 +48,20 @@ def _setup(n_blocks: int = N_BLOCKS, seed: int = 0):
     with torch.no_grad():
         want = reference(x)
     return model, reference, x, want
+
+
+def _fails_then_recovers(model: Stack, group: fo.LayerwiseOffloadGroup, reference: Stack, x: torch.Tensor,
+                         want: torch.Tensor, where: nn.Module, pre_hook: Any, fault: type[BaseException],
+                         message: str) -> None:
+    """A step whose ``pre_hook`` on ``where`` raises ``fault``: the engine is idle after it, the next
+    step is exact, and disable gives every value back."""
+    handle = where.register_forward_pre_hook(pre_hook)
+    with torch.no_grad(), pytest.raises(fault, match=message):
+        model(x)
+    handle.remove()
+    assert_idle(model, group)
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
 
 
 def assert_idle(model: Stack, group: fo.LayerwiseOffloadGroup) -> None:
@@ -101,13 +117,8 @@ def test_exception_inside_block_forward(backend: str, position: str, depth: int)
         assert all(p.numel() > 0 for p in model.blocks[k].parameters())
         raise InjectedFault(f"fault inside block {k}")
 
-    handle = model.blocks[k].up.register_forward_pre_hook(explode)
-    with torch.no_grad(), pytest.raises(InjectedFault, match=f"fault inside block {k}"):
-        model(x)
-    handle.remove()
-    assert_idle(model, group)
-    assert_step_exact(model, group, x, want)
-    disable_and_check(model, group, reference)
+    _fails_then_recovers(model, group, reference, x, want, model.blocks[k].up, explode, InjectedFault,
+                         f"fault inside block {k}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -124,14 +135,9 @@ def test_keyboard_interrupt_between_blocks(backend: str, position: str) -> None:
         seen["loaded"] = [i for i, b in enumerate(model.blocks) if any(p.numel() > 0 for p in b.parameters())]
         raise KeyboardInterrupt(f"interrupted after block {k}")
 
-    handle = after.register_forward_pre_hook(interrupt)
-    with torch.no_grad(), pytest.raises(KeyboardInterrupt, match=f"interrupted after block {k}"):
-        model(x)
-    handle.remove()
+    _fails_then_recovers(model, group, reference, x, want, after, interrupt, KeyboardInterrupt,
+                         f"interrupted after block {k}")
     assert seen["loaded"] == []  # block k gave its weights back before the interrupt
-    assert_idle(model, group)
-    assert_step_exact(model, group, x, want)
-    disable_and_check(model, group, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
