@@ -51,8 +51,8 @@ def ext_available() -> bool:
 def require_ext() -> ModuleType:
     """The compiled core, or an error that says why it is missing and how to get it."""
     if _C is None:
-        raise RuntimeError(f"fastoffload: backend='ext' needs the compiled core, but {REASON}. "
-                           "Use backend='python' (or 'auto') to run without it.")
+        raise RuntimeError(f"fastoffload: backend='ext' needs the compiled core, but {REASON}. Use backend='python' "
+                           "(or 'auto') to run without it.")
     return _C
 
 

@@ -427,7 +427,8 @@ CASES = [
     Case("device_cuda_99_with_2_gpus",
          lambda env: (env.monkeypatch.setattr(torch.cuda, "is_available", lambda: True),
                       env.monkeypatch.setattr(torch.cuda, "device_count", lambda: 2), env.enable(device="cuda:99")),
-         ValueError, exact("fastoffload: device 'cuda:99' does not exist: 2 CUDA device(s) visible")),
+         ValueError, exact("fastoffload: device 'cuda:99' does not exist: 2 CUDA device(s) visible; pass one of "
+                           "those (or check CUDA_VISIBLE_DEVICES)")),
     # Knobs of the wrong type or spelling.
     Case("prefetch_depth_true", lambda env: env.enable(prefetch_depth=True), ValueError,
          exact("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got True")),

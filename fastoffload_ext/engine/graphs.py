@@ -78,8 +78,8 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
             got = (f"{tuple(fresh.shape)} {fresh.dtype}" if isinstance(fresh, torch.Tensor) else type(fresh).__name__)
             raise OffloadConfigError(f"fastoffload: {where} must match the captured input, {tuple(static.shape)} "
-                                     f"{static.dtype}, got {got}; "
-                             "capture another OffloadedCUDAGraph for other shapes")
+                                     f"{static.dtype}, got {got}; capture another OffloadedCUDAGraph for other "
+                                     "shapes")
         static.copy_(fresh)
     elif isinstance(static, (list, tuple)):
         for i, (s, f) in enumerate(zip(static, fresh, strict=True)):
@@ -89,8 +89,7 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
             _copy_inputs(static[key], fresh[key], f"{where}[{key!r}]")
     elif static != fresh:
         raise OffloadConfigError(f"fastoffload: {where} is not a tensor and differs from the captured value "
-                                 f"({static!r} vs {fresh!r}); "
-                         "capture another graph for it")
+                                 f"({static!r} vs {fresh!r}); capture another graph for it")
 
 
 class OffloadedCUDAGraph:
@@ -104,9 +103,8 @@ class OffloadedCUDAGraph:
                                      "call enable_layerwise_offload(model, backend='ext') first")
         if group.backend != "ext" or group.engine is None:
             raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs backend='ext' (static device slots), but "
-                                     "this model uses "
-                             f"backend={group.backend!r}; the python backend allocates new device tensors every "
-                             "step, which a graph cannot replay")
+                                     f"this model uses backend={group.backend!r}; the python backend allocates new "
+                                     "device tensors every step, which a graph cannot replay")
         if group.device.type != "cuda":
             raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a CUDA device, but offload runs on "
                                      f"{group.device}")
@@ -152,8 +150,8 @@ class OffloadedCUDAGraph:
         """Replay with whatever the static inputs hold now; returns the static output."""
         if self.engine.generation != self.generation:
             raise OffloadStateError("fastoffload: the offloaded model ran eagerly (or was changed) since this graph "
-                                    "was captured, so its "
-                               "slots no longer hold what the graph expects; call recapture() before replaying")
+                                    "was captured, so its slots no longer hold what the graph expects; call "
+                                    "recapture() before replaying")
         self.graph.replay()
         return self.static_output
 

@@ -26,8 +26,8 @@ from fastoffload_ext.errors import OffloadConfigError
 logger = logging.getLogger(__name__)
 
 # FastVideo's wording after the prefix, so that callers searching for it still find it.
-HOOK_EXISTS_ERROR = ("fastoffload: Hook with name {name} is already registered; use replace_forward_hook to swap it, "
-                     "or remove_forward_hook first.")
+HOOK_EXISTS_ERROR = ("fastoffload: Hook with name {name} is already registered; use replace_forward_hook to swap "
+                     "it, or remove_forward_hook first.")
 NO_HOOK_ERROR = "fastoffload: No hook with name {name} found; use append_forward_hook to add it."
 
 

@@ -28,8 +28,8 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
             return name, child
     # FastVideo's text follows the prefix unchanged: callers that search the message for it still find it.
     raise OffloadConfigError("fastoffload: No nn.ModuleList found in the model for layerwise offloading. Keep the "
-                             "blocks in an nn.ModuleList that is a direct child of the model, or name "
-                             "the lists with block_lists=")
+                             "blocks in an nn.ModuleList that is a direct child of the model, or name the lists with "
+                             "block_lists=")
 
 
 def _named_lists(model: nn.Module) -> dict[str, nn.ModuleList]:

@@ -91,9 +91,8 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
         return torch.device("cpu")
     if resolved.type != "cuda":
         raise OffloadConfigError(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: "
-                                 "layerwise offload "
-                                 "moves weights between host memory and a CUDA device ('cpu' runs the same engine with "
-                                 "the host as its device, for tests)")
+                                 "layerwise offload moves weights between host memory and a CUDA device ('cpu' runs "
+                                 "the same engine with the host as its device, for tests)")
     if not torch.cuda.is_available():
         raise OffloadStateError(f"fastoffload: device {str(device)!r} was asked for but CUDA is not available; pass "
                                 "device='cpu' to run the offload engine on the host, or None to skip offloading on "
@@ -101,7 +100,7 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     index = resolved.index if resolved.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
         raise OffloadConfigError(f"fastoffload: device {str(device)!r} does not exist: {torch.cuda.device_count()} "
-                                 "CUDA device(s) visible")
+                                 "CUDA device(s) visible; pass one of those (or check CUDA_VISIBLE_DEVICES)")
     return torch.device("cuda", index)
 
 
@@ -141,7 +140,7 @@ def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_b
     if not isinstance(cyclic, bool):
         raise OffloadConfigError(f"fastoffload: cyclic must be True or False, got {cyclic!r}")
     if pinned_limit_bytes is not None and (not _is_int(pinned_limit_bytes) or pinned_limit_bytes < 0):
-        raise OffloadConfigError(f"fastoffload: pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
+        raise OffloadConfigError("fastoffload: pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
                                  f"{pinned_limit_bytes!r}")
     if pinned_limit_bytes is not None and pinned_limit_bytes > MAX_BYTES:
         raise OffloadConfigError(f"fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got "

@@ -149,8 +149,7 @@ def _check_components(components: Mapping[str, Callable[[], Any]] | None) -> dic
         # is_lazy_module before isinstance: isinstance() on a LazyModule would load it.
         if is_lazy_module(loader):
             raise TypeError(f"fastoffload: components[{name!r}] is already a LazyModule; pass its loader (a "
-                            "zero-argument "
-                            "callable) and apply_offload_config will wrap it when lazy loading is on")
+                            "zero-argument callable) and apply_offload_config will wrap it when lazy loading is on")
         if isinstance(loader, nn.Module):
             raise TypeError(f"fastoffload: components[{name!r}] is a loaded {type(loader).__name__}; pass a loader "
                             f"instead, e.g. components={{{name!r}: build_{name}}} where build_{name}() returns the "
@@ -168,11 +167,11 @@ def _check_transformer(transformer: nn.Module | LazyModule | str | None, loaders
     if isinstance(transformer, str):
         if transformer not in loaders:
             raise ValueError(f"fastoffload: transformer={transformer!r} names no component; components has "
-                             f"{', '.join(map(repr, loaders)) or 'nothing'}. Pass the transformer module, or the "
-                             "key of its loader in components")
+                             f"{', '.join(map(repr, loaders)) or 'nothing'}. Pass the transformer module, or the key "
+                             "of its loader in components")
         return
     if not isinstance(transformer, nn.Module):
-        raise TypeError(f"fastoffload: transformer must be an nn.Module, a LazyModule or the name of a component, got "
+        raise TypeError("fastoffload: transformer must be an nn.Module, a LazyModule or the name of a component, got "
                         f"{type(transformer).__name__}")
 
 
@@ -219,8 +218,8 @@ def _check_layerwise_target(device: torch.device | str | None, options: Mapping[
 def _load_now(name: str, loader: Callable[[], Any]) -> Any:
     component = loader()
     if component is None:
-        raise ValueError(f"fastoffload: loader for component {name} returned None; the loader must return the "
-                         "built component (check for a missing return statement)")
+        raise ValueError(f"fastoffload: loader for component {name} returned None; the loader must return the built "
+                         "component (check for a missing return statement)")
     return component
 
 

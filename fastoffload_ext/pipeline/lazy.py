@@ -68,8 +68,8 @@ def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str)
     """``transform(component)``, refusing None (a transform that forgot to return its module)."""
     transformed = transform(component)
     if transformed is None:
-        raise ValueError(f"fastoffload: Materialize transform for module {name} returned None; a transform must "
-                         "return the module it was given, or a wrapper of it")
+        raise ValueError(f"fastoffload: Materialize transform for module {name} returned None; a transform must return "
+                         "the module it was given, or a wrapper of it")
     return transformed
 
 

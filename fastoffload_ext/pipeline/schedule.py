@@ -90,8 +90,7 @@ def _component_names(stage: str, uses: Sequence[str]) -> tuple[str, ...]:
         # is_lazy_module first: isinstance() on a LazyModule would load it just to reject it.
         if is_lazy_module(name) or not isinstance(name, str):
             raise TypeError(f"fastoffload: stage {stage!r} lists component {name!r} ({type(name).__name__}); "
-                            "components are "
-                            "named by strings, the keys of the components mapping")
+                            "components are named by strings, the keys of the components mapping")
     return names
 
 
@@ -102,8 +101,8 @@ def _as_stage(spec: StageSpec) -> Stage:
             return spec
         if isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], str):
             return Stage(*spec)
-    raise TypeError(f"fastoffload: cannot read stage {spec!r}; give a Stage, a (name, components) pair or a "
-                    "(name, components, run) triple")
+    raise TypeError(f"fastoffload: cannot read stage {spec!r}; give a Stage, a (name, components) pair or a (name, "
+                    "components, run) triple")
 
 
 class ReleaseSchedule:
@@ -192,8 +191,8 @@ class ReleaseSchedule:
         missing = [name for name in due if name not in components]
         if missing:
             raise ValueError(f"fastoffload: components {', '.join(map(repr, missing))} are due for release after stage "
-                             f"{stage_name!r} but missing from the components mapping; pass the same mapping "
-                             "the stages use")
+                             f"{stage_name!r} but missing from the components mapping; pass the same mapping the "
+                             "stages use")
         released: list[str] = []
         for name in due:
             component = components[name]
@@ -236,8 +235,8 @@ def run_pipeline(stages: Sequence[StageSpec], components: Mapping[str, Any], sta
     for stage in schedule.stages:
         if stage.run is None:
             raise ValueError(f"fastoffload: stage {stage.name!r} has no function to run; give it as Stage(name, "
-                             "components, run) "
-                             "or (name, components, run), or use ReleaseSchedule.release_after in your own loop")
+                             "components, run) or (name, components, run), or use ReleaseSchedule.release_after in "
+                             "your own loop")
         missing = [name for name in stage.uses if name not in components]
         if missing:
             raise ValueError(f"fastoffload: stage {stage.name!r} uses {', '.join(map(repr, missing))}, missing from "

@@ -59,8 +59,7 @@ def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | s
         raise OffloadConfigError(f"fastoffload: resident_blocks indices must be integers in 0..{n - 1} (the blocks of "
                                  f"{list_name!r}), got {value!r}")
     raise OffloadConfigError(f"fastoffload: resident_blocks must be an integer between 0 and the {n} blocks of "
-                             f"{list_name!r}, "
-                             f"got {value!r}" + ("" if isinstance(value, bool) else
+                             f"{list_name!r}, got {value!r}" + ("" if isinstance(value, bool) else
                                                  "; or pass a collection of block indices, or 'auto'"))
 
 

@@ -208,8 +208,7 @@ def _check_parents(config: Mapping[str, Any], path: str) -> None:
         if not isinstance(node, dict):
             parent = ".".join(keys[:depth + 1])
             raise InvalidValueError(f"fastoffload: cannot set {path}: {parent} holds {node!r}, not a mapping; make "
-                                    f"{parent} a "
-                                    "mapping of settings (or remove it) in the config")
+                                    f"{parent} a mapping of settings (or remove it) in the config")
 
 
 def _check_schema(schema: Mapping[str, SchemaField]) -> None:
@@ -362,8 +361,7 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
     """
     if not isinstance(config, Mapping):
         raise TypeError("fastoffload: resolve() needs the config as a mapping of settings, got "
-                        f"{type(config).__name__}; "
-                        "pass e.g. {'engine': {'offload': {'dit_layerwise': True}}}")
+                        f"{type(config).__name__}; pass e.g. {{'engine': {{'offload': {{'dit_layerwise': True}}}}}}")
     working = _plain_copy(config)
 
     origins: dict[str, str] = {}
@@ -392,9 +390,8 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
             error.add_note(f"(raised by resolution step {name})")
             raise
         if not isinstance(decided, Mapping):
-            raise StepResultError(f"fastoffload: resolution step {name} returned {type(decided).__name__}; a step "
-                                  "must return a "
-                                  "mapping of {dotted.path: value} (return {} to decide nothing)")
+            raise StepResultError(f"fastoffload: resolution step {name} returned {type(decided).__name__}; a step must "
+                                  "return a mapping of {dotted.path: value} (return {} to decide nothing)")
         for path, value in decided.items():
             if not isinstance(path, str) or path not in schema:
                 known = ", ".join(sorted(schema))
