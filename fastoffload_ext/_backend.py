@@ -40,7 +40,7 @@ def _load() -> tuple[ModuleType | None, str]:
 
 _C, REASON = _load()
 if _C is None:
-    warnings.warn(f"fastoffload_ext: using the pure-Python backend: {REASON}", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"fastoffload: using the pure-Python backend: {REASON}", RuntimeWarning, stacklevel=2)
 
 
 def ext_available() -> bool:

@@ -1,7 +1,7 @@
 """House rules that a reader of the source checks by eye, checked by the source's syntax tree instead.
 
-One error style: every message the package builds for an exception (Python and the compiled core's
-``TORCH_CHECK``) starts with ``fastoffload: ``. And no function in the package or the benchmark suite
+One error style: every message the package builds for an exception or a warning (Python and the
+compiled core's ``TORCH_CHECK``) starts with ``fastoffload: ``. And no function in the package or the benchmark suite
 grows past about 80 lines (its docstring included), so each still reads as one job.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _module_name(path: Path) -> str:
 
 
 def unprefixed_messages() -> list[str]:
-    """``file:line: text`` for every exception built with a message that lacks the prefix."""
+    """``file:line: text`` for every exception (or ``warnings.warn``) built with a message that lacks the prefix."""
     found = []
     for path, tree in _sources("fastoffload_ext"):
         module = importlib.import_module(_module_name(path))
@@ -68,7 +68,7 @@ def unprefixed_messages() -> list[str]:
                 continue
             func = node.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-            if not _is_exception_class(name):
+            if not (_is_exception_class(name) or name == "warn"):
                 continue
             text = _leading_text(node.args[0], module)
             if text is not None and not text.startswith(MESSAGE_PREFIX):
@@ -104,15 +104,17 @@ def test_the_checker_catches_a_message_without_the_prefix() -> None:
 # A TORCH_CHECK(cond, "text", ...): the first string literal after the condition is the message's start.
 _TORCH_CHECK = re.compile(r'\bTORCH_CHECK(?:_\w+)?\s*\((?:[^;"]|"(?:[^"\\]|\\.)*"(?=\s*\)))*?,\s*"((?:[^"\\]|\\.)*)"',
                           re.S)
+# A TORCH_WARN("text", ...): the message is its first argument.
+_TORCH_WARN = re.compile(r'\bTORCH_WARN(?:_ONCE)?\s*\(\s*"((?:[^"\\]|\\.)*)"')
 
 
-def test_every_torch_check_message_starts_with_the_prefix() -> None:
+def test_every_torch_check_and_warning_starts_with_the_prefix() -> None:
     bad = []
     for path in sorted((ROOT / "csrc").iterdir()):
         if path.suffix not in (".cpp", ".h", ".cu"):
             continue
         text = path.read_text()
-        for match in _TORCH_CHECK.finditer(text):
+        for match in [*_TORCH_CHECK.finditer(text), *_TORCH_WARN.finditer(text)]:
             if not match.group(1).startswith(MESSAGE_PREFIX):
                 bad.append(f"{path.name}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(1)[:60]!r}")
     assert bad == []
@@ -121,6 +123,7 @@ def test_every_torch_check_message_starts_with_the_prefix() -> None:
 def test_the_torch_check_pattern_reads_a_multi_line_check() -> None:
     source = 'TORCH_CHECK(a.size() == b.size(),\n  "fastoffload: sizes must match, got ", a.size());'
     assert [m.group(1) for m in _TORCH_CHECK.finditer(source)] == ["fastoffload: sizes must match, got "]
+    assert [m.group(1) for m in _TORCH_WARN.finditer('TORCH_WARN("pinning ", n);')] == ["pinning "]
 
 
 def long_functions() -> list[str]:
