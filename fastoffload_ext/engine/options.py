@@ -30,6 +30,7 @@ __all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", 
 
 BACKENDS = ("auto", "ext", "python")
 PIN_BACKINGS = ("host_alloc", "register", "pageable")
+DEVICE_FORMS_ERROR = "fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}"
 # mmap + cudaHostRegister: measured on the H200 (2026-11-29, one fresh 1 GiB allocation) at 382 ms/GiB
 # against 622 ms/GiB for cudaHostAlloc, with the same H2D bandwidth from either (55.4 vs 55.5 GB/s at
 # 1 GiB, 54.5 vs 54.8 at 16 MiB).
@@ -83,16 +84,16 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise OffloadConfigError(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
+        raise OffloadConfigError(DEVICE_FORMS_ERROR.format(device=device)) from error
     if resolved.type == "cpu":
         if resolved.index not in (None, 0, -1):
             raise OffloadConfigError(f"fastoffload: device {str(device)!r} names a CPU index, but the host is one "
                                      "device for offload; pass device='cpu'")
         return torch.device("cpu")
     if resolved.type != "cuda":
-        raise OffloadConfigError(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: "
-                                 "layerwise offload moves weights between host memory and a CUDA device ('cpu' runs "
-                                 "the same engine with the host as its device, for tests)")
+        raise OffloadConfigError(DEVICE_FORMS_ERROR.format(device=str(device)) + ": layerwise offload moves weights "
+                                 "between host memory and a CUDA device ('cpu' runs the same engine with the host as "
+                                 "its device, for tests)")
     if not torch.cuda.is_available():
         raise OffloadStateError(f"fastoffload: device {str(device)!r} was asked for but CUDA is not available; pass "
                                 "device='cpu' to run the offload engine on the host, or None to skip offloading on "
