@@ -100,6 +100,9 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                              block_lists: str | Sequence[str] | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
+    Returns the :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
+    was skipped because CUDA is not available and no device was given.
+
     Args:
         model: the transformer. Its block list may be on the CPU or already on ``device``.
         is_replace: swap the offload hook already on every block (FastVideo's flag); raises when none is.
@@ -114,26 +117,21 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         pin_backing, allow_pageable_fallback, pinned_limit_bytes: ext only: how host copies are pinned
             ("host_alloc", "register" or "pageable"; default DEFAULT_PIN_BACKING), whether a failed pin
             warns and falls back to pageable memory instead of raising, and a cap on pinned bytes.
-        share_host_copy, process_group: the ranks of one host share one host copy ("auto", True or
-            False; the group defaults to the default group). Unless False (or backend="python"), this
-            call is then a collective: every rank makes it with the same model, and an error on one rank
-            is raised on all (docs/DESIGN.md, "Sharing the host copy between ranks").
+        share_host_copy, process_group: the ranks of one host (of the group, default: the default group)
+            share one host copy: "auto", True or False. Unless False (or backend="python") the call is a
+            collective: every rank makes it with the same model, and an error on one rank is raised on
+            all (docs/DESIGN.md, "Sharing the host copy between ranks").
         compress: ext only: lossless compressed host copies, decoded on the GPU: True, "auto" (only
             when the step is transfer-bound) or False (docs/DESIGN.md, "Compressed host copies").
         device_budget, host_budget, activation_reserve: device bytes this offload may hold, pinned host
-            bytes its blocks may take, device bytes kept for activations: bytes, "20GiB" or "auto"; the
-            planner sets what resident_blocks/prefetch_depth leave open (docs/DESIGN.md, "Residency planner
-            and budgets").
+            bytes its blocks may take, device bytes for activations ("20GiB", bytes or "auto"); the planner
+            fills what resident_blocks/prefetch_depth leave open (docs/DESIGN.md, "Residency planner and budgets").
         plan: an :class:`OffloadPlan` from ``plan_offload``, applied as it is (within ``device_budget``).
         weights, disk_options: ext only: a safetensors checkpoint (file, ``*.index.json`` or folder) read
             straight into pinned memory (the model may be on the meta device), and the reader's knobs;
             blocks beyond ``host_budget`` stay on disk (docs/DESIGN.md, "Disk tier").
         block_lists: the direct-child ``nn.ModuleList``s that form the ring: None (the first one,
             FastVideo's rule), "all", or attribute names in the order the forward runs them.
-
-    Returns:
-        The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
-        was skipped because CUDA is not available and no device was given.
     """
     # Made before any check: when this call is a collective, a failure on this rank is sent to the
     # others in the negotiation they wait in, and every rank raises together (sharing.py).
@@ -148,8 +146,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
                                      process_group=process_group, compress=compress, device_budget=device_budget,
                                      host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
-                                     weights=weights, disk_options=disk_options,
-                                     block_lists=block_lists)
+                                     weights=weights, disk_options=disk_options, block_lists=block_lists)
         _check_model(model, options)
         was_on_cuda = any(p.device.type == "cuda" for block in options.offloaded for p in block.parameters())
         # What a later re-plan passes to enable again (planning/replan.py).
