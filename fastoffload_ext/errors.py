@@ -6,7 +6,8 @@ and says what to do.
 """
 from __future__ import annotations
 
-__all__ = ["MESSAGE_PREFIX", "CheckpointError", "FastOffloadError", "OffloadConfigError", "OffloadStateError"]
+__all__ = ["MESSAGE_PREFIX", "CheckpointError", "CheckpointReadError", "FastOffloadError", "OffloadConfigError",
+           "OffloadStateError"]
 
 # How every message this package raises (Python and the compiled core alike) begins.
 MESSAGE_PREFIX = "fastoffload: "
@@ -26,3 +27,12 @@ class OffloadStateError(FastOffloadError, RuntimeError):
 
 class CheckpointError(OffloadConfigError):
     """A checkpoint that offload cannot build from: missing, truncated, or not matching the model."""
+
+
+class CheckpointReadError(CheckpointError, OffloadStateError):
+    """Reading a checkpoint's bytes failed: an I/O error, a short read, a file changed or gone after enable.
+
+    At enable nothing is built (the model is as it was); mid-step nothing is lost (every parameter keeps
+    its values, detach works) and the next step reads again. Raised by the compiled core's reader; it is
+    both a :class:`CheckpointError` and an :class:`OffloadStateError` (so also a ``RuntimeError``).
+    """

@@ -129,7 +129,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         plan: an :class:`OffloadPlan` from ``plan_offload``, applied as it is (within ``device_budget``).
         weights, disk_options: ext only: a safetensors checkpoint (file, ``*.index.json`` or folder) read
             straight into pinned memory (the model may be on the meta device), and the reader's knobs;
-            blocks beyond ``host_budget`` stay on disk (docs/DESIGN.md, "Disk tier").
+            blocks beyond ``host_budget`` (also "auto") stay on disk (docs/DESIGN.md, "Disk tier").
         block_lists: the direct-child ``nn.ModuleList``s that form the ring: None (the first one,
             FastVideo's rule), "all", or attribute names in the order the forward runs them.
     """
@@ -241,7 +241,7 @@ def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> Checkpoint
     if options.weights is None or not options.offloaded:
         return None
     return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
-                                    options.weights, options.host_budget_bytes, options.disk_options)
+                                    options.weights, options.host_budget_bytes, options.disk_options, options.device)
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:
