@@ -78,21 +78,10 @@ def run(ctx: Context) -> None:
         ctx.skip("pinning", {"path": "all"}, "no CUDA device")
         return
     pin_bytes = (1 if ctx.quick else 2) * GiB
+    # The pinned sources of the copy table, by column key; keep_alive holds their pools and full tensors.
     sources: dict[str, torch.Tensor] = {}
     keep_alive: list[Any] = []
-
-    core = None
-    core_reason = ""
-    try:
-        from fastoffload_ext import _backend
-        core = _backend._C
-        if core is None:
-            core_reason = f"compiled core not loaded: {_backend.REASON}"
-        elif not hasattr(core, "PinnedPool"):
-            core = None
-            core_reason = "compiled core has no PinnedPool"
-    except Exception as error:
-        core_reason = f"fastoffload_ext not importable: {error}"
+    core, core_reason = _compiled_core()
 
     paths = ["pool host_alloc", "pool register", "torch empty(pin_memory=True)", "torch tensor.pin_memory()"]
     if not ctx.quick:
@@ -101,7 +90,37 @@ def run(ctx: Context) -> None:
     ctx.progress.add(len(paths) + 1 + len(sizes))
     device_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
 
-    # Pinning ----------------------------------------------------------------------------------
+    _pool_pinning_rows(ctx, core, core_reason, device_index, pin_bytes, sources, keep_alive)
+    _torch_pinning_rows(ctx, pin_bytes, sources, keep_alive)
+    _pool_pageable_row(ctx, core, core_reason, device_index, sources, keep_alive)
+    peak = _copy_rows(ctx, sizes, sources)
+    missing = [header for key, header in SOURCES if key not in sources]
+    if missing:
+        ctx.note("columns without a source (see the pinning table for why): " + ", ".join(missing))
+    if peak is not None:
+        ctx.meta("peak_h2d_gbps", peak)
+        ctx.note(f"peak H2D (1 GiB torch pinned) = {peak:.1f} GB/s: the denominator of every floor in this run")
+    sources.clear()
+    keep_alive.clear()
+
+
+def _compiled_core() -> tuple[Any, str]:
+    """The compiled core with its PinnedPool, or None and why not."""
+    try:
+        from fastoffload_ext import _backend
+        core = _backend._C
+        if core is None:
+            return None, f"compiled core not loaded: {_backend.REASON}"
+        if not hasattr(core, "PinnedPool"):
+            return None, "compiled core has no PinnedPool"
+        return core, ""
+    except Exception as error:
+        return None, f"fastoffload_ext not importable: {error}"
+
+
+def _pool_pinning_rows(ctx: Context, core: Any, core_reason: str, device_index: int, pin_bytes: int,
+                       sources: dict[str, torch.Tensor], keep_alive: list[Any]) -> None:
+    """Pinning ``pin_bytes`` through the engine's pool, with each of its two pinned backings."""
     for backing in ("host_alloc", "register"):
         label = {"path": f"pool {backing}"}
         if core is None:
@@ -123,6 +142,9 @@ def run(ctx: Context) -> None:
 
         ctx.run_row("pinning", label, pool_pin)
 
+
+def _torch_pinning_rows(ctx: Context, pin_bytes: int, sources: dict[str, torch.Tensor], keep_alive: list[Any]) -> None:
+    """Pinning through torch: one pinned allocation, a pageable tensor pinned, and (full run) 1 MiB pieces."""
     def torch_empty_pin() -> dict[str, Any]:
         started = time.perf_counter()
         tensor = torch.empty(pin_bytes, dtype=torch.uint8, pin_memory=True)
@@ -160,6 +182,9 @@ def run(ctx: Context) -> None:
 
         ctx.run_row("pinning", {"path": "torch pin_memory() in 1 MiB pieces"}, torch_pin_pieces)
 
+
+def _pool_pageable_row(ctx: Context, core: Any, core_reason: str, device_index: int,
+                       sources: dict[str, torch.Tensor], keep_alive: list[Any]) -> None:
     def pool_pageable() -> dict[str, Any]:
         if core is None:
             raise RuntimeError(core_reason)
@@ -172,7 +197,9 @@ def run(ctx: Context) -> None:
 
     ctx.run_row("pinning", {"path": "pool pageable (source only)"}, pool_pageable)
 
-    # Copies -----------------------------------------------------------------------------------
+
+def _copy_rows(ctx: Context, sizes: list[int], sources: dict[str, torch.Tensor]) -> float | None:
+    """One row per size: every source copied up, two of them back down. Returns the 1 GiB pinned H2D rate."""
     if "pageable" not in sources:
         sources["pageable"] = torch.ones(MAX_BYTES, dtype=torch.uint8)
     for view in sources.values():
@@ -209,14 +236,7 @@ def run(ctx: Context) -> None:
         result = ctx.run_row("copy", {"size": _size_label(nbytes)}, size_row)
         if nbytes == MAX_BYTES and result and result.get("torch_pinned"):
             peak = result["torch_pinned"]
-    missing = [header for key, header in SOURCES if key not in sources]
-    if missing:
-        ctx.note("columns without a source (see the pinning table for why): " + ", ".join(missing))
-    if peak is not None:
-        ctx.meta("peak_h2d_gbps", peak)
-        ctx.note(f"peak H2D (1 GiB torch pinned) = {peak:.1f} GB/s: the denominator of every floor in this run")
-    sources.clear()
-    keep_alive.clear()
+    return peak
 
 
 def _size_label(nbytes: int) -> str:

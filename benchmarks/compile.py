@@ -82,120 +82,131 @@ def run(ctx: Context) -> None:
 
 
 def run_workload(ctx: Context, workload: Workload, peak: float | None) -> None:
-    from fastoffload_ext import disable_layerwise_offload as disable
-    from fastoffload_ext import enable_layerwise_offload as enable
-    device = ctx.device
-    host_model = workload.build_host()
-    x = workload.make_inputs(device)[0]
-    inputs = [x, tuple(t.roll(1, dims=-1) for t in x)]  # two different inputs of one shape: no recompile
-    # W3 compiled is host-bound to within a few percent of its floor (the compiled block has 136 inputs), so
-    # a handful of iterations right after compiling reads host jitter: 4 iterations once gave 1.36x.
-    iters = ctx.iters(10, quick=8)
-    seen: dict[str, Any] = {}
+    rows = _CompileRows(ctx, workload)
+    ctx.run_row("compile", rows.labels("resident eager"), rows.resident_eager)
+    ctx.run_row("compile", rows.labels("resident compiled"), rows.resident_compiled)
+    transfer_ms = workload.info["weight_bytes"] / (peak * GB) * 1e3 if peak else None
+    candidates = [v for v in (rows.seen.get("compiled_ms"), transfer_ms) if v is not None]
+    rows.floor = max(candidates) if candidates else None
+    ctx.run_row("compile", rows.labels("floor"), lambda: {
+        "ms": rows.floor, "x_floor": 1.0,
+        "note": (f"max(compiled resident, {workload.info['weight_bytes'] / GB:.2f} GB / {peak:.1f} GB/s)"
+                 if peak else "")})
+    ctx.run_row("compile", rows.labels("ext eager"), rows.offloaded(rows.ext_eager))
+    ctx.run_row("compile", rows.labels("ext compiled"), rows.offloaded(rows.ext_compiled))
+    if workload.name.startswith("W3"):
+        if ctx.cuda:
+            ctx.run_row("compile", rows.labels("ext reduce-overhead"), rows.offloaded(rows.ext_reduce_overhead))
+        else:
+            ctx.skip("compile", rows.labels("ext reduce-overhead"),
+                     "needs a CUDA GPU (reduce-overhead replays CUDA graphs)")
 
-    def labels(variant: str) -> dict[str, str]:
-        return {"workload": workload.name, "variant": variant}
 
-    def forward_ms(fn: Callable[[], Any]) -> float:
+class _CompileRows:
+    """One workload's rows over one host model and two inputs of one shape; ``seen`` carries the
+    figures and reference outputs that later rows are judged by."""
+
+    def __init__(self, ctx: Context, workload: Workload) -> None:
+        self.ctx = ctx
+        self.workload = workload
+        self.device = ctx.device
+        self.host_model = workload.build_host()
+        self.x = workload.make_inputs(self.device)[0]
+        # two different inputs of one shape: no recompile
+        self.inputs = [self.x, tuple(t.roll(1, dims=-1) for t in self.x)]
+        # W3 compiled is host-bound to within a few percent of its floor (the compiled block has 136 inputs), so
+        # a handful of iterations right after compiling reads host jitter: 4 iterations once gave 1.36x.
+        self.iters = ctx.iters(10, quick=8)
+        self.seen: dict[str, Any] = {}
+        self.floor: float | None = None
+
+    def labels(self, variant: str) -> dict[str, str]:
+        return {"workload": self.workload.name, "variant": variant}
+
+    def forward_ms(self, fn: Callable[[], Any]) -> float:
         with torch.inference_mode():
-            return median(ctx.time_ms(fn, warmup=3, iters=iters))
+            return median(self.ctx.time_ms(fn, warmup=3, iters=self.iters))
 
-    def outputs(run: Callable[..., Any]) -> list[torch.Tensor]:
+    def outputs(self, run: Callable[..., Any]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            return [workload.output(run(*args)).to("cpu", copy=True) for args in inputs]
+            return [self.workload.output(run(*args)).to("cpu", copy=True) for args in self.inputs]
 
-    def first_step_s(model: torch.nn.Module) -> float:
+    def first_step_s(self, model: torch.nn.Module) -> float:
         started = time.perf_counter()
         with torch.inference_mode():
-            model(*x)
-        if ctx.cuda:
+            model(*self.x)
+        if self.ctx.cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - started
 
-    def resident_eager() -> dict[str, Any]:
-        model = host_model.to(device)
-        seen["eager_want"] = outputs(model)
-        seen["resident_ms"] = ms = forward_ms(lambda: model(*x))
-        return {"ms": ms}
-
-    def resident_compiled() -> dict[str, Any]:
-        _fresh_dynamo()
-        model = host_model.to(device)
-        _compile_blocks(workload, model)
-        try:
-            compile_s = first_step_s(model)
-            seen["want"] = outputs(model)
-            seen["compiled_ms"] = ms = forward_ms(lambda: model(*x))
-        finally:
-            _uncompile_blocks(workload, model)
-            host_model.to("cpu")
-        return {"ms": ms, "compile_s": compile_s, **_dynamo_counts(),
-                "note": f"{ms / seen['resident_ms']:.3f}x resident eager" if seen.get("resident_ms") else ""}
-
-    ctx.run_row("compile", labels("resident eager"), resident_eager)
-    ctx.run_row("compile", labels("resident compiled"), resident_compiled)
-    transfer_ms = workload.info["weight_bytes"] / (peak * GB) * 1e3 if peak else None
-    candidates = [v for v in (seen.get("compiled_ms"), transfer_ms) if v is not None]
-    floor = max(candidates) if candidates else None
-    ctx.run_row("compile", labels("floor"), lambda: {
-        "ms": floor, "x_floor": 1.0,
-        "note": f"max(compiled resident, {workload.info['weight_bytes'] / GB:.2f} GB / {peak:.1f} GB/s)" if peak else ""})
-
-    def judged(ms: float) -> dict[str, Any]:
-        result: dict[str, Any] = {"ms": ms, "x_floor": ms / floor if floor else None}
-        if seen.get("eager_ms"):
-            result["x_eager"] = ms / seen["eager_ms"]
+    def judged(self, ms: float) -> dict[str, Any]:
+        result: dict[str, Any] = {"ms": ms, "x_floor": ms / self.floor if self.floor else None}
+        if self.seen.get("eager_ms"):
+            result["x_eager"] = ms / self.seen["eager_ms"]
         return result
 
-    def offloaded(body: Callable[[torch.nn.Module], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    def resident_eager(self) -> dict[str, Any]:
+        model = self.host_model.to(self.device)
+        self.seen["eager_want"] = self.outputs(model)
+        self.seen["resident_ms"] = ms = self.forward_ms(lambda: model(*self.x))
+        return {"ms": ms}
+
+    def resident_compiled(self) -> dict[str, Any]:
+        _fresh_dynamo()
+        model = self.host_model.to(self.device)
+        _compile_blocks(self.workload, model)
+        try:
+            compile_s = self.first_step_s(model)
+            self.seen["want"] = self.outputs(model)
+            self.seen["compiled_ms"] = ms = self.forward_ms(lambda: model(*self.x))
+        finally:
+            _uncompile_blocks(self.workload, model)
+            self.host_model.to("cpu")
+        resident_ms = self.seen.get("resident_ms")
+        return {"ms": ms, "compile_s": compile_s, **_dynamo_counts(),
+                "note": f"{ms / resident_ms:.3f}x resident eager" if resident_ms else ""}
+
+    def offloaded(self, body: Callable[[torch.nn.Module], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        """A row that runs ``body`` on the host model offloaded (ext), then restores it and dynamo."""
+        from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+
         def row() -> dict[str, Any]:
-            model = host_model
-            move_non_block_modules(model, device)
-            enable(model, backend="ext", device=device)
+            model = self.host_model
+            move_non_block_modules(model, self.device)
+            enable_layerwise_offload(model, backend="ext", device=self.device)
             try:
                 return body(model)
             finally:
-                disable(model, device="cpu")
-                _uncompile_blocks(workload, model)
+                disable_layerwise_offload(model, device="cpu")
+                _uncompile_blocks(self.workload, model)
                 _fresh_dynamo()
         return row
 
-    def ext_eager(model: torch.nn.Module) -> dict[str, Any]:
-        seen["eager_ms"] = ms = forward_ms(lambda: model(*x))
-        return {**judged(ms), "bit_equal": _same(outputs(model), seen.get("eager_want"))}
+    def ext_eager(self, model: torch.nn.Module) -> dict[str, Any]:
+        self.seen["eager_ms"] = ms = self.forward_ms(lambda: model(*self.x))
+        return {**self.judged(ms), "bit_equal": _same(self.outputs(model), self.seen.get("eager_want"))}
 
-    def ext_compiled(model: torch.nn.Module) -> dict[str, Any]:
+    def ext_compiled(self, model: torch.nn.Module) -> dict[str, Any]:
         _fresh_dynamo()
-        _compile_blocks(workload, model)
-        compile_s = first_step_s(model)
-        graphs_after_first = _dynamo_counts()["graphs"]
-        got = outputs(model)
-        ms = forward_ms(lambda: model(*x))
-        counts = _dynamo_counts()
-        return {**judged(ms), "compile_s": compile_s, **counts,
-                "recompiles": counts["graphs"] - graphs_after_first,
-                "bit_equal": _same(got, seen.get("want"))}
+        _compile_blocks(self.workload, model)
+        return self._compiled_figures(model)
 
-    def ext_reduce_overhead(model: torch.nn.Module) -> dict[str, Any]:
+    def ext_reduce_overhead(self, model: torch.nn.Module) -> dict[str, Any]:
         _fresh_dynamo()
         compiled = torch.compile(model, mode="reduce-overhead")
-        compile_s = first_step_s(compiled)
-        graphs_after_first = _dynamo_counts()["graphs"]
-        got = outputs(compiled)
-        ms = forward_ms(lambda: compiled(*x))
-        counts = _dynamo_counts()
-        return {**judged(ms), "compile_s": compile_s, **counts,
-                "recompiles": counts["graphs"] - graphs_after_first,
-                "bit_equal": _same(got, seen.get("want")),
+        return {**self._compiled_figures(compiled),
                 "note": "whole model compiled; dynamo compiles each block body, inductor replays it as a CUDA graph"}
 
-    ctx.run_row("compile", labels("ext eager"), offloaded(ext_eager))
-    ctx.run_row("compile", labels("ext compiled"), offloaded(ext_compiled))
-    if workload.name.startswith("W3"):
-        if ctx.cuda:
-            ctx.run_row("compile", labels("ext reduce-overhead"), offloaded(ext_reduce_overhead))
-        else:
-            ctx.skip("compile", labels("ext reduce-overhead"), "needs a CUDA GPU (reduce-overhead replays CUDA graphs)")
+    def _compiled_figures(self, model: Callable[..., Any]) -> dict[str, Any]:
+        """First step (the compile), outputs, timed steps, and the graphs dynamo built over them."""
+        compile_s = self.first_step_s(model)
+        graphs_after_first = _dynamo_counts()["graphs"]
+        got = self.outputs(model)
+        ms = self.forward_ms(lambda: model(*self.x))
+        counts = _dynamo_counts()
+        return {**self.judged(ms), "compile_s": compile_s, **counts,
+                "recompiles": counts["graphs"] - graphs_after_first,
+                "bit_equal": _same(got, self.seen.get("want"))}
 
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor] | None) -> bool | None:

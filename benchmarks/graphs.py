@@ -9,10 +9,13 @@ compile time. GPU only: without one every row says why it was skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from benchmarks.forward import peak_h2d_gbps
 from benchmarks.utils import GB, Column, Context, Table, median, summary
@@ -42,104 +45,117 @@ def run(ctx: Context) -> None:
         for variant in variants:
             ctx.skip("graphs", {"workload": "W3", "variant": variant}, "needs a CUDA GPU (graph capture)")
         return
-    from fastoffload_ext import disable_layerwise_offload as disable
-    from fastoffload_ext import enable_layerwise_offload as enable
-    from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
-
     ctx.progress.add(len(variants))
-    workload = stack_workload("W3", cpu=False)
-    peak = peak_h2d_gbps(ctx)
-    host_model = workload.build_host()
-    device = ctx.device
-    first = workload.make_inputs(device)[0]
-    # Three different inputs of one shape (make_inputs is seeded: calling it again repeats the first).
-    inputs = [first] + [tuple(t.roll(shift, dims=-1) for t in first) for shift in (1, 2)]
-    iters = ctx.iters(10, quick=5)
-    shared: dict[str, Any] = {}
-
-    def forward_ms(fn) -> float:
-        return median(ctx.time_ms(fn, warmup=2, iters=iters))
-
-    def resident_row() -> dict[str, Any]:
-        model = host_model.to(device)
-        with torch.inference_mode():
-            shared["want"] = [model(*x).to("cpu", copy=True) for x in inputs]
-            ms = forward_ms(lambda: model(*inputs[0]))
-        host_model.to("cpu")
-        shared["resident_ms"] = ms
-        return {"ms": ms}
-
-    ctx.run_row("graphs", {"workload": "W3", "variant": "resident"}, resident_row)
-    resident_ms = shared.get("resident_ms")
-    transfer_ms = workload.info["weight_bytes"] / (peak * GB) * 1e3 if peak else None
-    floor = max(v for v in (resident_ms, transfer_ms) if v is not None) if (resident_ms or transfer_ms) else None
+    rows = _GraphRows(ctx)
+    ctx.run_row("graphs", {"workload": "W3", "variant": "resident"}, rows.resident_row)
+    rows.floor = rows.floor_ms()
     ctx.run_row("graphs", {"workload": "W3", "variant": "floor"},
-                lambda: {"ms": floor, "x_floor": 1.0,
-                         "note": f"max(resident, {workload.info['weight_bytes'] / GB:.2f} GB / {peak:.1f} GB/s)"})
+                lambda: {"ms": rows.floor, "x_floor": 1.0,
+                         "note": f"max(resident, {rows.workload.info['weight_bytes'] / GB:.2f} GB / "
+                                 f"{rows.peak:.1f} GB/s)"})
+    ctx.run_row("graphs", {"workload": "W3", "variant": "ext eager"}, rows.eager_row)
+    ctx.run_row("graphs", {"workload": "W3", "variant": "ext CUDA graph"}, rows.graph_row)
+    if not ctx.quick:
+        ctx.run_row("graphs", {"workload": "W3", "variant": "ext eager + compile"}, rows.compile_row)
 
-    def judged(ms: float, limit: float | None) -> dict[str, Any]:
+
+class _GraphRows:
+    """The rows of the section over one host copy of W3, three inputs of one shape and one floor."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.workload = stack_workload("W3", cpu=False)
+        self.peak = peak_h2d_gbps(ctx)
+        self.host_model = self.workload.build_host()
+        self.device = ctx.device
+        first = self.workload.make_inputs(self.device)[0]
+        # Three different inputs of one shape (make_inputs is seeded: calling it again repeats the first).
+        self.inputs = [first] + [tuple(t.roll(shift, dims=-1) for t in first) for shift in (1, 2)]
+        self.iters = ctx.iters(10, quick=5)
+        self.want: list[torch.Tensor] | None = None  # the resident outputs, once its row ran
+        self.resident_ms: float | None = None
+        self.floor: float | None = None
+
+    def forward_ms(self, fn: Callable[[], Any]) -> float:
+        return median(self.ctx.time_ms(fn, warmup=2, iters=self.iters))
+
+    def floor_ms(self) -> float | None:
+        transfer_ms = self.workload.info["weight_bytes"] / (self.peak * GB) * 1e3 if self.peak else None
+        if not (self.resident_ms or transfer_ms):
+            return None
+        return max(v for v in (self.resident_ms, transfer_ms) if v is not None)
+
+    def judged(self, ms: float, limit: float | None) -> dict[str, Any]:
+        floor = self.floor
         result: dict[str, Any] = {"ms": ms, "x_floor": ms / floor if floor else None}
         if limit is not None and floor:
             result.update(target=f"<={limit:.2f}x floor", **{"pass": ms / floor <= limit})
         return result
 
-    def equal_on_inputs(run) -> bool:
+    def equal_on_inputs(self, run: Callable[[Any], torch.Tensor]) -> bool:
+        if self.want is None:
+            raise RuntimeError("no resident outputs to compare with: the resident row failed")
         with torch.inference_mode():
-            return all(torch.equal(run(x).to("cpu"), want) for x, want in zip(inputs, shared["want"]))
+            return all(torch.equal(run(x).to("cpu"), want) for x, want in zip(self.inputs, self.want))
 
-    def eager_row() -> dict[str, Any]:
-        model = host_model
-        move_non_block_modules(model, device)
-        enable(model, backend="ext", device=device)
+    @contextlib.contextmanager
+    def offloaded(self) -> Iterator[nn.Module]:
+        """The host model offloaded (ext backend) for one row, back on the host after it."""
+        from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+
+        model = self.host_model
+        move_non_block_modules(model, self.device)
+        enable_layerwise_offload(model, backend="ext", device=self.device)
         try:
-            equal = equal_on_inputs(lambda x: model(*x))
-            with torch.inference_mode():
-                ms = forward_ms(lambda: model(*inputs[0]))
+            yield model
         finally:
-            disable(model, device="cpu")
-        return {**judged(ms, 1.10), "bit_equal": equal}
+            disable_layerwise_offload(model, device="cpu")
 
-    ctx.run_row("graphs", {"workload": "W3", "variant": "ext eager"}, eager_row)
+    def resident_row(self) -> dict[str, Any]:
+        model = self.host_model.to(self.device)
+        with torch.inference_mode():
+            self.want = [model(*x).to("cpu", copy=True) for x in self.inputs]
+            ms = self.forward_ms(lambda: model(*self.inputs[0]))
+        self.host_model.to("cpu")
+        self.resident_ms = ms
+        return {"ms": ms}
 
-    def graph_row() -> dict[str, Any]:
-        model = host_model
-        move_non_block_modules(model, device)
-        enable(model, backend="ext", device=device)
-        try:
+    def eager_row(self) -> dict[str, Any]:
+        with self.offloaded() as model:
+            equal = self.equal_on_inputs(lambda x: model(*x))
+            with torch.inference_mode():
+                ms = self.forward_ms(lambda: model(*self.inputs[0]))
+        return {**self.judged(ms, 1.10), "bit_equal": equal}
+
+    def graph_row(self) -> dict[str, Any]:
+        from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
+
+        with self.offloaded() as model:
             started = time.perf_counter()
-            graph = OffloadedCUDAGraph(model, inputs[0][0].clone())
+            graph = OffloadedCUDAGraph(model, self.inputs[0][0].clone())
             capture_s = time.perf_counter() - started
-            equal = equal_on_inputs(lambda x: graph(*x))
-            ms = forward_ms(graph.replay)
+            equal = self.equal_on_inputs(lambda x: graph(*x))
+            ms = self.forward_ms(graph.replay)
             slots = graph.num_slots
             del graph
-        finally:
-            disable(model, device="cpu")
-        return {**judged(ms, 1.02), "bit_equal": equal,
+        return {**self.judged(ms, 1.02), "bit_equal": equal,
                 "note": f"capture {capture_s:.2f} s, {slots} fixed slots, fresh inputs each check"}
 
-    ctx.run_row("graphs", {"workload": "W3", "variant": "ext CUDA graph"}, graph_row)
+    def compile_row(self) -> dict[str, Any]:
+        import torch._dynamo
 
-    if not ctx.quick:
-        def compile_row() -> dict[str, Any]:
-            import torch._dynamo
-            model = host_model
-            move_non_block_modules(model, device)
-            enable(model, backend="ext", device=device)
-            try:
-                for block in workload.blocks(model):
+        try:
+            with self.offloaded() as model:
+                for block in self.workload.blocks(model):
                     block.compile()
                 started = time.perf_counter()
                 with torch.inference_mode():
-                    model(*inputs[0])
+                    model(*self.inputs[0])
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - started
                 with torch.inference_mode():
-                    ms = forward_ms(lambda: model(*inputs[0]))
-            finally:
-                disable(model, device="cpu")
-                torch._dynamo.reset()
-            return {**judged(ms, None), "note": f"first step (compile) {compile_s:.1f} s; "
-                    "bit-equality vs the eager resident model is not expected from inductor"}
-
-        ctx.run_row("graphs", {"workload": "W3", "variant": "ext eager + compile"}, compile_row)
+                    ms = self.forward_ms(lambda: model(*self.inputs[0]))
+        finally:
+            torch._dynamo.reset()
+        return {**self.judged(ms, None), "note": f"first step (compile) {compile_s:.1f} s; "
+                "bit-equality vs the eager resident model is not expected from inductor"}

@@ -74,72 +74,12 @@ def run(ctx: Context) -> None:
     def loader(name: str) -> Callable[[], nn.Module]:
         return lambda: build_stack(specs[name], device, seed=len(name))
 
-    def measure(components: dict[str, Any], release: Callable[[str], list[str]]) -> dict[str, Any]:
-        live_peak = 0
-
-        def live_bytes() -> int:
-            total = 0
-            for value in components.values():
-                if is_lazy_module(value) and not value.is_materialized:
-                    continue
-                real = value.materialize() if is_lazy_module(value) else value
-                total += module_bytes(real)
-            return total
-
-        started = time.perf_counter()
-        state: Any = None
-        # no_grad, not inference_mode: loaders build parameters inside this scope, and inference tensors
-        # would outlive it in the components that are kept.
-        with torch.no_grad():
-            for stage, _ in STAGES:
-                state = _run_stage(stage, components, inputs, state)
-                live_peak = max(live_peak, live_bytes())
-                release(stage)
-        if ctx.cuda:
-            torch.cuda.synchronize()
-        output = state.detach().to("cpu", copy=True)
-        return {"wall_s": time.perf_counter() - started, "live_peak": live_peak, "output": output}
-
-    def variant(name: str, make: Callable[[], tuple[dict[str, Any], Callable[[str], list[str]]]]) -> None:
-        def row() -> dict[str, Any]:
-            free_memory()
-            if ctx.cuda:
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            components, release = make()
-            try:
-                measured = measure(components, release)
-            finally:
-                components.clear()
-                free_memory()
-            result: dict[str, Any] = {**common, "peak_live_mib": measured["live_peak"] / MiB,
-                                      "wall_s": measured["wall_s"]}
-            if ctx.cuda:
-                result["peak_gpu_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
-            if name == "eager":
-                results["eager"] = result
-                results["eager_output"] = measured["output"]
-                result["x_eager"] = 1.0
-            else:
-                eager = results.get("eager")
-                if eager is not None:
-                    key = "peak_gpu_mib" if ctx.cuda else "peak_live_mib"
-                    result["x_eager"] = result.get(key, 0) / eager[key] if eager.get(key) else None
-                if "eager_output" in results:
-                    result["bit_equal"] = bool(torch.equal(measured["output"], results["eager_output"]))
-            return result
-
-        ctx.run_row("lazy", {"variant": name}, row)
-
     def eager() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
         return {name: loader(name)() for name in specs}, lambda stage: []
 
     def lazy() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
         components = {name: LazyModule(name, loader(name)) for name in specs}
         return components, _releaser(components)
-
-    variant("eager", eager)
-    variant("lazy", lazy)
 
     def lazy_offloaded() -> tuple[dict[str, Any], Callable[[str], list[str]]]:
         def load_transformer() -> nn.Module:
@@ -153,10 +93,71 @@ def run(ctx: Context) -> None:
         components["transformer"] = LazyModule("transformer", load_transformer)
         return components, _releaser(components)
 
-    variant("lazy + layerwise transformer", lazy_offloaded)
+    for name, make in (("eager", eager), ("lazy", lazy), ("lazy + layerwise transformer", lazy_offloaded)):
+        ctx.run_row("lazy", {"variant": name},
+                    lambda name=name, make=make: _variant_row(ctx, name, make, inputs, common, results))
     ctx.note("peak live weights: bytes of the parameters of loaded components at each stage boundary (an "
              "offloaded transformer's placeholders count 0); peak GPU: max_memory_allocated over the run, above "
              "what was allocated before it")
+
+
+def _variant_row(ctx: Context, name: str, make: Callable[[], tuple[dict[str, Any], Callable[[str], list[str]]]],
+                 inputs: dict[str, torch.Tensor], common: dict[str, float], results: dict[str, Any]) -> dict[str, Any]:
+    """One pipeline variant's row: its peaks and wall time, as a ratio to eager's and checked against it."""
+    free_memory()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    components, release = make()
+    try:
+        measured = _measure(ctx, components, release, inputs)
+    finally:
+        components.clear()
+        free_memory()
+    result: dict[str, Any] = {**common, "peak_live_mib": measured["live_peak"] / MiB, "wall_s": measured["wall_s"]}
+    if ctx.cuda:
+        result["peak_gpu_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
+    if name == "eager":
+        results["eager"] = result
+        results["eager_output"] = measured["output"]
+        result["x_eager"] = 1.0
+    else:
+        eager = results.get("eager")
+        if eager is not None:
+            key = "peak_gpu_mib" if ctx.cuda else "peak_live_mib"
+            result["x_eager"] = result.get(key, 0) / eager[key] if eager.get(key) else None
+        if "eager_output" in results:
+            result["bit_equal"] = bool(torch.equal(measured["output"], results["eager_output"]))
+    return result
+
+
+def _measure(ctx: Context, components: dict[str, Any], release: Callable[[str], list[str]],
+             inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Runs the stages in order, releasing after each; the peak of live weights at the stage boundaries."""
+    live_peak = 0
+
+    def live_bytes() -> int:
+        total = 0
+        for value in components.values():
+            if is_lazy_module(value) and not value.is_materialized:
+                continue
+            real = value.materialize() if is_lazy_module(value) else value
+            total += module_bytes(real)
+        return total
+
+    started = time.perf_counter()
+    state: Any = None
+    # no_grad, not inference_mode: loaders build parameters inside this scope, and inference tensors
+    # would outlive it in the components that are kept.
+    with torch.no_grad():
+        for stage, _ in STAGES:
+            state = _run_stage(stage, components, inputs, state)
+            live_peak = max(live_peak, live_bytes())
+            release(stage)
+    if ctx.cuda:
+        torch.cuda.synchronize()
+    output = state.detach().to("cpu", copy=True)
+    return {"wall_s": time.perf_counter() - started, "live_peak": live_peak, "output": output}
 
 
 def _releaser(components: dict[str, Any]) -> Callable[[str], list[str]]:

@@ -176,15 +176,8 @@ def _importable(name: str) -> bool:
 
 def _rest_to(model: nn.Module, device: torch.device, offloaded: list[str]) -> None:
     """Everything outside the offloaded lists to the device (the caller's job for FastVideo-style hooks)."""
-    for name, child in model.named_children():
-        if name not in offloaded:
-            child.to(device)
-    for param in model._parameters.values():
-        if param is not None:
-            param.data = param.data.to(device)
-    for key, buffer in list(model._buffers.items()):
-        if buffer is not None:
-            model._buffers[key] = buffer.to(device)
+    from benchmarks.workloads import move_all_but
+    move_all_but(model, device, [getattr(model, name) for name in offloaded])
 
 
 def fastvideo(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:

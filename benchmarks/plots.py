@@ -7,6 +7,7 @@ is missing.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -29,6 +30,19 @@ def _save(plt: Any, figure: Any, out_dir: str, name: str) -> str:
     return path
 
 
+def _label_log2_axes(axis: Any, ticks: Sequence[Any], tick_labels: list[str], xlabel: str, ylabel: str,
+                     title: str) -> None:
+    """A log2 x axis ticked at ``ticks``, the labels and title, a light grid and the legend."""
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(ticks)
+    axis.set_xticklabels(tick_labels)
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+
+
 def plot_bandwidth(section: dict[str, Any], out_dir: str) -> str | None:
     from benchmarks.bandwidth import D2H, SOURCES
     rows = [row for row in _rows(section, "copy") if row.get("bytes")]
@@ -45,14 +59,8 @@ def plot_bandwidth(section: dict[str, Any], out_dir: str) -> str | None:
     peak = section.get("meta", {}).get("peak_h2d_gbps")
     if peak:
         axis.axhline(peak, color="grey", linewidth=0.8, linestyle=":", label=f"peak {peak:.1f} GB/s")
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(sizes)
-    axis.set_xticklabels([f"{s:g}" for s in sizes])
-    axis.set_xlabel("copy size, MiB")
-    axis.set_ylabel("GB/s")
-    axis.set_title("Host <-> device copy bandwidth")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
+    _label_log2_axes(axis, sizes, [f"{s:g}" for s in sizes], "copy size, MiB", "GB/s",
+                     "Host <-> device copy bandwidth")
     return _save(plt, figure, out_dir, "bandwidth.png")
 
 
@@ -106,15 +114,9 @@ def plot_overhead(section: dict[str, Any], out_dir: str) -> str | None:
                   label=f"{key[1]} on {key[0]}")
     axis.plot(PARAM_COUNTS, [target_us(p) for p in PARAM_COUNTS], color="black", linestyle="--",
               label="target 20 us + 0.3 us/param")
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(PARAM_COUNTS)
-    axis.set_xticklabels([str(p) for p in PARAM_COUNTS])
     axis.set_yscale("log")
-    axis.set_xlabel("parameters per block")
-    axis.set_ylabel("us per block per step (host)")
-    axis.set_title("Host cost per block: acquire + prefetch issue + release")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
+    _label_log2_axes(axis, PARAM_COUNTS, [str(p) for p in PARAM_COUNTS], "parameters per block",
+                     "us per block per step (host)", "Host cost per block: acquire + prefetch issue + release")
     return _save(plt, figure, out_dir, "overhead.png")
 
 

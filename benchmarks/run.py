@@ -432,15 +432,26 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or os.environ.get("OUT") or "results"
     os.makedirs(out_dir, exist_ok=True)
     journal_dir = tempfile.mkdtemp(prefix="fastoffload-bench-")
+    results: dict[str, Any] = {"options": {k: v for k, v in vars(args).items() if k not in ("child", "journal")},
+                               "sections": {}}
+    texts: list[str] = []
+    run_started = time.perf_counter()
+    _run_sections(args, out_dir, journal_dir, results, texts)
+    results["wall_s"] = round(time.perf_counter() - run_started, 2)
+    _summarize_targets(results, texts)
+    _write_outputs(args, out_dir, results, texts)
+    shutil.rmtree(journal_dir, ignore_errors=True)
+    return 0
+
+
+def _run_sections(args: argparse.Namespace, out_dir: str, journal_dir: str, results: dict[str, Any],
+                  texts: list[str]) -> None:
+    """Runs every section (in children unless --no-isolate), printing each table as it completes."""
     # The parent never initialises CUDA: the first child probes the environment and reports it, so the
     # parent's imports overlap with the child's work and no second CUDA context sits on the GPU.
     from benchmarks.utils import Options
     options = Options(quick=args.quick, device=args.device, prefetch_depth=args.prefetch_depth,
                       resident_blocks=args.resident_blocks, progress=not args.no_progress)
-    results: dict[str, Any] = {"options": {k: v for k, v in vars(args).items() if k not in ("child", "journal")},
-                               "sections": {}}
-    texts: list[str] = []
-    run_started = time.perf_counter()
 
     def print_header(header: dict[str, Any]) -> None:
         from benchmarks.utils import format_header
@@ -490,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         results["interrupted"] = True
     if "header" not in results:
         results["header"] = runner.header or {"error": "no child reported the environment"}
-    results["wall_s"] = round(time.perf_counter() - run_started, 2)
+
+
+def _summarize_targets(results: dict[str, Any], texts: list[str]) -> None:
+    """The run against the design's targets: into ``results["targets"]`` and printed."""
     try:
         results["targets"] = targets_summary(results)
     except Exception as error:  # a summary must not cost the results file
@@ -501,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text + "\n", flush=True)
         texts.append(text + "\n")
 
+
+def _write_outputs(args: argparse.Namespace, out_dir: str, results: dict[str, Any], texts: list[str]) -> None:
+    """Plots, results.json, results.txt and the Markdown pages; then where they are and what failed."""
     plot_lines = write_plots(results, out_dir, args.no_plots)
     results["plots"] = plot_lines
 
@@ -520,8 +537,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {json_path}  (tables: {text_path}; Markdown: {', '.join(md_paths)})")
     print(f"done in {results['wall_s']:.0f} s: {len(results['sections'])} section(s), {errors} error row(s)"
           + (f", sections not ok: {', '.join(not_ok)}" if not_ok else ""))
-    shutil.rmtree(journal_dir, ignore_errors=True)
-    return 0
 
 
 def write_plots(results: dict[str, Any], out_dir: str, disabled: bool) -> list[str]:

@@ -182,9 +182,13 @@ def first_module_list(model: nn.Module) -> nn.ModuleList:
 
 def move_non_block_modules(model: nn.Module, device: torch.device) -> None:
     """Everything but the offloaded ModuleList goes to the device: that is the caller's job by contract."""
-    blocks = first_module_list(model)
+    move_all_but(model, device, [first_module_list(model)])
+
+
+def move_all_but(model: nn.Module, device: torch.device, kept: list[nn.Module]) -> None:
+    """``model``'s direct children other than ``kept``, and its own parameters and buffers, to ``device``."""
     for child in model.children():
-        if child is not blocks:
+        if all(child is not k for k in kept):
             child.to(device)
     for param in model._parameters.values():
         if param is not None:

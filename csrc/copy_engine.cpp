@@ -16,12 +16,29 @@
 
 namespace fastoffload {
 
-#ifdef FASTOFFLOAD_WITH_CUDA
 namespace {
+#ifdef FASTOFFLOAD_WITH_CUDA
 cudaEvent_t as_event(void* handle) { return static_cast<cudaEvent_t>(handle); }
 cudaStream_t as_stream(void* handle) { return static_cast<cudaStream_t>(handle); }
-}  // namespace
+
+// Non-blocking: the engine's streams must never serialise with the legacy default stream. High priority:
+// a prefetch (or its decode) should not queue behind compute kernels for the GPU's attention.
+cudaStream_t new_priority_stream() {
+  int least = 0;
+  int greatest = 0;
+  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t stream = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
+  return stream;
+}
+#else
+// Always throws: an Event or CopyEngine for a device cannot exist in a host-only build.
+void refuse_without_cuda(int device_index) {
+  TORCH_CHECK(false, "fastoffload: this build has no CUDA support; rebuild with a CUDA toolkit to use cuda:",
+              std::to_string(device_index));
+}
 #endif
+}  // namespace
 
 Event::Event(int device_index, bool timing) : device_index_(device_index) {
   if (device_index_ < 0) return;
@@ -31,8 +48,7 @@ Event::Event(int device_index, bool timing) : device_index_(device_index) {
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
   handle_ = event;
 #else
-  TORCH_CHECK(false, "fastoffload: this build has no CUDA support; rebuild with a CUDA toolkit to use cuda:",
-              std::to_string(device_index));
+  refuse_without_cuda(device_index);
 #endif
 }
 
@@ -49,20 +65,12 @@ CopyEngine::CopyEngine(int device_index) : device_index_(device_index) {
   if (device_index_ < 0) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  int least = 0;
-  int greatest = 0;
-  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t stream = nullptr;
-  // Non-blocking: the copy stream must never serialise with the legacy default stream. High priority:
-  // a prefetch should not queue behind compute kernels for the copy engine's attention.
-  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
-  copy_stream_ = stream;
+  copy_stream_ = new_priority_stream();
   cudaEvent_t join = nullptr;
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   join_event_ = join;
 #else
-  TORCH_CHECK(false, "fastoffload: this build has no CUDA support; rebuild with a CUDA toolkit to use cuda:",
-              std::to_string(device_index));
+  refuse_without_cuda(device_index);
 #endif
 }
 
@@ -157,12 +165,7 @@ void CopyEngine::ensure_decode_stream() {
 #ifdef FASTOFFLOAD_WITH_CUDA
   if (decode_stream_ != nullptr) return;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
-  int least = 0;
-  int greatest = 0;
-  C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t stream = nullptr;
-  C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
-  decode_stream_ = stream;
+  decode_stream_ = new_priority_stream();
   for (auto& e : landed_) e = std::make_unique<Event>(device_index_);
   for (auto& e : decoded_) e = std::make_unique<Event>(device_index_);
 #endif

@@ -40,7 +40,7 @@ def _load() -> tuple[ModuleType | None, str]:
 
 _C, REASON = _load()
 if _C is None:
-    warnings.warn(f"fastoffload_ext: using the pure-Python backend: {REASON}", RuntimeWarning, stacklevel=2)
+    warnings.warn(f"fastoffload: using the pure-Python backend: {REASON}", RuntimeWarning, stacklevel=2)
 
 
 def ext_available() -> bool:
@@ -51,8 +51,8 @@ def ext_available() -> bool:
 def require_ext() -> ModuleType:
     """The compiled core, or an error that says why it is missing and how to get it."""
     if _C is None:
-        raise RuntimeError(f"fastoffload_ext: backend='ext' needs the compiled core, but {REASON}. "
-                           "Use backend='python' (or 'auto') to run without it.")
+        raise RuntimeError(f"fastoffload: backend='ext' needs the compiled core, but {REASON}. Use backend='python' "
+                           "(or 'auto') to run without it.")
     return _C
 
 

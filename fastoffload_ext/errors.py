@@ -6,7 +6,11 @@ and says what to do.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointReadError", "FastOffloadError", "OffloadConfigError", "OffloadStateError"]
+__all__ = ["MESSAGE_PREFIX", "CheckpointError", "CheckpointReadError", "FastOffloadError", "OffloadConfigError",
+           "OffloadStateError"]
+
+# How every message this package raises (Python and the compiled core alike) begins.
+MESSAGE_PREFIX = "fastoffload: "
 
 
 class FastOffloadError(Exception):

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from benchmarks.workloads import Block, BlockStack
+from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager
 
-__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "make_pair", "params_equal", "place_outside_blocks"]
+__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "make_pair", "offload_hook", "params_equal", "place_outside_blocks"]
 
 OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -40,3 +41,12 @@ def params_equal(a: nn.Module, b: nn.Module) -> bool:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     return pa.keys() == pb.keys() and all(
         pa[k].shape == pb[k].shape and pa[k].dtype == pb[k].dtype and torch.equal(pa[k].cpu(), pb[k].cpu()) for k in pa)
+
+
+def offload_hook(block: nn.Module) -> LayerwiseOffloadHook:
+    """The layerwise offload hook on ``block`` (it must have one)."""
+    manager = ModuleHookManager.get_from(block)
+    assert manager is not None
+    hook = manager.get_forward_hook(LayerwiseOffloadHook.name())
+    assert isinstance(hook, LayerwiseOffloadHook)
+    return hook

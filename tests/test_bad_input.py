@@ -36,6 +36,10 @@ from ._models import Block, make_pair, params_equal
 from ._trees import has_hooks, mismatches, snapshot
 
 N_BLOCKS = 3
+NO_BLOCK_LIST = ("fastoffload: No nn.ModuleList found in the model for layerwise offloading. Keep the blocks in an "
+                 "nn.ModuleList that is a direct child of the model, or name the lists with block_lists=")
+NOT_ENABLED = ("fastoffload: layerwise offload is not enabled on this model (no enable_layerwise_offload call to "
+               "undo); call disable only after enable")
 KNOWN_SETTINGS = ", ".join(sorted(DEFAULT_SCHEMA))
 DEVICE_HINT = ("layerwise offload moves weights between host memory and a CUDA device ('cpu' runs the same engine "
                "with the host as its device, for tests)")
@@ -400,43 +404,44 @@ CASES = [
     Case("all_blocks_resident", _all_blocks_resident),
     # Where the block list is.
     Case("model_is_the_block_list_itself", lambda env: fo.enable_layerwise_offload(env.model.blocks, device="cpu"),
-         ValueError, exact("No nn.ModuleList found in the model for layerwise offloading.")),
+         ValueError, exact(NO_BLOCK_LIST)),
     Case("block_list_one_level_down",
          lambda env: fo.enable_layerwise_offload(nn.ModuleDict({"transformer": env.model}), device="cpu"),
-         ValueError, exact("No nn.ModuleList found in the model for layerwise offloading.")),
+         ValueError, exact(NO_BLOCK_LIST)),
     # What the blocks hold.
     Case("meta_parameter_deep_in_block_2", _meta_parameter_deep_in_a_block, ValueError,
-         exact("parameter 2.norms.1.bias is on the meta device and has no values to offload; materialize the model "
-               "first (e.g. to_empty(device=...) then load_state_dict)")),
+         exact("fastoffload: parameter 2.norms.1.bias is on the meta device and has no values to offload; materialize "
+               "the model first (e.g. to_empty(device=...) then load_state_dict)")),
     Case("sparse_parameter-ext", _sparse_parameter, RuntimeError,
          exact("fastoffload: parameter 'o.weight' has layout Sparse; only dense (strided) tensors can be offloaded. "
                "Convert it with .to_dense() first")),
     # Devices.
     Case("device_xla", lambda env: env.enable(device="xla"), ValueError,
-         exact(f"device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),
+         exact(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),
     Case("device_cuda_without_cuda", lambda env: (env.without_cuda(), env.enable(device="cuda")), RuntimeError,
-         exact(f"device 'cuda' {NO_CUDA_HINT}")),
+         exact(f"fastoffload: device 'cuda' {NO_CUDA_HINT}")),
     Case("device_cuda_99_without_cuda", lambda env: (env.without_cuda(), env.enable(device="cuda:99")), RuntimeError,
-         exact(f"device 'cuda:99' {NO_CUDA_HINT}")),
+         exact(f"fastoffload: device 'cuda:99' {NO_CUDA_HINT}")),
     Case("device_index_0_without_cuda", lambda env: (env.without_cuda(), env.enable(device=0)), RuntimeError,
-         exact(f"device 'cuda:0' {NO_CUDA_HINT}")),
+         exact(f"fastoffload: device 'cuda:0' {NO_CUDA_HINT}")),
     Case("device_cuda_99_with_2_gpus",
          lambda env: (env.monkeypatch.setattr(torch.cuda, "is_available", lambda: True),
                       env.monkeypatch.setattr(torch.cuda, "device_count", lambda: 2), env.enable(device="cuda:99")),
-         ValueError, exact("device 'cuda:99' does not exist: 2 CUDA device(s) visible")),
+         ValueError, exact("fastoffload: device 'cuda:99' does not exist: 2 CUDA device(s) visible; pass one of "
+                           "those (or check CUDA_VISIBLE_DEVICES)")),
     # Knobs of the wrong type or spelling.
     Case("prefetch_depth_true", lambda env: env.enable(prefetch_depth=True), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got True")),
+         exact("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got True")),
     Case("prefetch_depth_string", lambda env: env.enable(prefetch_depth="2"), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got '2'")),
+         exact("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got '2'")),
     Case("resident_blocks_true", lambda env: env.enable(resident_blocks=True), ValueError,
-         exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got True")),
+         exact("fastoffload: resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got True")),
     Case("backend_upper_case", lambda env: env.enable(backend="EXT"), ValueError,
-         exact("backend must be one of 'auto', 'ext', 'python', got 'EXT'")),
+         exact("fastoffload: backend must be one of 'auto', 'ext', 'python', got 'EXT'")),
     Case("pin_backing_capitalised", lambda env: env.enable(pin_backing="Register"), ValueError,
-         exact("pin_backing must be one of 'host_alloc', 'register', 'pageable', got 'Register'")),
+         exact("fastoffload: pin_backing must be one of 'host_alloc', 'register', 'pageable', got 'Register'")),
     Case("pinned_limit_bytes_negative-ext", lambda env: env.enable(backend="ext", pinned_limit_bytes=-1), ValueError,
-         exact("pinned_limit_bytes must be None or an integer >= 0 (bytes), got -1")),
+         exact("fastoffload: pinned_limit_bytes must be None or an integer >= 0 (bytes), got -1")),
     # Budgets and resident sets.
     Case("device_budget_unparseable", lambda env: env.enable(device_budget="20 gigs"), ValueError,
          exact(BUDGET_SHAPE.format(what="device_budget", auto=", or 'auto'", value="20 gigs"))),
@@ -467,10 +472,10 @@ CASES = [
     Case("resident_blocks_index_out_of_range", lambda env: env.enable(resident_blocks=[0, 7]), ValueError,
          exact("fastoffload: resident_blocks indices must be integers in 0..2 (the blocks of 'blocks'), got [0, 7]")),
     Case("resident_blocks_unknown_word", lambda env: env.enable(resident_blocks="first"), ValueError,
-         exact("resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got 'first'; or pass a "
-               "collection of block indices, or 'auto'")),
+         exact("fastoffload: resident_blocks must be an integer between 0 and the 3 blocks of 'blocks', got 'first'; "
+               "or pass a collection of block indices, or 'auto'")),
     Case("prefetch_depth_unknown_word", lambda env: env.enable(prefetch_depth="max"), ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got 'max'")),
+         exact("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got 'max'")),
     Case("plan_for_another_model", lambda env: env.enable(plan=_plan_for(5, 1)), ValueError,
          exact("fastoffload: the plan was made for 5 blocks, but 'blocks' has 3; make a plan from this model's costs")),
     Case("plan_and_resident_blocks", lambda env: env.enable(plan=_plan_for(3, 0), resident_blocks=1), ValueError,
@@ -483,16 +488,16 @@ CASES = [
                "this budget")),
     # The string "false" is truthy: taken as True it would silently turn the wrap-around on.
     Case("cyclic_as_a_string", lambda env: env.enable(cyclic="false"), ValueError,
-         exact("cyclic must be True or False, got 'false'")),
+         exact("fastoffload: cyclic must be True or False, got 'false'")),
     # Lazy components and resolution steps.
     Case("lazy_model_whose_loader_raises", _lazy_model_whose_loader_raises, OSError,
          exact("checkpoint shard 3 of 4 is missing")),
     Case("resolution_lambda_step_unknown_path", _resolution_lambda_step, UnknownPathError,
-         exact(f"Resolution step <lambda> set 'engine.offload.vea', which is not a known setting; fix the path in "
-               f"<lambda> (known settings: {KNOWN_SETTINGS})")),
+         exact("fastoffload: resolution step <lambda> set 'engine.offload.vea', which is not a known setting; fix the "
+               f"path in <lambda> (known settings: {KNOWN_SETTINGS})")),
     Case("resolution_partial_step_unknown_path", _resolution_partial_step, UnknownPathError,
-         f"Resolution step {PARTIAL_NAME} set 'engine\\.offload\\.dit_layerwse', which is not a known setting; fix "
-         f"the path in {PARTIAL_NAME} \\(known settings: {re.escape(KNOWN_SETTINGS)}\\)"),
+         f"fastoffload: resolution step {PARTIAL_NAME} set 'engine\\.offload\\.dit_layerwse', which is not a known "
+         f"setting; fix the path in {PARTIAL_NAME} \\(known settings: {re.escape(KNOWN_SETTINGS)}\\)"),
     # What users do to an offloaded model.
     Case("prefetch_depth_10_to_the_9", _huge_prefetch_depth(10**9)),
     Case("prefetch_depth_2_to_the_64", _huge_prefetch_depth(2**64)),
@@ -524,18 +529,18 @@ CASES = [
          exact("fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got 18446744073709551616; pass None "
                "for no limit")),
     Case("pin_backing_not_a_string", lambda env: env.enable(backend="ext", pin_backing=["register"]), ValueError,
-         exact("pin_backing must be one of 'host_alloc', 'register', 'pageable', got ['register']")),
+         exact("fastoffload: pin_backing must be one of 'host_alloc', 'register', 'pageable', got ['register']")),
     Case("device_cpu_1", lambda env: env.enable(device="cpu:1"), ValueError,
          exact("fastoffload: device 'cpu:1' names a CPU index, but the host is one device for offload; pass "
                "device='cpu'")),
     # Pipeline-level helpers.
     Case("apply_offload_config_checks_options_before_loading", _apply_config_with_a_bad_option, ValueError,
-         exact("prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got -1")),
+         exact("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got -1")),
     Case("copy_deepcopy_pickle_of_a_lazy_module", _copies_of_a_lazy_module),
     Case("resolve_a_config_holding_a_lock", _resolve_a_config_holding_a_lock),
     # Sharing the host copy between ranks (the multi-rank cases are in tests/test_sharing.py).
     Case("share_host_copy_yes", lambda env: env.enable(backend="ext", share_host_copy="yes"), ValueError,
-         exact("share_host_copy must be True, False or 'auto', got 'yes'")),
+         exact("fastoffload: share_host_copy must be True, False or 'auto', got 'yes'")),
     Case("share_host_copy_true_without_a_process_group", lambda env: env.enable(backend="ext", share_host_copy=True),
          RuntimeError,
          exact("fastoffload: share_host_copy=True shares the host copy between the ranks of a torch.distributed "
@@ -543,9 +548,9 @@ CASES = [
                "rank first (torchrun sets the environment for it), or pass share_host_copy=False")),
     # Undoing what was never done.
     Case("disable_never_enabled", lambda env: fo.disable_layerwise_offload(env.model), ValueError,
-         exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),
+         exact(NOT_ENABLED)),
     Case("disable_on_a_plain_linear", lambda env: fo.disable_layerwise_offload(nn.Linear(2, 2)), ValueError,
-         exact("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")),
+         exact(NOT_ENABLED)),
 ]
 
 

@@ -187,7 +187,7 @@ def test_fallback_import_warns_once_with_the_reason(fallback_run: dict[str, Any]
     runtime_warnings = [w for w in fallback_run["warnings"] if w["category"] == "RuntimeWarning"]
     assert len(runtime_warnings) == 1, fallback_run["warnings"]
     message = runtime_warnings[0]["message"]
-    assert "pure-Python backend" in message
+    assert message.startswith("fastoffload: ") and "pure-Python backend" in message
     assert "simulated: no compiled core on this machine" in message
     assert "pip install --no-build-isolation ." in message
     assert fallback_run["active_backend"] == "python"

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 import fastoffload_ext as fo
-from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager
 
-from ._models import OFFLOAD_DEVICES, make_pair, params_equal, place_outside_blocks
+from ._models import OFFLOAD_DEVICES, make_pair, offload_hook, params_equal, place_outside_blocks
 
 D = 128
 
@@ -159,14 +158,6 @@ def test_auto_measures_then_decides(threshold: float, expected: str) -> None:
     assert params_equal(model, reference)
 
 
-def _hook(block: nn.Module) -> LayerwiseOffloadHook:
-    manager = ModuleHookManager.get_from(block)
-    assert manager is not None
-    hook = manager.get_forward_hook(LayerwiseOffloadHook.name())
-    assert isinstance(hook, LayerwiseOffloadHook)
-    return hook
-
-
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("compress", [True, "auto"])
 def test_mutate_params_scope_re_encodes(device: str, compress) -> None:
@@ -180,7 +171,7 @@ def test_mutate_params_scope_re_encodes(device: str, compress) -> None:
         for m in (model, reference):
             block = m.blocks[1]
             if m is model:
-                with _hook(block).mutate_params_scope():
+                with offload_hook(block).mutate_params_scope():
                     block.up.weight.mul_(1.5)
                     block.qkv.bias.add_(0.25)
             else:

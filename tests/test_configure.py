@@ -256,8 +256,8 @@ def test_result_is_read_only(fake_enable: RecordingEnable) -> None:
 # ---- errors: all raised before anything is loaded or hooked ----------------------------------------
 
 def test_loaded_module_instead_of_loader(fake_enable: RecordingEnable) -> None:
-    with pytest.raises(TypeError, match=r"components\['vae'\] is a loaded Linear; pass a loader instead, e\.g\. "
-                                        r"components=\{'vae': build_vae\}"):
+    with pytest.raises(TypeError, match=r"fastoffload: components\['vae'\] is a loaded Linear; pass a loader instead, "
+                                        r"e\.g\. components=\{'vae': build_vae\}"):
         apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), components={"vae": nn.Linear(2, 2)})
     assert fake_enable.calls == []
 
@@ -265,46 +265,49 @@ def test_loaded_module_instead_of_loader(fake_enable: RecordingEnable) -> None:
 def test_lazy_module_instead_of_loader(fake_enable: RecordingEnable) -> None:
     loads: list[int] = []
     proxy = LazyModule("vae", lambda: loads.append(1) or nn.Linear(2, 2))
-    with pytest.raises(TypeError, match=r"components\['vae'\] is already a LazyModule; pass its loader"):
+    with pytest.raises(TypeError, match=r"fastoffload: components\['vae'\] is already a LazyModule; pass its "
+                                        r"loader"):
         apply_offload_config({}, components={"vae": proxy})
     assert loads == []
 
 
 def test_non_callable_component(fake_enable: RecordingEnable) -> None:
-    with pytest.raises(TypeError, match=r"components\['vae'\] is str, not a loader; pass a zero-argument callable"):
+    with pytest.raises(TypeError, match=r"fastoffload: components\['vae'\] is str, not a loader; pass a zero-argument "
+                                        r"callable"):
         apply_offload_config({}, components={"vae": "stabilityai/sd-vae"})
 
 
 def test_components_not_a_mapping(fake_enable: RecordingEnable) -> None:
-    with pytest.raises(TypeError, match=r"components must be a mapping of name -> loader, got list"):
+    with pytest.raises(TypeError, match=r"fastoffload: components must be a mapping of name -> loader, got list"):
         apply_offload_config({}, components=[tiny_dit])  # type: ignore[arg-type]
 
 
 def test_transformer_name_not_in_components(fake_enable: RecordingEnable) -> None:
     loaders = CountingLoaders("vae")
-    with pytest.raises(ValueError, match=r"transformer='dit' names no component; components has 'vae'\. Pass the "
-                                         r"transformer module, or the key of its loader in components"):
+    with pytest.raises(ValueError, match=r"fastoffload: transformer='dit' names no component; components has 'vae'\. "
+                                         r"Pass the transformer module, or the key of its loader in components"):
         apply_offload_config(LAYERWISE_ON, transformer="dit", components=loaders.loaders)
     assert loaders.loads == []
 
 
 def test_transformer_of_the_wrong_kind(fake_enable: RecordingEnable) -> None:
-    with pytest.raises(TypeError, match=r"transformer must be an nn.Module, a LazyModule or the name of a component, "
-                                        r"got dict"):
+    with pytest.raises(TypeError, match=r"fastoffload: transformer must be an nn.Module, a LazyModule or the name of a "
+                                        r"component, got dict"):
         apply_offload_config(LAYERWISE_ON, transformer={"blocks": []})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("key", ["device", "model"])
 def test_reserved_layerwise_options(fake_enable: RecordingEnable, key: str) -> None:
-    with pytest.raises(ValueError, match=rf"layerwise_options may not contain '{key}': pass the transformer as "
-                                         r"transformer= and the device as device= to apply_offload_config"):
+    with pytest.raises(ValueError, match=rf"fastoffload: layerwise_options may not contain '{key}': pass the "
+                                         r"transformer as transformer= and the device as device= to "
+                                         r"apply_offload_config"):
         apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(), layerwise_options={key: "cpu"})
     assert fake_enable.calls == []
 
 
 def test_loader_returning_none(fake_enable: RecordingEnable) -> None:
-    with pytest.raises(ValueError, match=r"Loader for component vae returned None; the loader must return the built "
-                                         r"component"):
+    with pytest.raises(ValueError, match=r"fastoffload: loader for component vae returned None; the loader must return "
+                                         r"the built component"):
         apply_offload_config({"engine": {"offload": {"lazy_module_load": False}}}, components={"vae": lambda: None})
 
 
@@ -312,7 +315,7 @@ def test_resolution_errors_propagate(fake_enable: RecordingEnable) -> None:
     def typo(view: ResolutionView) -> dict[str, Any]:
         return {"engine.offload.layerwise": True}
 
-    with pytest.raises(UnknownPathError, match=r"Resolution step typo set 'engine.offload.layerwise'"):
+    with pytest.raises(UnknownPathError, match=r"fastoffload: resolution step typo set 'engine.offload.layerwise'"):
         apply_offload_config({}, transformer=tiny_dit(), steps=[typo])
     assert fake_enable.calls == []
 
@@ -369,7 +372,8 @@ def test_real_engine_untouched_when_the_policy_says_no(unified_device: None) -> 
 
 
 def test_real_engine_rejects_a_model_without_blocks() -> None:
-    with pytest.raises(ValueError, match="No nn.ModuleList found in the model for layerwise offloading."):
+    with pytest.raises(ValueError, match=r"^fastoffload: No nn\.ModuleList found in the model for layerwise "
+                                         r"offloading\. "):
         apply_offload_config(LAYERWISE_ON, transformer=nn.Linear(2, 2), device="cpu")
 
 
@@ -411,7 +415,7 @@ def test_bad_layerwise_options_fail_before_any_loader_runs(options: dict[str, An
 
 def test_bad_device_fails_before_any_loader_runs() -> None:
     loaders = CountingLoaders("transformer", "vae")
-    with pytest.raises(ValueError, match=r"device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"):
+    with pytest.raises(ValueError, match=r"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got 'tpu'"):
         apply_offload_config(EAGER_LAYERWISE, transformer="transformer", components=loaders.loaders, device="tpu")
     assert loaders.loads == []
     # A device the policy never uses (layerwise offload off) is not judged: nothing would use it.

@@ -16,16 +16,18 @@ state the expected behaviour (remove the marker once fixed).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 import fastoffload_ext as fo
-from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager, _backend
+from fastoffload_ext import _backend
 from fastoffload_ext.engine import layerwise as layerwise_module
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState, LayerwiseOffloadState
 
-from ._models import Stack, make_pair, params_equal, place_outside_blocks
+from ._models import Stack, make_pair, offload_hook, params_equal, place_outside_blocks
 from ._trees import has_hooks, mismatches, snapshot
 
 BACKENDS = ["ext", "python"]
@@ -48,10 +50,18 @@ def _setup(n_blocks: int = N_BLOCKS, seed: int = 0):
     return model, reference, x, want
 
 
-def _hook(block: nn.Module) -> LayerwiseOffloadHook:
-    hook = ModuleHookManager.get_from(block).get_forward_hook(LayerwiseOffloadHook.name())
-    assert isinstance(hook, LayerwiseOffloadHook)
-    return hook
+def _fails_then_recovers(model: Stack, group: fo.LayerwiseOffloadGroup, reference: Stack, x: torch.Tensor,
+                         want: torch.Tensor, where: nn.Module, pre_hook: Any, fault: type[BaseException],
+                         message: str) -> None:
+    """A step whose ``pre_hook`` on ``where`` raises ``fault``: the engine is idle after it, the next
+    step is exact, and disable gives every value back."""
+    handle = where.register_forward_pre_hook(pre_hook)
+    with torch.no_grad(), pytest.raises(fault, match=message):
+        model(x)
+    handle.remove()
+    assert_idle(model, group)
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
 
 
 def assert_idle(model: Stack, group: fo.LayerwiseOffloadGroup) -> None:
@@ -107,13 +117,8 @@ def test_exception_inside_block_forward(backend: str, position: str, depth: int)
         assert all(p.numel() > 0 for p in model.blocks[k].parameters())
         raise InjectedFault(f"fault inside block {k}")
 
-    handle = model.blocks[k].up.register_forward_pre_hook(explode)
-    with torch.no_grad(), pytest.raises(InjectedFault, match=f"fault inside block {k}"):
-        model(x)
-    handle.remove()
-    assert_idle(model, group)
-    assert_step_exact(model, group, x, want)
-    disable_and_check(model, group, reference)
+    _fails_then_recovers(model, group, reference, x, want, model.blocks[k].up, explode, InjectedFault,
+                         f"fault inside block {k}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -130,14 +135,9 @@ def test_keyboard_interrupt_between_blocks(backend: str, position: str) -> None:
         seen["loaded"] = [i for i, b in enumerate(model.blocks) if any(p.numel() > 0 for p in b.parameters())]
         raise KeyboardInterrupt(f"interrupted after block {k}")
 
-    handle = after.register_forward_pre_hook(interrupt)
-    with torch.no_grad(), pytest.raises(KeyboardInterrupt, match=f"interrupted after block {k}"):
-        model(x)
-    handle.remove()
+    _fails_then_recovers(model, group, reference, x, want, after, interrupt, KeyboardInterrupt,
+                         f"interrupted after block {k}")
     assert seen["loaded"] == []  # block k gave its weights back before the interrupt
-    assert_idle(model, group)
-    assert_step_exact(model, group, x, want)
-    disable_and_check(model, group, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -189,7 +189,7 @@ def test_enabling_twice_is_refused_and_the_first_offload_keeps_working(backend: 
                                              "is_replace=True"):
             fo.enable_layerwise_offload(model, device="cpu", backend=again, prefetch_depth=3)
     assert fo.get_offload_group(model) is group
-    assert all(_hook(b).state is s for b, s in zip(model.blocks, group.states))
+    assert all(offload_hook(b).state is s for b, s in zip(model.blocks, group.states))
     if group.engine is not None:
         assert group.engine.pool.stats()["in_use_bytes"] == in_use  # no second copy of the weights
     assert_step_exact(model, group, x, want)
@@ -356,9 +356,9 @@ def test_meta_parameter_in_a_later_block_refuses_before_touching_anything(backen
     original = snapshot(model)
     with torch.device("meta"):
         model.blocks[3] = Stack(1).blocks[0]
-    with pytest.raises(ValueError, match=r"^parameter 3\.qkv\.weight is on the meta device and has no values to "
-                                         r"offload; materialize the model first \(e\.g\. to_empty\(device=\.\.\.\) "
-                                         r"then load_state_dict\)$"):
+    with pytest.raises(ValueError, match=r"^fastoffload: parameter 3\.qkv\.weight is on the meta device and has no "
+                                         r"values to offload; materialize the model first \(e\.g\. "
+                                         r"to_empty\(device=\.\.\.\) then load_state_dict\)$"):
         fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     _assert_untouched(model, original, range(3))
     assert not has_hooks(model.blocks[3]) and model.blocks[3].qkv.weight.is_meta
@@ -543,7 +543,7 @@ def test_mutate_params_scope_raising_rebuilds_the_host_copy(backend: str, fault:
         model(x)
     block = model.blocks[1]
     with pytest.raises(fault, match="conversion failed"):
-        with _hook(block).mutate_params_scope():
+        with offload_hook(block).mutate_params_scope():
             assert all(p.numel() > 0 for p in block.parameters())
             if when == "after_change":
                 _lora_convert(block)

@@ -226,7 +226,7 @@ def test_execution_mode_values() -> None:
 
 def test_invalid_mode_in_input() -> None:
     with pytest.raises(InvalidValueError,
-                       match=r"Invalid value for mode from the input config: expected one of 'inference', "
+                       match=r"fastoffload: invalid value for mode from the input config: expected one of 'inference', "
                              r"'preprocess', 'finetuning', 'distillation' \(or an ExecutionMode\), got 'training'"):
         resolve({"mode": "training"}, [])
 
@@ -235,15 +235,16 @@ def test_invalid_mode_from_a_step_names_the_step() -> None:
     def bad_mode(view: ResolutionView) -> dict[str, Any]:
         return {"mode": 3}
 
-    with pytest.raises(InvalidValueError, match=r"Invalid value for mode from resolution step bad_mode: .*got 3"):
+    with pytest.raises(InvalidValueError, match=r"fastoffload: invalid value for mode from resolution step bad_mode: "
+                                                r".*got 3"):
         resolve({}, [bad_mode])
 
 
 @pytest.mark.parametrize("value", ["false", 0, 1, "yes"])
 def test_flags_must_be_booleans(value: Any) -> None:
     with pytest.raises(InvalidValueError,
-                       match=r"Invalid value for engine.offload.vae from the input config: expected true or false "
-                             r"\(or None to leave it unset\), got"):
+                       match=r"fastoffload: invalid value for engine.offload.vae from the input config: expected true "
+                             r"or false \(or None to leave it unset\), got"):
         resolve({"engine": {"offload": {"vae": value}}}, [])
 
 
@@ -252,7 +253,7 @@ def test_flag_from_step_must_be_boolean() -> None:
         return {"engine.offload.dit": "off"}
 
     with pytest.raises(InvalidValueError,
-                       match=r"Invalid value for engine.offload.dit from resolution step stringly: "
+                       match=r"fastoffload: invalid value for engine.offload.dit from resolution step stringly: "
                              r".*got 'off' \(str\)"):
         resolve({}, [stringly])
 
@@ -261,15 +262,17 @@ def test_setting_through_a_non_mapping_is_rejected() -> None:
     def never_runs(view: ResolutionView) -> dict[str, Any]:
         raise AssertionError("a malformed config must be rejected before any step runs")
 
-    with pytest.raises(InvalidValueError, match=r"Cannot set engine.offload.dit_layerwise: engine.offload holds True, "
-                                                r"not a mapping; make engine.offload a mapping of settings"):
+    with pytest.raises(InvalidValueError, match=r"fastoffload: cannot set engine.offload.dit_layerwise: engine.offload "
+                                                r"holds True, not a mapping; make engine.offload a mapping of "
+                                                r"settings"):
         resolve({"engine": {"offload": True}}, [never_runs])
 
 
 def test_overlapping_schema_paths_are_rejected() -> None:
     schema = {"engine": SchemaField(), "engine.offload.vae": SchemaField(default=False)}
-    with pytest.raises(ResolutionError, match=r"Schema paths 'engine' and 'engine.offload.vae' overlap: a setting "
-                                              r"cannot also hold settings; rename 'engine' \(e.g. engine.enabled\)"):
+    with pytest.raises(ResolutionError, match=r"fastoffload: schema paths 'engine' and 'engine.offload.vae' overlap: a "
+                                              r"setting cannot also hold settings; rename 'engine' \(e.g. "
+                                              r"engine.enabled\)"):
         resolve({}, [], schema=schema)
 
 
@@ -285,8 +288,9 @@ def test_unknown_path_names_path_and_step() -> None:
     def typo(view: ResolutionView) -> dict[str, Any]:
         return {"engine.offload.dit_layerwse": False}
 
-    with pytest.raises(UnknownPathError, match=r"Resolution step typo set 'engine.offload.dit_layerwse', which is "
-                                               r"not a known setting; fix the path in typo \(known settings: "):
+    with pytest.raises(UnknownPathError, match=r"fastoffload: resolution step typo set 'engine.offload.dit_layerwse', "
+                                               r"which is not a known setting; fix the path in typo \(known settings: "
+                                               r""):
         resolve({}, [typo])
     assert issubclass(UnknownPathError, ValueError)
     assert issubclass(UnknownPathError, ResolutionError)
@@ -296,7 +300,8 @@ def test_non_string_path_is_unknown() -> None:
     def numeric(view: ResolutionView) -> dict[Any, Any]:
         return {3: True}
 
-    with pytest.raises(UnknownPathError, match=r"Resolution step numeric set 3, which is not a known setting"):
+    with pytest.raises(UnknownPathError, match=r"fastoffload: resolution step numeric set 3, which is not a known "
+                                               r"setting"):
         resolve({}, [numeric])  # type: ignore[list-item]
 
 
@@ -315,8 +320,9 @@ def test_step_returning_none_is_rejected() -> None:
     def forgot_return(view: ResolutionView) -> None:
         pass
 
-    with pytest.raises(StepResultError, match=r"Resolution step forgot_return returned NoneType; a step must return "
-                                              r"a mapping of \{dotted.path: value\} \(return \{\} to decide nothing\)"):
+    with pytest.raises(StepResultError, match=r"fastoffload: resolution step forgot_return returned NoneType; a step "
+                                              r"must return a mapping of \{dotted.path: value\} \(return \{\} to "
+                                              r"decide nothing\)"):
         resolve({}, [forgot_return])  # type: ignore[list-item]
 
 
@@ -330,7 +336,8 @@ def test_exception_in_step_propagates_with_a_note() -> None:
 
 
 def test_non_mapping_config_is_rejected() -> None:
-    with pytest.raises(TypeError, match=r"resolve\(\) needs the config as a mapping of settings, got list"):
+    with pytest.raises(TypeError, match=r"fastoffload: resolve\(\) needs the config as a mapping of settings, got "
+                                        r"list"):
         resolve([("engine.offload.vae", True)], [])  # type: ignore[arg-type]
 
 

@@ -138,24 +138,26 @@ def test_release_after_does_not_release_components_used_later() -> None:
 # ---- errors ----------------------------------------------------------------------------------------
 
 def test_duplicate_stage_name() -> None:
-    with pytest.raises(ValueError, match=r"Stage name 'decode' appears twice; give every stage a unique name"):
+    with pytest.raises(ValueError, match=r"fastoffload: stage name 'decode' appears twice; give every stage a unique "
+                                         r"name"):
         ReleaseSchedule.from_stages([("decode", ["vae"]), ("decode", ["vae"])])
 
 
 def test_components_given_as_a_string() -> None:
-    with pytest.raises(TypeError, match=r"Stage 'decode' lists its components as the string 'vae'; pass a sequence "
-                                        r"of names, e.g. \('vae',\)"):
+    with pytest.raises(TypeError, match=r"fastoffload: stage 'decode' lists its components as the string 'vae'; pass a "
+                                        r"sequence of names, e.g. \('vae',\)"):
         ReleaseSchedule.from_stages([("decode", "vae")])
 
 
 def test_component_that_is_not_a_name() -> None:
-    with pytest.raises(TypeError, match=r"Stage 'decode' lists component 3 \(int\); components are named by strings"):
+    with pytest.raises(TypeError, match=r"fastoffload: stage 'decode' lists component 3 \(int\); components are named "
+                                        r"by strings"):
         ReleaseSchedule.from_stages([("decode", [3])])  # type: ignore[list-item]
 
 
 def test_component_given_as_a_lazy_module_is_rejected_without_loading() -> None:
     vae, loads = unloaded_lazy("vae")
-    with pytest.raises(TypeError, match=r"Stage 'decode' lists component <LazyModule vae \(deferred\)> "
+    with pytest.raises(TypeError, match=r"fastoffload: stage 'decode' lists component <LazyModule vae \(deferred\)> "
                                         r"\(LazyModule\); components are named by strings"):
         ReleaseSchedule.from_stages([("decode", [vae])])  # type: ignore[list-item]
     assert loads == []
@@ -163,49 +165,50 @@ def test_component_given_as_a_lazy_module_is_rejected_without_loading() -> None:
 
 @pytest.mark.parametrize("spec", [("decode",), ("decode", ["vae"], None, "extra"), ["decode", ["vae"]], "decode"])
 def test_unreadable_stage(spec: Any) -> None:
-    with pytest.raises(TypeError, match=r"Cannot read stage .*; give a Stage, a \(name, components\) pair or a "
-                                        r"\(name, components, run\) triple"):
+    with pytest.raises(TypeError, match=r"fastoffload: cannot read stage .*; give a Stage, a \(name, components\) pair "
+                                        r"or a \(name, components, run\) triple"):
         ReleaseSchedule.from_stages([spec])
 
 
 def test_lazy_module_as_stage_is_rejected_without_loading() -> None:
     vae, loads = unloaded_lazy("vae")
-    with pytest.raises(TypeError, match=r"Cannot read stage <LazyModule vae \(deferred\)>"):
+    with pytest.raises(TypeError, match=r"fastoffload: cannot read stage <LazyModule vae \(deferred\)>"):
         ReleaseSchedule.from_stages([vae])  # type: ignore[list-item]
     assert loads == []
 
 
 def test_keep_naming_an_unused_component() -> None:
-    with pytest.raises(ValueError, match=r"keep names 'tranformer', which no stage uses; keep only components that "
-                                         r"appear in a stage \(used: text_encoder, "):
+    with pytest.raises(ValueError, match=r"fastoffload: keep names 'tranformer', which no stage uses; keep only "
+                                         r"components that appear in a stage \(used: text_encoder, "):
         ReleaseSchedule.from_stages(T2V_STAGES, keep=["tranformer"])
 
 
 def test_keep_given_as_a_string() -> None:
-    with pytest.raises(TypeError, match=r"keep must be a collection of component names, got the string "
+    with pytest.raises(TypeError, match=r"fastoffload: keep must be a collection of component names, got the string "
                                         r"'transformer'; write keep=\('transformer',\)"):
         ReleaseSchedule.from_stages(T2V_STAGES, keep="transformer")
 
 
 def test_unknown_stage() -> None:
     schedule = ReleaseSchedule.from_stages(T2V_STAGES)
-    with pytest.raises(ValueError, match=r"Unknown stage 'denoising'; this schedule's stages are 'encode_prompt', "
-                                         r"'encode_image', 'denoise', 'decode'"):
+    with pytest.raises(ValueError, match=r"fastoffload: unknown stage 'denoising'; this schedule's stages are "
+                                         r"'encode_prompt', 'encode_image', 'denoise', 'decode'"):
         schedule.releases_after("denoising")
-    with pytest.raises(ValueError, match=r"Unknown stage 'denoising'"):
+    with pytest.raises(ValueError, match=r"fastoffload: unknown stage 'denoising'"):
         schedule.release_after("denoising", {})
 
 
 def test_release_after_with_a_missing_component() -> None:
     schedule = ReleaseSchedule.from_stages(T2V_STAGES)
-    with pytest.raises(ValueError, match=r"Components 'vae' are due for release after stage 'decode' but missing "
-                                         r"from the components mapping; pass the same mapping the stages use"):
+    with pytest.raises(ValueError, match=r"fastoffload: components 'vae' are due for release after stage 'decode' but "
+                                         r"missing from the components mapping; pass the same mapping the stages "
+                                         r"use"):
         schedule.release_after("decode", {"transformer": nn.Identity()})
 
 
 def test_run_pipeline_stage_without_function() -> None:
     te, loads = unloaded_lazy("text_encoder")
-    with pytest.raises(ValueError, match=r"Stage 'decode' has no function to run; give it as "
+    with pytest.raises(ValueError, match=r"fastoffload: stage 'decode' has no function to run; give it as "
                                          r"Stage\(name, components, run\)"):
         run_pipeline([Stage("encode", ["text_encoder"], lambda s, c: c["text_encoder"]), ("decode", ["vae"])],
                      {"text_encoder": te, "vae": nn.Identity()})
@@ -214,7 +217,7 @@ def test_run_pipeline_stage_without_function() -> None:
 
 def test_run_pipeline_missing_component() -> None:
     te, loads = unloaded_lazy("text_encoder")
-    with pytest.raises(ValueError, match=r"Stage 'decode' uses 'vae', missing from the components mapping "
+    with pytest.raises(ValueError, match=r"fastoffload: stage 'decode' uses 'vae', missing from the components mapping "
                                          r"\(it has 'text_encoder'\)"):
         run_pipeline([("encode", ["text_encoder"], lambda s, c: c["text_encoder"]),
                       ("decode", ["vae"], lambda s, c: s)], {"text_encoder": te})

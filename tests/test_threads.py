@@ -56,6 +56,22 @@ def _run_in_thread(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, result
 
 
+def _paused_offload(backend: str, seed: int) -> tuple[Any, Any, torch.Tensor, torch.Tensor, Paused, Any]:
+    """A 3-block model offloaded, its reference output, and a forward that will pause inside block 1."""
+    model, reference = make_pair(3)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = reference(x)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
+    paused = Paused(model)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    return model, reference, x, want, paused, forward
+
+
 def _assert_clean_outcome(result: dict[str, Any], want: torch.Tensor) -> None:
     """A forward racing a disable either finished exactly or raised one of the package's own errors."""
     if "error" in result:
@@ -66,17 +82,7 @@ def _assert_clean_outcome(result: dict[str, Any], want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_second_forward_in_another_thread_is_refused(backend: str) -> None:
-    model, reference = make_pair(3)
-    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = reference(x)
-    fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
-    paused = Paused(model)
-
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(x)
-
+    model, reference, x, want, paused, forward = _paused_offload(backend, seed=1)
     first, first_result = _run_in_thread(forward)
     assert paused.inside.wait(WAIT_S)
     second, second_result = _run_in_thread(forward)
@@ -96,17 +102,7 @@ def test_second_forward_in_another_thread_is_refused(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_disable_from_another_thread_waits_for_the_running_block(backend: str) -> None:
-    model, reference = make_pair(3)
-    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = reference(x)
-    fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
-    paused = Paused(model)
-
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return model(x)
-
+    model, reference, x, want, paused, forward = _paused_offload(backend, seed=2)
     running, forward_result = _run_in_thread(forward)
     assert paused.inside.wait(WAIT_S)
     disabling, disable_result = _run_in_thread(lambda: fo.disable_layerwise_offload(model))

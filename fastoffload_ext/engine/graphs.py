@@ -50,7 +50,7 @@ def cyclic_slot_assignment(n_blocks: int, prefetch_depth: int) -> tuple[list[int
     numbered from 0, so every run is at least a window long and no window sees a slot twice.
     """
     if n_blocks < 1:
-        raise OffloadConfigError(f"n_blocks must be >= 1, got {n_blocks}")
+        raise OffloadConfigError(f"fastoffload: n_blocks must be >= 1, got {n_blocks}")
     window = prefetch_depth + 1
     if n_blocks <= window:
         return list(range(n_blocks)), n_blocks
@@ -77,8 +77,9 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
     if isinstance(static, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
             got = (f"{tuple(fresh.shape)} {fresh.dtype}" if isinstance(fresh, torch.Tensor) else type(fresh).__name__)
-            raise OffloadConfigError(f"{where} must match the captured input, {tuple(static.shape)} {static.dtype}, got {got}; "
-                             "capture another OffloadedCUDAGraph for other shapes")
+            raise OffloadConfigError(f"fastoffload: {where} must match the captured input, {tuple(static.shape)} "
+                                     f"{static.dtype}, got {got}; capture another OffloadedCUDAGraph for other "
+                                     "shapes")
         static.copy_(fresh)
     elif isinstance(static, (list, tuple)):
         for i, (s, f) in enumerate(zip(static, fresh, strict=True)):
@@ -87,8 +88,8 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
         for key in static:
             _copy_inputs(static[key], fresh[key], f"{where}[{key!r}]")
     elif static != fresh:
-        raise OffloadConfigError(f"{where} is not a tensor and differs from the captured value ({static!r} vs {fresh!r}); "
-                         "capture another graph for it")
+        raise OffloadConfigError(f"fastoffload: {where} is not a tensor and differs from the captured value "
+                                 f"({static!r} vs {fresh!r}); capture another graph for it")
 
 
 class OffloadedCUDAGraph:
@@ -98,16 +99,18 @@ class OffloadedCUDAGraph:
                  pool: Any = None, **example_kwargs: Any) -> None:
         group = get_offload_group(model)
         if group is None:
-            raise OffloadConfigError("OffloadedCUDAGraph needs a model with layerwise offload enabled: call "
-                             "enable_layerwise_offload(model, backend='ext') first")
+            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a model with layerwise offload enabled: "
+                                     "call enable_layerwise_offload(model, backend='ext') first")
         if group.backend != "ext" or group.engine is None:
-            raise OffloadConfigError(f"OffloadedCUDAGraph needs backend='ext' (static device slots), but this model uses "
-                             f"backend={group.backend!r}; the python backend allocates new device tensors every "
-                             "step, which a graph cannot replay")
+            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs backend='ext' (static device slots), but "
+                                     f"this model uses backend={group.backend!r}; the python backend allocates new "
+                                     "device tensors every step, which a graph cannot replay")
         if group.device.type != "cuda":
-            raise OffloadConfigError(f"OffloadedCUDAGraph needs a CUDA device, but offload runs on {group.device}")
+            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a CUDA device, but offload runs on "
+                                     f"{group.device}")
         if warmup_steps < 1:
-            raise OffloadConfigError(f"warmup_steps must be >= 1 (the first step allocates slots), got {warmup_steps}")
+            raise OffloadConfigError("fastoffload: warmup_steps must be >= 1 (the first step allocates slots), got "
+                                     f"{warmup_steps}")
         self.model = model
         self.group: LayerwiseOffloadGroup = group
         self.engine = group.engine
@@ -146,8 +149,9 @@ class OffloadedCUDAGraph:
     def replay(self) -> Any:
         """Replay with whatever the static inputs hold now; returns the static output."""
         if self.engine.generation != self.generation:
-            raise OffloadStateError("the offloaded model ran eagerly (or was changed) since this graph was captured, so its "
-                               "slots no longer hold what the graph expects; call recapture() before replaying")
+            raise OffloadStateError("fastoffload: the offloaded model ran eagerly (or was changed) since this graph "
+                                    "was captured, so its slots no longer hold what the graph expects; call "
+                                    "recapture() before replaying")
         self.graph.replay()
         return self.static_output
 

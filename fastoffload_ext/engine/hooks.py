@@ -35,6 +35,11 @@ from fastoffload_ext.errors import OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
+# FastVideo's wording after the prefix, so that callers searching for it still find it.
+HOOK_EXISTS_ERROR = ("fastoffload: Hook with name {name} is already registered; use replace_forward_hook to swap "
+                     "it, or remove_forward_hook first.")
+NO_HOOK_ERROR = "fastoffload: No hook with name {name} found; use append_forward_hook to add it."
+
 
 class ForwardHook:
     """Base class for hooks run by :class:`ModuleHookManager` around a module's forward."""
@@ -182,18 +187,18 @@ class ModuleHookManager:
     def _check_manager_attached(self) -> None:
         attached = self.get_from(self.module)
         if attached is None:
-            raise OffloadConfigError("ModuleHookManager is not attached to the module; use "
-                             "ModuleHookManager.get_from_or_default(module).")
+            raise OffloadConfigError("fastoffload: ModuleHookManager is not attached to the module; use "
+                                     "ModuleHookManager.get_from_or_default(module).")
         if attached is not self:
-            raise OffloadConfigError("A different ModuleHookManager is attached to the module; use "
-                             "ModuleHookManager.get_from(module).")
+            raise OffloadConfigError("fastoffload: A different ModuleHookManager is attached to the module; use "
+                                     "ModuleHookManager.get_from(module).")
 
     def append_forward_hook(self, hook: ForwardHook) -> None:
         """Adds ``hook`` last (its pre-hook runs last, its post-hook first), then calls ``on_attach``."""
         self._check_manager_attached()
         name = hook.name()
         if name in self.forward_hooks:
-            raise OffloadConfigError(f"Hook with name {name} is already registered; use replace_forward_hook to swap it.")
+            raise OffloadConfigError(HOOK_EXISTS_ERROR.format(name=name))
         self.forward_hooks[name] = hook
         try:
             hook.on_attach(self.module)
@@ -206,10 +211,10 @@ class ModuleHookManager:
         ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``."""
         self._check_manager_attached()
         if name not in self.forward_hooks:
-            raise OffloadConfigError(f"No hook with name {name} found; use append_forward_hook to add it.")
+            raise OffloadConfigError(NO_HOOK_ERROR.format(name=name))
         new_name = new_hook.name()
         if new_name != name and new_name in self.forward_hooks:
-            raise OffloadConfigError(f"Hook with name {new_name} is already registered.")
+            raise OffloadConfigError(HOOK_EXISTS_ERROR.format(name=new_name))
         old_hook = self.forward_hooks[name]
         old_hook.on_detach(self.module)
         self.forward_hooks = {(new_name if key == name else key): (new_hook if key == name else hook)
@@ -221,7 +226,7 @@ class ModuleHookManager:
         """Removes the hook called ``name``, calling its ``on_detach`` first when ``run_detach``."""
         self._check_manager_attached()
         if name not in self.forward_hooks:
-            raise OffloadConfigError(f"No hook with name {name} found.")
+            raise OffloadConfigError(NO_HOOK_ERROR.format(name=name))
         if run_detach:
             self.forward_hooks[name].on_detach(self.module)
         del self.forward_hooks[name]

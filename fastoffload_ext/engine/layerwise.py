@@ -100,70 +100,38 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                              block_lists: str | Sequence[str] | None = None) -> LayerwiseOffloadGroup | None:
     """Offload the blocks of ``model``'s first direct-child ``nn.ModuleList`` layer by layer.
 
+    Returns the :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
+    was skipped because CUDA is not available and no device was given.
+
     Args:
         model: the transformer. Its block list may be on the CPU or already on ``device``.
-        is_replace: swap an existing offload hook on every block (FastVideo's flag); raises when there is
-            none.
+        is_replace: swap the offload hook already on every block (FastVideo's flag); raises when none is.
         resident_blocks: blocks kept on the device, never copied: N (the first N), a collection of block
             indices, or "auto" (the planner chooses). None: none without a budget, "auto" with one.
-        cyclic: the last block prefetches the first, so the next step starts warm. Set False for
-            modules that run once per request (text encoders).
-        prefetch_depth: how many offloaded blocks ahead are copied while a block runs (device slots:
-            depth + 1), or "auto". None: 1 without a budget, "auto" with one. A depth above the number
-            of offloaded blocks is clamped to it (deeper copies nothing more).
+        cyclic: the last block prefetches the first, so the next step starts warm (False: text encoders).
+        prefetch_depth: offloaded blocks copied ahead while a block runs (device slots: depth + 1), or
+            "auto". None: 1 without a budget, "auto" with one. Clamped to the number of offloaded blocks.
         backend: "auto", "ext" (compiled core) or "python" (FastVideo's algorithm).
         device: "cuda", "cuda:N", or "cpu" (the engine with the host as its device, for tests). None: the
             current CUDA device, or — without CUDA — a warning and no offload, as FastVideo does.
-        pin_backing: ext only: "host_alloc" (cudaHostAlloc), "register" (mmap + cudaHostRegister) or
-            "pageable". Default: "register" (faster to pin, same copy speed; see DEFAULT_PIN_BACKING).
-        allow_pageable_fallback: ext only: when pinning fails, warn and use pageable memory instead of
-            raising.
-        pinned_limit_bytes: ext only: refuse (or fall back, see above) beyond this many pinned bytes.
-        share_host_copy: the ranks of one host share one host copy of the weights (sharing.py). "auto":
-            when torch.distributed is initialized, the backend is "ext" and several ranks of
-            ``process_group`` run on this host (and all built the same blocks); True: always, raising
-            when no process group is initialized or the ranks' blocks differ; False: one copy per
-            process. Unless it is False (or ``backend="python"``), this call is a collective whenever
-            torch.distributed is initialized with several ranks: every rank of the group must make it,
-            with the same model, and an error on one rank is raised on every rank. Shared blocks refuse
-            ``mutate_params_scope``; their ``cpu_named_parameters`` are copies.
-        process_group: the group whose ranks share (default: the default group).
-        compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
-            and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
-            True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
-            decided from the first steps' copy and compute times; False: raw copies. True is refused with
-            share_host_copy=True, and turns the default share_host_copy="auto" off.
-        device_budget: device bytes this offload may hold (resident blocks + slots + activation
-            reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
-            (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
-            open; a budget nothing fits in is refused with the numbers. With device="cpu" it bounds the
-            host-as-device engine the same way.
-        host_budget: pinned host bytes the offloaded blocks may take, same forms. "auto" (default):
-            what this process may really use (cgroup v2 limit and MemAvailable, minus a margin); None:
-            no check.
-        activation_reserve: device bytes kept for activations inside ``device_budget`` (bytes or a
-            size). Default: the measured peak once ``group.calibrate`` ran, else 10 % of the free memory
-            for "auto" and 0 for a given budget.
-        plan: an :class:`OffloadPlan` from ``plan_offload`` to apply as it is (instead of
-            ``resident_blocks``/``prefetch_depth``); checked against ``device_budget`` when one is given.
-        weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
-            ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
-            then be built on the meta device: block weights are read straight into pinned host memory,
-            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. The
-            blocks beyond ``host_budget`` (bytes, a size, or "auto": what this process may use) stay on
-            disk and are read every step; None keeps every block in host memory.
-        disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
-        block_lists: which direct-child ``nn.ModuleList``s to offload. None (default): the first one,
-            FastVideo's rule. ``"all"``: every non-empty one, in registration order (Flux and
-            HunyuanVideo: double-stream then single-stream blocks). A list of attribute names: those,
-            in the order given, which must be the order the forward runs them in. The blocks of all
-            lists form one ring: the last block of a list prefetches the first of the next, the last
-            of the last list the first of the first (``cyclic``); ``resident_blocks`` counts from the
-            start of the ring.
-
-    Returns:
-        The :class:`LayerwiseOffloadGroup` (``.stats()`` tells sizes and counters), or None when offload
-        was skipped because CUDA is not available and no device was given.
+        pin_backing, allow_pageable_fallback, pinned_limit_bytes: ext only: how host copies are pinned
+            ("host_alloc", "register" or "pageable"; default DEFAULT_PIN_BACKING), whether a failed pin
+            warns and falls back to pageable memory instead of raising, and a cap on pinned bytes.
+        share_host_copy, process_group: the ranks of one host (of the group, default: the default group)
+            share one host copy: "auto", True or False. Unless False (or backend="python") the call is a
+            collective: every rank makes it with the same model, and an error on one rank is raised on
+            all (docs/DESIGN.md, "Sharing the host copy between ranks").
+        compress: ext only: lossless compressed host copies, decoded on the GPU: True, "auto" (only
+            when the step is transfer-bound) or False (docs/DESIGN.md, "Compressed host copies").
+        device_budget, host_budget, activation_reserve: device bytes this offload may hold, pinned host
+            bytes its blocks may take, device bytes for activations ("20GiB", bytes or "auto"); the planner
+            fills what resident_blocks/prefetch_depth leave open (docs/DESIGN.md, "Residency planner and budgets").
+        plan: an :class:`OffloadPlan` from ``plan_offload``, applied as it is (within ``device_budget``).
+        weights, disk_options: ext only: a safetensors checkpoint (file, ``*.index.json`` or folder) read
+            straight into pinned memory (the model may be on the meta device), and the reader's knobs;
+            blocks beyond ``host_budget`` (also "auto") stay on disk (docs/DESIGN.md, "Disk tier").
+        block_lists: the direct-child ``nn.ModuleList``s that form the ring: None (the first one,
+            FastVideo's rule), "all", or attribute names in the order the forward runs them.
     """
     # Made before any check: when this call is a collective, a failure on this rank is sent to the
     # others in the negotiation they wait in, and every rank raises together (sharing.py).
@@ -171,45 +139,60 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
     try:
         resolved = resolve_device(device)
         if resolved is None:
-            logger.warning("CUDA is not available. Layerwise offloading is disabled.")
-            rendezvous.skip("CUDA is not available")
-            return None
+            return _skip_without_cuda(rendezvous)
         options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
                                      cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                      pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
                                      pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
                                      process_group=process_group, compress=compress, device_budget=device_budget,
                                      host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
-                                     weights=weights, disk_options=disk_options,
-                                     block_lists=block_lists)
+                                     weights=weights, disk_options=disk_options, block_lists=block_lists)
         _check_model(model, options)
-        checkpoint = _prepare_checkpoint(model, options)
-        offloaded = options.offloaded
-        was_on_cuda = any(p.device.type == "cuda" for block in offloaded for p in block.parameters())
-        engine = _build_engine(options)
-        group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, resolved, options.backend,
-                                      options.prefetch_depth, options.resident, options.cyclic, engine)
-        group.compress_mode = options.compress if engine is not None else "off"
-        group.plan = options.plan
-        if checkpoint is not None and engine is not None:
-            checkpoint.open_files(engine)
-            group.checkpoint = checkpoint
-        group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
-            backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
-            allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
-            share_host_copy=share_host_copy, process_group=process_group, compress=compress,
-            host_budget=host_budget, activation_reserve=activation_reserve)}
-        # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
-        first = options.offloaded_indices[0] if options.offloaded_indices else 0
-        group.list_names = [name for name, _ in options.lists] or [options.list_name]
-        group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
-                                           first, engine)
+        was_on_cuda = any(p.device.type == "cuda" for block in options.offloaded for p in block.parameters())
+        # What a later re-plan passes to enable again (planning/replan.py).
+        arguments = dict(backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
+                         allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+                         share_host_copy=share_host_copy, process_group=process_group, compress=compress,
+                         host_budget=host_budget, activation_reserve=activation_reserve)
+        group = _build_group(model, options, arguments)
+        _negotiate_sharing(group, options, rendezvous)
     except BaseException as error:
         rendezvous.fail(error)  # a no-op once the negotiation ran
         raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     return _finish(model, group, options, was_on_cuda)
+
+
+def _skip_without_cuda(rendezvous: sharing.Rendezvous) -> None:
+    """FastVideo's answer to no device given and no CUDA: a warning, and no offload (on every rank)."""
+    logger.warning("CUDA is not available. Layerwise offloading is disabled.")
+    rendezvous.skip("CUDA is not available")
+
+
+def _build_group(model: nn.Module, options: OffloadOptions, arguments: dict[str, Any]) -> LayerwiseOffloadGroup:
+    """The checkpoint read (with ``weights``), the engine built, and the group that records it all."""
+    checkpoint = _prepare_checkpoint(model, options)
+    engine = _build_engine(options)
+    group = LayerwiseOffloadGroup(model, options.list_name, options.blocks, options.device, options.backend,
+                                  options.prefetch_depth, options.resident, options.cyclic, engine)
+    group.compress_mode = options.compress if engine is not None else "off"
+    group.plan = options.plan
+    if checkpoint is not None and engine is not None:
+        checkpoint.open_files(engine)
+        group.checkpoint = checkpoint
+    group.enable_kwargs = {**(options.settings or {}), "arguments": arguments}
+    group.list_names = [name for name, _ in options.lists] or [options.list_name]
+    return group
+
+
+def _negotiate_sharing(group: LayerwiseOffloadGroup, options: OffloadOptions,
+                       rendezvous: sharing.Rendezvous) -> None:
+    """The ranks agree on sharing the host copy (a no-op for one process); the verdict goes on the group."""
+    # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
+    first = options.offloaded_indices[0] if options.offloaded_indices else 0
+    group.share = rendezvous.negotiate(options.share_host_copy, options.backend, options.offloaded,
+                                       options.list_name, first, group.engine)
 
 
 def _check_model(model: nn.Module, options: OffloadOptions) -> None:
@@ -220,13 +203,14 @@ def _check_model(model: nn.Module, options: OffloadOptions) -> None:
         first = blocks[offloaded[0]] if offloaded else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
         if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
-            # FastVideo's exception and text: its callers catch and match them.
-            raise AssertionError(f"Expect hook exists in {options.list_name} for replacement.")
+            # FastVideo's exception type, and its text after the prefix: its callers catch and search for them.
+            raise AssertionError(f"fastoffload: Expect hook exists in {options.list_name} for replacement. Call "
+                                 "enable_layerwise_offload without is_replace=True when no offload is there yet")
         if existing is not None:
             disable_layerwise_offload(model)
     elif existing is not None:
-        raise OffloadConfigError(f"layerwise offload is already enabled on this model ({existing!r}); call "
-                                 "disable_layerwise_offload(model) first, or pass is_replace=True")
+        raise OffloadConfigError(f"fastoffload: layerwise offload is already enabled on this model ({existing!r}); "
+                                 "call disable_layerwise_offload(model) first, or pass is_replace=True")
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
     offset = 0
@@ -382,7 +366,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
     """
     group = get_offload_group(model)
     if group is None:
-        raise OffloadConfigError("layerwise offload is not enabled on this model (no enable_layerwise_offload call to undo)")
+        raise OffloadConfigError("fastoffload: layerwise offload is not enabled on this model (no "
+                                 "enable_layerwise_offload call to undo); call disable only after enable")
     target = group.device if device is None else torch.device(device)
     for state in group.states:
         block = state.module_ref

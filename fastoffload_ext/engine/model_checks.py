@@ -26,8 +26,10 @@ def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleList):
             return name, child
-    # FastVideo's exact text: callers match it.
-    raise OffloadConfigError("No nn.ModuleList found in the model for layerwise offloading.")
+    # FastVideo's text follows the prefix unchanged: callers that search the message for it still find it.
+    raise OffloadConfigError("fastoffload: No nn.ModuleList found in the model for layerwise offloading. Keep the "
+                             "blocks in an nn.ModuleList that is a direct child of the model, or name the lists with "
+                             "block_lists=")
 
 
 def _named_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
@@ -148,9 +150,10 @@ def check_devices(blocks: list[nn.Module], offset: int, device: torch.device, fr
             if param.device.type == "meta" and from_file:
                 continue
             if param.device.type == "meta":
-                raise OffloadConfigError(f"parameter {offset + index}.{name} is on the meta device and has no values "
-                                         "to offload; materialize the model first (e.g. to_empty(device=...) then "
-                                         "load_state_dict)")
+                raise OffloadConfigError(f"fastoffload: parameter {offset + index}.{name} is on the meta device and "
+                                         "has no values to offload; materialize the model first (e.g. "
+                                         "to_empty(device=...) then load_state_dict)")
             if param.device.type not in ("cpu", device.type) or (param.device.type == "cuda" and param.device != device):
-                raise OffloadConfigError(f"parameter {offset + index}.{name} is on {param.device}, but offload goes to "
-                                         f"{device}: move the model to the CPU or to {device} before enabling offload")
+                raise OffloadConfigError(f"fastoffload: parameter {offset + index}.{name} is on {param.device}, but "
+                                         f"offload goes to {device}: move the model to the CPU or to {device} before "
+                                         "enabling offload")

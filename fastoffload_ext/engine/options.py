@@ -30,6 +30,7 @@ __all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", 
 
 BACKENDS = ("auto", "ext", "python")
 PIN_BACKINGS = ("host_alloc", "register", "pageable")
+DEVICE_FORMS_ERROR = "fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}"
 # mmap + cudaHostRegister: measured on the H200 (2026-11-29, one fresh 1 GiB allocation) at 382 ms/GiB
 # against 622 ms/GiB for cudaHostAlloc, with the same H2D bandwidth from either (55.4 vs 55.5 GB/s at
 # 1 GiB, 54.5 vs 54.8 at 16 MiB).
@@ -85,36 +86,37 @@ def resolve_device(device: str | torch.device | int | None) -> torch.device | No
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {device!r}") from error
+        raise OffloadConfigError(DEVICE_FORMS_ERROR.format(device=device)) from error
     if resolved.type == "cpu":
         if resolved.index not in (None, 0, -1):
             raise OffloadConfigError(f"fastoffload: device {str(device)!r} names a CPU index, but the host is one "
                                      "device for offload; pass device='cpu'")
         return torch.device("cpu")
     if resolved.type != "cuda":
-        raise OffloadConfigError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {str(device)!r}: layerwise offload "
-                                 "moves weights between host memory and a CUDA device ('cpu' runs the same engine with "
-                                 "the host as its device, for tests)")
+        raise OffloadConfigError(DEVICE_FORMS_ERROR.format(device=str(device)) + ": layerwise offload moves weights "
+                                 "between host memory and a CUDA device ('cpu' runs the same engine with the host as "
+                                 "its device, for tests)")
     if not torch.cuda.is_available():
-        raise OffloadStateError(f"device {str(device)!r} was asked for but CUDA is not available; pass device='cpu' to "
-                                "run the offload engine on the host, or None to skip offloading on machines without "
-                                "CUDA")
+        raise OffloadStateError(f"fastoffload: device {str(device)!r} was asked for but CUDA is not available; pass "
+                                "device='cpu' to run the offload engine on the host, or None to skip offloading on "
+                                "machines without CUDA")
     index = resolved.index if resolved.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
-        raise OffloadConfigError(f"device {str(device)!r} does not exist: {torch.cuda.device_count()} CUDA device(s) "
-                                 "visible")
+        raise OffloadConfigError(f"fastoffload: device {str(device)!r} does not exist: {torch.cuda.device_count()} "
+                                 "CUDA device(s) visible; pass one of those (or check CUDA_VISIBLE_DEVICES)")
     return torch.device("cuda", index)
 
 
 def choose_backend(backend: str, device: torch.device) -> str:
     """ "ext" or "python" for ``backend`` on ``device``; "auto" takes "ext" when it can run there."""
     if backend not in BACKENDS:
-        raise OffloadConfigError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        raise OffloadConfigError(f"fastoffload: backend must be one of {', '.join(map(repr, BACKENDS))}, got "
+                                 f"{backend!r}")
     ext_usable = _backend.ext_available() and (device.type == "cpu" or _backend.ext_has_cuda())
     if backend == "ext":
         _backend.require_ext()
         if not ext_usable:
-            raise OffloadStateError("fastoffload_ext: backend='ext' on a CUDA device needs the compiled core built with "
+            raise OffloadStateError("fastoffload: backend='ext' on a CUDA device needs the compiled core built with "
                                     "CUDA, but it was built CPU-only; rebuild with FASTOFFLOAD_CUDA=1 pip install "
                                     "--no-build-isolation . or use backend='python'")
         return "ext"
@@ -139,15 +141,16 @@ def check_knobs(prefetch_depth: Any, cyclic: Any, pinned_limit_bytes: Any, pin_b
     """The arguments that need nothing but themselves to be checked."""
     check_prefetch_depth(prefetch_depth)
     if not isinstance(cyclic, bool):
-        raise OffloadConfigError(f"cyclic must be True or False, got {cyclic!r}")
+        raise OffloadConfigError(f"fastoffload: cyclic must be True or False, got {cyclic!r}")
     if pinned_limit_bytes is not None and (not _is_int(pinned_limit_bytes) or pinned_limit_bytes < 0):
-        raise OffloadConfigError(f"pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
+        raise OffloadConfigError("fastoffload: pinned_limit_bytes must be None or an integer >= 0 (bytes), got "
                                  f"{pinned_limit_bytes!r}")
     if pinned_limit_bytes is not None and pinned_limit_bytes > MAX_BYTES:
         raise OffloadConfigError(f"fastoffload: pinned_limit_bytes must be at most 2**63 - 1 bytes, got "
                                  f"{pinned_limit_bytes!r}; pass None for no limit")
     if pin_backing is not None and (not isinstance(pin_backing, str) or pin_backing not in PIN_BACKINGS):
-        raise OffloadConfigError(f"pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got {pin_backing!r}")
+        raise OffloadConfigError(f"fastoffload: pin_backing must be one of {', '.join(map(repr, PIN_BACKINGS))}, got "
+                                 f"{pin_backing!r}")
 
 
 def check_flags(is_replace: Any, allow_pageable_fallback: Any) -> None:

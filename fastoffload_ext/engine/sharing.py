@@ -165,7 +165,8 @@ def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: 
 def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bool | None:
     """Validates ``share_host_copy``; True/False when decided now, None when "auto" needs the gather."""
     if not (share_host_copy is True or share_host_copy is False or share_host_copy == "auto"):
-        raise OffloadConfigError(f"share_host_copy must be True, False or 'auto', got {share_host_copy!r}")
+        raise OffloadConfigError("fastoffload: share_host_copy must be True, False or 'auto', got "
+                                 f"{share_host_copy!r}")
     if share_host_copy is False:
         return False
     import torch.distributed as dist

@@ -142,19 +142,20 @@ def _check_components(components: Mapping[str, Callable[[], Any]] | None) -> dic
     if components is None:
         return {}
     if not isinstance(components, Mapping):
-        raise TypeError(f"components must be a mapping of name -> loader, got {type(components).__name__}")
+        raise TypeError("fastoffload: components must be a mapping of name -> loader, got "
+                        f"{type(components).__name__}")
     loaders: dict[str, Callable[[], Any]] = {}
     for name, loader in components.items():
         # is_lazy_module before isinstance: isinstance() on a LazyModule would load it.
         if is_lazy_module(loader):
-            raise TypeError(f"components[{name!r}] is already a LazyModule; pass its loader (a zero-argument "
-                            "callable) and apply_offload_config will wrap it when lazy loading is on")
+            raise TypeError(f"fastoffload: components[{name!r}] is already a LazyModule; pass its loader (a "
+                            "zero-argument callable) and apply_offload_config will wrap it when lazy loading is on")
         if isinstance(loader, nn.Module):
-            raise TypeError(f"components[{name!r}] is a loaded {type(loader).__name__}; pass a loader instead, "
-                            f"e.g. components={{{name!r}: build_{name}}} where build_{name}() returns the module: "
-                            "lazy loading can only save memory for a component that is not loaded yet")
+            raise TypeError(f"fastoffload: components[{name!r}] is a loaded {type(loader).__name__}; pass a loader "
+                            f"instead, e.g. components={{{name!r}: build_{name}}} where build_{name}() returns the "
+                            "module: lazy loading can only save memory for a component that is not loaded yet")
         if not callable(loader):
-            raise TypeError(f"components[{name!r}] is {type(loader).__name__}, not a loader; pass a "
+            raise TypeError(f"fastoffload: components[{name!r}] is {type(loader).__name__}, not a loader; pass a "
                             "zero-argument callable that returns the module")
         loaders[name] = loader
     return loaders
@@ -165,12 +166,12 @@ def _check_transformer(transformer: nn.Module | LazyModule | str | None, loaders
         return
     if isinstance(transformer, str):
         if transformer not in loaders:
-            raise ValueError(f"transformer={transformer!r} names no component; components has "
-                             f"{', '.join(map(repr, loaders)) or 'nothing'}. Pass the transformer module, or the "
-                             "key of its loader in components")
+            raise ValueError(f"fastoffload: transformer={transformer!r} names no component; components has "
+                             f"{', '.join(map(repr, loaders)) or 'nothing'}. Pass the transformer module, or the key "
+                             "of its loader in components")
         return
     if not isinstance(transformer, nn.Module):
-        raise TypeError(f"transformer must be an nn.Module, a LazyModule or the name of a component, got "
+        raise TypeError("fastoffload: transformer must be an nn.Module, a LazyModule or the name of a component, got "
                         f"{type(transformer).__name__}")
 
 
@@ -183,7 +184,7 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                         f"arguments, got {type(options).__name__}")
     reserved = [key for key in _RESERVED_LAYERWISE_OPTIONS if key in options]
     if reserved:
-        raise ValueError(f"layerwise_options may not contain {', '.join(map(repr, reserved))}: pass the "
+        raise ValueError(f"fastoffload: layerwise_options may not contain {', '.join(map(repr, reserved))}: pass the "
                          "transformer as transformer= and the device as device= to apply_offload_config")
     # Imported here: the engine module is heavier and this module must stay importable without it.
     from fastoffload_ext.engine import layerwise
@@ -198,7 +199,7 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                 options.get("pin_backing"))
     resident = options.get("resident_blocks")
     if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
-        raise OffloadConfigError(f"resident_blocks must be None or an integer >= 0, got {resident!r}")
+        raise OffloadConfigError(f"fastoffload: resident_blocks must be None or an integer >= 0, got {resident!r}")
     return dict(options)
 
 
@@ -217,9 +218,32 @@ def _check_layerwise_target(device: torch.device | str | None, options: Mapping[
 def _load_now(name: str, loader: Callable[[], Any]) -> Any:
     component = loader()
     if component is None:
-        raise ValueError(f"Loader for component {name} returned None; the loader must return the built "
+        raise ValueError(f"fastoffload: loader for component {name} returned None; the loader must return the built "
                          "component (check for a missing return statement)")
     return component
+
+
+def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device | str | None,
+                     options: dict[str, Any]) -> tuple[LayerwiseAction, Any]:
+    """Layerwise offload of ``target`` as resolved: now, on load (a lazy target), or not; and its result."""
+    if not resolution.get(_LAYERWISE_PATH):
+        return LayerwiseAction.DISABLED, None
+    if target is None:
+        logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "
+                       "pass transformer= to apply_offload_config")
+        return LayerwiseAction.NO_TRANSFORMER, None
+    # Imported here: the engine module is heavier and this module must stay importable without it.
+    from fastoffload_ext.engine.layerwise import enable_layerwise_offload
+
+    if is_lazy_module(target):
+        def offload_on_load(module: Any) -> Any:
+            enable_layerwise_offload(module, device=device, **options)
+            return module
+
+        target.set_materialize_transform(offload_on_load)
+        return LayerwiseAction.ON_LOAD, None
+    layerwise_result = enable_layerwise_offload(target, device=device, **options)
+    return (LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED), layerwise_result
 
 
 def apply_offload_config(
@@ -274,27 +298,7 @@ def apply_offload_config(
     target = transformer
     if not is_lazy_module(transformer) and isinstance(transformer, str):
         target = built[transformer]
-    layerwise_result: Any = None
-    if not resolution.get(_LAYERWISE_PATH):
-        action = LayerwiseAction.DISABLED
-    elif target is None:
-        action = LayerwiseAction.NO_TRANSFORMER
-        logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "
-                       "pass transformer= to apply_offload_config")
-    else:
-        # Imported here: the engine module is heavier and this module must stay importable without it.
-        from fastoffload_ext.engine.layerwise import enable_layerwise_offload
-
-        if is_lazy_module(target):
-            def offload_on_load(module: Any) -> Any:
-                enable_layerwise_offload(module, device=device, **options)
-                return module
-
-            target.set_materialize_transform(offload_on_load)
-            action = LayerwiseAction.ON_LOAD
-        else:
-            layerwise_result = enable_layerwise_offload(target, device=device, **options)
-            action = LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED
+    action, layerwise_result = _apply_layerwise(resolution, target, device, options)
 
     not_applied = tuple(path for path in _NOT_IMPLEMENTED_PATHS if resolution.get(path))
     if not_applied:

@@ -68,8 +68,8 @@ def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str)
     """``transform(component)``, refusing None (a transform that forgot to return its module)."""
     transformed = transform(component)
     if transformed is None:
-        raise ValueError(f"Materialize transform for module {name} returned None; a transform must "
-                         "return the module it was given, or a wrapper of it")
+        raise ValueError(f"fastoffload: Materialize transform for module {name} returned None; a transform must return "
+                         "the module it was given, or a wrapper of it")
     return transformed
 
 
@@ -136,8 +136,8 @@ class LazyModule:
                 error.add_note(f"while loading deferred module {name}")
             raise
         if component is None:
-            raise ValueError(f"Deferred loader for module {name} returned None; the loader must return the "
-                             "built component (check for a missing return statement)")
+            raise ValueError(f"fastoffload: Deferred loader for module {name} returned None; the loader must return "
+                             "the built component (check for a missing return statement)")
 
         transform = _state(self, "_lazy_materialize_transform")
         if transform is not None:

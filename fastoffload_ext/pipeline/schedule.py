@@ -83,14 +83,14 @@ StageSpec = Stage | tuple[str, Sequence[str]] | tuple[str, Sequence[str], StageF
 def _component_names(stage: str, uses: Sequence[str]) -> tuple[str, ...]:
     # A bare string is a sequence of characters: ("encode", "vae") would otherwise declare "v", "a", "e".
     if isinstance(uses, str):
-        raise TypeError(f"Stage {stage!r} lists its components as the string {uses!r}; pass a sequence of "
+        raise TypeError(f"fastoffload: stage {stage!r} lists its components as the string {uses!r}; pass a sequence of "
                         f"names, e.g. ({uses!r},)")
     names = tuple(uses)
     for name in names:
         # is_lazy_module first: isinstance() on a LazyModule would load it just to reject it.
         if is_lazy_module(name) or not isinstance(name, str):
-            raise TypeError(f"Stage {stage!r} lists component {name!r} ({type(name).__name__}); components are "
-                            "named by strings, the keys of the components mapping")
+            raise TypeError(f"fastoffload: stage {stage!r} lists component {name!r} ({type(name).__name__}); "
+                            "components are named by strings, the keys of the components mapping")
     return names
 
 
@@ -101,8 +101,8 @@ def _as_stage(spec: StageSpec) -> Stage:
             return spec
         if isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], str):
             return Stage(*spec)
-    raise TypeError(f"Cannot read stage {spec!r}; give a Stage, a (name, components) pair or a "
-                    "(name, components, run) triple")
+    raise TypeError(f"fastoffload: cannot read stage {spec!r}; give a Stage, a (name, components) pair or a (name, "
+                    "components, run) triple")
 
 
 class ReleaseSchedule:
@@ -113,13 +113,13 @@ class ReleaseSchedule:
     def __init__(self, stages: Sequence[Stage], keep: Collection[str] = ()) -> None:
         """Prefer :meth:`from_stages`; this takes already-built :class:`Stage` objects."""
         if isinstance(keep, str):
-            raise TypeError(f"keep must be a collection of component names, got the string {keep!r}; "
+            raise TypeError(f"fastoffload: keep must be a collection of component names, got the string {keep!r}; "
                             f"write keep=({keep!r},)")
         seen: set[str] = set()
         for stage in stages:
             if stage.name in seen:
-                raise ValueError(f"Stage name {stage.name!r} appears twice; give every stage a unique name, "
-                                 "releases are keyed by stage name")
+                raise ValueError(f"fastoffload: stage name {stage.name!r} appears twice; give every stage a unique "
+                                 "name, releases are keyed by stage name")
             seen.add(stage.name)
 
         last_use: dict[str, str] = {}
@@ -131,7 +131,7 @@ class ReleaseSchedule:
 
         unused = sorted(set(keep) - set(last_use))
         if unused:
-            raise ValueError(f"keep names {', '.join(map(repr, unused))}, which no stage uses; keep only "
+            raise ValueError(f"fastoffload: keep names {', '.join(map(repr, unused))}, which no stage uses; keep only "
                              f"components that appear in a stage (used: {', '.join(last_use) or 'none'})")
 
         releases: dict[str, list[str]] = {stage.name: [] for stage in stages}
@@ -190,9 +190,9 @@ class ReleaseSchedule:
         due = self._releases_for(stage_name)
         missing = [name for name in due if name not in components]
         if missing:
-            raise ValueError(f"Components {', '.join(map(repr, missing))} are due for release after stage "
-                             f"{stage_name!r} but missing from the components mapping; pass the same mapping "
-                             "the stages use")
+            raise ValueError(f"fastoffload: components {', '.join(map(repr, missing))} are due for release after stage "
+                             f"{stage_name!r} but missing from the components mapping; pass the same mapping the "
+                             "stages use")
         released: list[str] = []
         for name in due:
             component = components[name]
@@ -207,7 +207,8 @@ class ReleaseSchedule:
             return self._releases[stage_name]
         except KeyError:
             known = ", ".join(repr(stage.name) for stage in self._stages) or "none"
-            raise ValueError(f"Unknown stage {stage_name!r}; this schedule's stages are {known}") from None
+            raise ValueError(f"fastoffload: unknown stage {stage_name!r}; this schedule's stages are "
+                             f"{known}") from None
 
     def __repr__(self) -> str:
         plan = "; ".join(f"{name}: {', '.join(names) or '-'}" for name, names in self._releases.items())
@@ -233,12 +234,13 @@ def run_pipeline(stages: Sequence[StageSpec], components: Mapping[str, Any], sta
     runs: list[StageFunction] = []
     for stage in schedule.stages:
         if stage.run is None:
-            raise ValueError(f"Stage {stage.name!r} has no function to run; give it as Stage(name, components, run) "
-                             "or (name, components, run), or use ReleaseSchedule.release_after in your own loop")
+            raise ValueError(f"fastoffload: stage {stage.name!r} has no function to run; give it as Stage(name, "
+                             "components, run) or (name, components, run), or use ReleaseSchedule.release_after in "
+                             "your own loop")
         missing = [name for name in stage.uses if name not in components]
         if missing:
-            raise ValueError(f"Stage {stage.name!r} uses {', '.join(map(repr, missing))}, missing from the "
-                             f"components mapping (it has {', '.join(map(repr, components)) or 'nothing'})")
+            raise ValueError(f"fastoffload: stage {stage.name!r} uses {', '.join(map(repr, missing))}, missing from "
+                             f"the components mapping (it has {', '.join(map(repr, components)) or 'nothing'})")
         runs.append(stage.run)
 
     for stage, run in zip(schedule.stages, runs):

@@ -50,7 +50,7 @@ def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | s
         return value  # type: ignore[return-value]
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 <= value <= n:
-            raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {n} blocks of "
+            raise OffloadConfigError(f"fastoffload: resident_blocks must be an integer between 0 and the {n} blocks of "
                                      f"{list_name!r}, got {value!r}")
         return tuple(range(value))
     if isinstance(value, Collection) and not isinstance(value, (str, bytes, bool)):
@@ -59,8 +59,8 @@ def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | s
             return tuple(sorted(set(items)))
         raise OffloadConfigError(f"fastoffload: resident_blocks indices must be integers in 0..{n - 1} (the blocks of "
                                  f"{list_name!r}), got {value!r}")
-    raise OffloadConfigError(f"resident_blocks must be an integer between 0 and the {n} blocks of {list_name!r}, "
-                             f"got {value!r}" + ("" if isinstance(value, bool) else
+    raise OffloadConfigError(f"fastoffload: resident_blocks must be an integer between 0 and the {n} blocks of "
+                             f"{list_name!r}, got {value!r}" + ("" if isinstance(value, bool) else
                                                  "; or pass a collection of block indices, or 'auto'"))
 
 
@@ -69,8 +69,8 @@ def check_prefetch_depth(value: object) -> int | str | None:
     if value is None or (isinstance(value, str) and value == AUTO):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise OffloadConfigError(f"prefetch_depth must be an integer >= 0 (blocks copied ahead) or 'auto', got "
-                                 f"{value!r}")
+        raise OffloadConfigError("fastoffload: prefetch_depth must be an integer >= 0 (blocks copied ahead) or "
+                                 f"'auto', got {value!r}")
     return value
 
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias
 
+from fastoffload_ext.errors import MESSAGE_PREFIX, OffloadConfigError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -75,7 +77,7 @@ class ExecutionMode(enum.StrEnum):
     DISTILLATION = "distillation"
 
 
-class ResolutionError(ValueError):
+class ResolutionError(OffloadConfigError):
     """Base class of every error :func:`resolve` raises for a bad config, step or schema value."""
 
 
@@ -111,7 +113,8 @@ def _normalize_flag(value: Any) -> bool:
     # bool is a subclass of int, but 0/1 and "false" are rejected on purpose: "false" is truthy.
     if isinstance(value, bool):
         return value
-    raise TypeError(f"expected true or false (or None to leave it unset), got {value!r} ({type(value).__name__})")
+    raise TypeError(f"fastoffload: expected true or false (or None to leave it unset), got {value!r} "
+                    f"({type(value).__name__})")
 
 
 def _normalize_mode(value: Any) -> ExecutionMode:
@@ -123,7 +126,7 @@ def _normalize_mode(value: Any) -> ExecutionMode:
         except ValueError:
             pass
     allowed = ", ".join(repr(mode.value) for mode in ExecutionMode)
-    raise ValueError(f"expected one of {allowed} (or an ExecutionMode), got {value!r}")
+    raise ValueError(f"fastoffload: expected one of {allowed} (or an ExecutionMode), got {value!r}")
 
 
 def _flag(doc: str, default: bool | None = False) -> SchemaField:
@@ -204,8 +207,8 @@ def _check_parents(config: Mapping[str, Any], path: str) -> None:
             return
         if not isinstance(node, dict):
             parent = ".".join(keys[:depth + 1])
-            raise InvalidValueError(f"Cannot set {path}: {parent} holds {node!r}, not a mapping; make {parent} a "
-                                    "mapping of settings (or remove it) in the config")
+            raise InvalidValueError(f"fastoffload: cannot set {path}: {parent} holds {node!r}, not a mapping; make "
+                                    f"{parent} a mapping of settings (or remove it) in the config")
 
 
 def _check_schema(schema: Mapping[str, SchemaField]) -> None:
@@ -214,8 +217,8 @@ def _check_schema(schema: Mapping[str, SchemaField]) -> None:
         prefix = path + "."
         for other in schema:
             if other.startswith(prefix):
-                raise ResolutionError(f"Schema paths {path!r} and {other!r} overlap: a setting cannot also hold "
-                                      f"settings; rename {path!r} (e.g. {prefix}enabled)")
+                raise ResolutionError(f"fastoffload: schema paths {path!r} and {other!r} overlap: a setting cannot "
+                                      f"also hold settings; rename {path!r} (e.g. {prefix}enabled)")
 
 
 def _step_name(step: Callable[..., Any]) -> str:
@@ -331,7 +334,9 @@ def _normalized(schema: Mapping[str, SchemaField], path: str, value: Any, source
     try:
         return spec.normalize(value)
     except (TypeError, ValueError) as error:
-        raise InvalidValueError(f"Invalid value for {path} from {source}: {error}") from None
+        # The check's own message goes inside this one: one prefix at the front is enough.
+        reason = str(error).removeprefix(MESSAGE_PREFIX)
+        raise InvalidValueError(f"fastoffload: invalid value for {path} from {source}: {reason}") from None
 
 
 def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
@@ -355,8 +360,8 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
         Exception: whatever a step raises propagates, with a note naming the step.
     """
     if not isinstance(config, Mapping):
-        raise TypeError(f"resolve() needs the config as a mapping of settings, got {type(config).__name__}; "
-                        "pass e.g. {'engine': {'offload': {'dit_layerwise': True}}}")
+        raise TypeError("fastoffload: resolve() needs the config as a mapping of settings, got "
+                        f"{type(config).__name__}; pass e.g. {{'engine': {{'offload': {{'dit_layerwise': True}}}}}}")
     working = _plain_copy(config)
 
     origins: dict[str, str] = {}
@@ -385,13 +390,13 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
             error.add_note(f"(raised by resolution step {name})")
             raise
         if not isinstance(decided, Mapping):
-            raise StepResultError(f"Resolution step {name} returned {type(decided).__name__}; a step must return a "
-                                  "mapping of {dotted.path: value} (return {} to decide nothing)")
+            raise StepResultError(f"fastoffload: resolution step {name} returned {type(decided).__name__}; a step must "
+                                  "return a mapping of {dotted.path: value} (return {} to decide nothing)")
         for path, value in decided.items():
             if not isinstance(path, str) or path not in schema:
                 known = ", ".join(sorted(schema))
-                raise UnknownPathError(f"Resolution step {name} set {path!r}, which is not a known setting; "
-                                       f"fix the path in {name} (known settings: {known})")
+                raise UnknownPathError(f"fastoffload: resolution step {name} set {path!r}, which is not a known "
+                                       f"setting; fix the path in {name} (known settings: {known})")
             value = _normalized(schema, path, value, f"resolution step {name}")
             before = _lookup(working, path)
             _store(working, path, value)

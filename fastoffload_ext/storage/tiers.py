@@ -109,4 +109,5 @@ def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buff
             logger.info("Disk tier: %d of %d blocks stay on disk (host budget %d bytes, %d pinned)", len(disk),
                         len(block_bytes), host_budget, plan.host_bytes)
             return plan
-    raise AssertionError("unreachable: zero host blocks always fit once the staging ring does")
+    raise AssertionError("fastoffload: internal error: zero host blocks always fit once the staging ring does; report "
+                         "this with the block sizes and host_budget")
