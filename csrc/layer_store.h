@@ -81,6 +81,17 @@ class LayerStore {
   // maps it; nothing is copied.
   size_t add_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                     const std::string& segment_name, bool owner);
+  // The owner of a shared block with compression on: packs the block privately (hashing each tensor as
+  // add_shared does), encodes it, and writes the compressed region into the shared segment
+  // `segment_name`, created at the compressed size; the private raw copy is freed. A block whose coding
+  // does not pay goes into the segment raw. *compressed says which.
+  size_t add_shared_compressed(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                               const std::string& segment_name, const codec::EncodeOptions& options, bool* compressed);
+  // Another rank of the host: maps the owner's compressed segment (`packed_bytes` long), checks that it
+  // decodes to this rank's layout of `tensors` and that its bytes hash to `checksum` (what the owner
+  // encoded, as the owner reported it), and registers the block with no raw copy.
+  size_t attach_shared_compressed(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                  const std::string& segment_name, size_t packed_bytes, uint64_t checksum);
   // Packs a block straight from a checkpoint: tensor j has `shapes[j]` (contiguous) and the dtype of
   // `tensors[j]` (whose own values are ignored: they may be empty placeholders), and its bytes are
   // `spans[j]`. The bytes are read into the block's region by `reader` and the region is pinned after;
@@ -105,8 +116,8 @@ class LayerStore {
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
   void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                bool pin = true);
-  // Moves block `index`'s host copy out of its shared segment into private pool memory (same bytes,
-  // same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
+  // Moves block `index`'s host copy (raw or compressed) out of its shared segment into private pool
+  // memory (same bytes, same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
   // not to share after it packed.
   void make_private(size_t index);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
@@ -140,8 +151,10 @@ class LayerStore {
  private:
   // segment_name empty: private pool memory.
   // pin: pin the raw copy now (false when it is about to be compressed and dropped).
+  // digest: fill StoredBlock::digests for a private region too (a shared owner's is always hashed).
   StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true);
+                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true,
+                   bool digest = false);
 
   StoredBlock plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,

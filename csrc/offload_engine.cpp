@@ -170,6 +170,7 @@ BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
   info.segments = stored.packed_summary.num_segments;
   info.coded_segments = stored.packed_summary.coded_segments;
   info.exceptions = stored.packed_summary.exceptions;
+  if (stored.has_packed()) info.checksum = reinterpret_cast<const codec::Header*>(stored.packed->data())->checksum;
   return info;
 }
 
@@ -194,13 +195,26 @@ at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
 }
 
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                                       const std::string& segment_name, bool owner) {
+                                       const std::string& segment_name, bool owner, size_t packed_bytes,
+                                       uint64_t checksum) {
   GateHold hold = waiting_gate();
-  TORCH_CHECK(compress_mode_ != CompressMode::kOn, "fastoffload: compress=True cannot be combined with a host copy "
-              "shared across the ranks of this host: pass share_host_copy=False to compress each rank's copy, or "
-              "compress=False (or \"auto\", which keeps shared blocks raw)");
-  const size_t index = store_.add_shared(names, params, segment_name, owner);
-  travel_.push_back(Travel::kRaw);
+  TORCH_CHECK(owner || packed_bytes == 0 || compress_mode_ != CompressMode::kOff, "fastoffload: the owner of the "
+              "shared host copy compressed block ", std::to_string(store_.size()), " but this rank has compression off; "
+              "pass the same compress= on every rank");
+  // One set of bytes serves every rank, so "auto" cannot measure per rank and keep whichever copy wins:
+  // a shared block travels compressed whenever its coding pays (see docs/DESIGN.md, "Compressed host copies").
+  bool compressed = false;
+  size_t index = 0;
+  if (owner && compress_mode_ != CompressMode::kOff) {
+    index = store_.add_shared_compressed(names, params, segment_name, codec_options_, &compressed);
+  } else if (!owner && packed_bytes > 0) {
+    index = store_.attach_shared_compressed(names, params, segment_name, packed_bytes, checksum);
+    compressed = true;
+  } else {
+    index = store_.add_shared(names, params, segment_name, owner);
+  }
+  travel_.push_back(compressed ? Travel::kCompressed : Travel::kRaw);
+  chooser_.forget(index);
   finish_add(index);
   return index;
 }

@@ -64,6 +64,7 @@ struct BlockCodecInfo {
   uint32_t segments = 0;
   uint32_t coded_segments = 0;
   uint64_t exceptions = 0;
+  uint64_t checksum = 0;  // the compressed region's (its header's), 0 without one
 };
 
 class OffloadEngine {
@@ -77,8 +78,12 @@ class OffloadEngine {
   // packs into it, another rank of the host maps the owner's copy without copying. Either way the
   // parameters become placeholders; slots, streams and events stay this process's own. A shared block
   // cannot be materialized or repacked (its bytes are other processes' weights too).
+  // With compression on, the owner encodes the block and the segment holds the compressed bytes
+  // (LayerStore::add_shared_compressed); another rank passes the owner's `packed_bytes` and `checksum`
+  // for such a block (0: the segment holds raw bytes) and decodes the same bytes on its own device.
   size_t add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                          const std::string& segment_name, bool owner);
+                          const std::string& segment_name, bool owner, size_t packed_bytes = 0,
+                          uint64_t checksum = 0);
 
   // Checkpoint-backed blocks (see LayerStore::add_from_file): the reader opens the files and reads the
   // bytes; set it before adding such blocks.

@@ -202,7 +202,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         first = options.offloaded_indices[0] if options.offloaded_indices else 0
         group.list_names = [name for name, _ in options.lists] or [options.list_name]
         group.share = rendezvous.negotiate(options.share_host_copy, options.backend, offloaded, options.list_name,
-                                           first, engine)
+                                           first, engine, options.compress)
     except BaseException as error:
         rendezvous.fail(error)  # a no-op once the negotiation ran
         raise
@@ -275,6 +275,7 @@ def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -
         state.shared_segment = share.segment_name(len(group.states))
         state.shared_owner = share.owner
         state.shared_by = share.shared_by
+        state.shared_encoded = share.encoded_form(len(group.states))
     return state
 
 
