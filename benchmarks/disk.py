@@ -154,7 +154,7 @@ def _kvikio_row(path: Path, size: int) -> dict[str, Any]:
 
 def run(ctx: Context) -> None:
     spec = _spec(ctx.cuda, ctx.quick)
-    ctx.progress.add(5)
+    ctx.progress.add(6)
     path = _write_checkpoint(spec, ctx.cuda)
     try:
         _measure(ctx, spec, path)
@@ -175,8 +175,12 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
         config = {"mode": "startup", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "budget": budget,
                   "bandwidth": bandwidth}
         ctx.run_row("startup", {"workload": spec.name, "budget": budget}, lambda c=config: _spawn(c, timeout))
-    config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "bandwidth": bandwidth}
-    ctx.run_row("stream", {"workload": spec.name}, lambda: _spawn(config, timeout))
+    for compress in (False, True):
+        # compress=True: the disk tier streams the compressed blocks from a spill file next to the checkpoint.
+        config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "bandwidth": bandwidth,
+                  "compress": compress}
+        labels = {"workload": spec.name} if not compress else {"workload": spec.name, "compress": True}
+        ctx.run_row("stream", labels, lambda c=config: _spawn(c, timeout))
 
 
 def _spawn(config: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -412,6 +412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return without_gil([&] { return e.add_block_on_disk(names, params, shapes, spans); });
           },
           py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def("set_spill_file", &OffloadEngine::set_spill_file, py::arg("path"))
+      .def_property_readonly("spill_path", &OffloadEngine::spill_path)
+      .def_property_readonly("spill_bytes", &OffloadEngine::spill_bytes)
       .def("start_disk_tier", [](OffloadEngine& e, size_t count) { without_gil([&] { e.start_disk_tier(count); }); },
            py::arg("count"))
       .def(

@@ -345,6 +345,24 @@ size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std:
   return blocks_.size() - 1;
 }
 
+bool LayerStore::spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed && blocks_[index].on_disk,
+              "fastoffload: internal error: block ", std::to_string(index), " is not in the disk tier");
+  const at::Tensor raw = read_block(index, reader);
+  StoredBlock& stored = blocks_[index];
+  const auto* data = raw.data_ptr<uint8_t>();
+  const codec::Plan plan = codec::plan_block(data, stored.bytes, codec_spans(stored.layout), options);
+  if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) return false;
+  std::vector<uint8_t> out(plan.total_bytes);
+  codec::encode_block(data, plan, out.data(), options.threads);
+  const codec::Summary summary = codec::inspect(out.data(), plan.total_bytes);
+  stored.spill_offset = spill.append(out.data(), plan.total_bytes);  // assigned only once written
+  stored.spilled = true;
+  stored.packed_bytes = plan.total_bytes;
+  stored.packed_summary = summary;
+  return true;
+}
+
 at::Tensor LayerStore::read_block(size_t index, DiskReader& reader) const {
   const StoredBlock& stored = block(index);
   at::Tensor bytes = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
@@ -400,6 +418,12 @@ void LayerStore::make_private(size_t index) {
   stored.shared = false;
   stored.shared_owner = false;
   stored.digests.clear();
+}
+
+void LayerStore::discard_last(size_t index) {
+  TORCH_CHECK(index + 1 == blocks_.size(), "fastoffload: internal error: block ", std::to_string(index),
+              " is not the last one added");
+  blocks_.pop_back();
 }
 
 void LayerStore::remove(size_t index) {

@@ -20,6 +20,7 @@
 #include "disk_reader.h"
 #include "codec.h"
 #include "pinned_pool.h"
+#include "spill_file.h"
 
 namespace fastoffload {
 
@@ -43,6 +44,10 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
+  // A disk-tier block stored compressed in the spill file (LayerStore::spill): its region is
+  // `packed_bytes` at `spill_offset` there, and `packed` stays null (no host copy at all).
+  bool spilled = false;
+  uint64_t spill_offset = 0;
   // Owner of a shared block only: digest_bytes() of each tensor's packed bytes, computed while packing
   // (the other ranks compare theirs, from tensor_digests(), before they map the copy). Empty otherwise.
   std::vector<uint64_t> digests;
@@ -108,6 +113,10 @@ class LayerStore {
   // about as much as reading); this waits for those pins and throws the first failure. Call it before
   // any region is copied or freed.
   void finish_pins();
+  // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
+  // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
+  // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
+  bool spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options);
   // The packed bytes of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_block(size_t index, DiskReader& reader) const;
   // Tensor j of an on-disk block, read now into a new CPU tensor.
@@ -120,6 +129,8 @@ class LayerStore {
   // memory (same bytes, same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
   // not to share after it packed.
   void make_private(size_t index);
+  // Takes back the block just added (`index` must be the last one) after a later step of adding it failed.
+  void discard_last(size_t index);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
   void remove(size_t index);
 

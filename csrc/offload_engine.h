@@ -94,6 +94,12 @@ class OffloadEngine {
   // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
   size_t add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                            const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
+  // Compressed disk tier: the disk-tier blocks added from now on are encoded and written to a new spill
+  // file at `path` (SpillFile), which they read every step instead of the checkpoint; the file is
+  // removed by close() or the destructor. Only with compression on.
+  void set_spill_file(const std::string& path);
+  std::string spill_path() const;
+  uint64_t spill_bytes() const;
   // Allocates the disk tier's staging ring (`count` buffers of the largest disk block) and starts
   // reading ahead. Call once every block is added.
   void start_disk_tier(size_t count);
@@ -201,6 +207,8 @@ class OffloadEngine {
   // The bytes to copy for `block`: its host region, or its disk-tier staging buffer (waited for).
   const void* copy_source(size_t block);
   void encode_new(size_t block);
+  // Spill-file blocks are given to the disk tier once the file is complete (start_disk_tier).
+  void register_deferred_disk_blocks();
   void decide_travel();
   void ensure_staging();
 
@@ -225,6 +233,8 @@ class OffloadEngine {
   // engine's events) is torn down first.
   std::shared_ptr<DiskReader> reader_;
   std::unique_ptr<DiskTier> disk_;
+  std::unique_ptr<SpillFile> spill_;
+  std::vector<size_t> deferred_disk_;  // disk-tier blocks, in order, not yet given to disk_
 };
 
 }  // namespace fastoffload

@@ -131,8 +131,9 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         compress: ext only: keep the host copies compressed, losslessly (bf16 exponents coded in 4 bits),
             and decode them on the GPU in the copy pipeline (docs/DESIGN.md, "Compressed host copies").
             True: every block whose bf16 tensors pay for it; "auto": only when the step is transfer-bound,
-            decided from the first steps' copy and compute times; False: raw copies. True is refused with
-            share_host_copy=True, and turns the default share_host_copy="auto" off.
+            decided from the first steps' copy and compute times; False: raw copies. A shared host copy is
+            encoded once by the owner (every rank must pass the same compress); with weights= the disk
+            tier reads compressed blocks from a spill file (DiskOptions.spill_dir), removed at detach.
         device_budget: device bytes this offload may hold (resident blocks + slots + activation
             reserve): bytes, a size such as "20GiB", or "auto" (free device memory now). The planner
             (``planning.plan_offload``) then chooses what ``resident_blocks``/``prefetch_depth`` leave
@@ -191,7 +192,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         group.compress_mode = options.compress if engine is not None else "off"
         group.plan = options.plan
         if checkpoint is not None and engine is not None:
-            checkpoint.open_files(engine)
+            checkpoint.open_files(engine, options.compress)
             group.checkpoint = checkpoint
         group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
             backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,

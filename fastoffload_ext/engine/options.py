@@ -201,9 +201,6 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
     sharing.resolve(share_host_copy, chosen, process_group)  # refuses share_host_copy=True without a group
     compress_mode = codec.resolve_compress(compress, chosen)
-    if weights is not None and compress_mode != "off":
-        raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
-                                 "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,

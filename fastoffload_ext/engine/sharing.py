@@ -161,7 +161,8 @@ def _codec_difference(mine: Any, owners: Any, rank: int) -> str | None:
         mode, version, max_ratio, min_bytes = settings
         return f"compress={words.get(mode, mode)} (format {version}, max_ratio {max_ratio}, min_bytes {min_bytes})"
 
-    return f"rank {rank} asked for {describe(mine)} but the owner for {describe(owners)}; pass the same compress= on every rank"
+    return (f"rank {rank} asked for {describe(mine)} but the owner for {describe(owners)}; pass the same compress= "
+            "on every rank")
 
 
 def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: list[Any], list_name: str,
