@@ -192,7 +192,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         group.compress_mode = options.compress if engine is not None else "off"
         group.plan = options.plan
         if checkpoint is not None and engine is not None:
-            checkpoint.open_files(engine, options.compress)
+            checkpoint.open_files(engine)
+            checkpoint.open_spill(engine, options.compress)
             group.checkpoint = checkpoint
         group.enable_kwargs = {**(options.settings or {}), "arguments": dict(
             backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,

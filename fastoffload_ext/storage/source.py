@@ -148,20 +148,24 @@ class CheckpointSource:
         return resident
 
     # Changes, each undone by roll_back().
-    def open_files(self, engine: Any, compress: str = "off") -> None:
-        """The reader of the engine, with every file of the checkpoint opened (size and mtime recorded);
-        with compression and a disk tier, the spill file its compressed blocks will be written to."""
+    def open_files(self, engine: Any) -> None:
+        """The reader of the engine, with every file of the checkpoint opened (size and mtime recorded)."""
         core = _backend.require_ext()
         opts = self.options
         self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
-        paths = sorted({entry.path for block in self.blocks for entry in block.entries})
-        for path in paths:
+        for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
             self.file_index[path] = self.reader.open(path)
         engine.set_reader(self.reader)
-        if compress != "off" and self.tiers.disk:
-            folder = os.fspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(paths[0])
-            # A name of this process alone; the engine creates it exclusively and removes it at detach.
-            engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
+
+    def open_spill(self, engine: Any, compress: str) -> None:
+        """With compression and a disk tier: the spill file the disk-tier blocks are encoded into."""
+        if compress == "off" or not self.tiers.disk:
+            return
+        opts = self.options
+        first = min(entry.path for block in self.blocks for entry in block.entries)
+        folder = os.fspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
+        # A name of this process alone; the engine creates it exclusively and removes it at detach.
+        engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
 
     def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
         return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
