@@ -75,8 +75,12 @@ def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(
     padded = -(-info["compressed_bytes"] // 4096) * 4096
     assert spills[0].stat().st_size == group.engine.spill_bytes == len(disk) * padded
     if compress is True:
-        # Host tier blocks hold their compressed bytes; disk blocks none.
-        assert group.stats()["host_bytes"] == (N_BLOCKS - len(disk)) * info["compressed_bytes"]
+        # Host tier blocks hold their compressed bytes; disk blocks none. The pool holds those and the
+        # staging ring, nothing more.
+        host_tier = (N_BLOCKS - len(disk)) * info["compressed_bytes"]
+        assert group.stats()["host_bytes"] == host_tier
+        staging = group.engine.disk_stats()["staging_count"] * group.engine.disk_stats()["staging_bytes"]
+        assert group.engine.pool.stats()["in_use_bytes"] <= host_tier + staging + 256 * N_BLOCKS <= budget
     before = group.engine.reader.stats()["bytes_read"]
     assert _run_exact(model, reference, device)
     read = group.engine.reader.stats()["bytes_read"] - before
@@ -129,6 +133,27 @@ def test_a_full_disk_while_spilling_fails_cleanly(tmp_path: Path) -> None:
         signal.signal(signal.SIGXFSZ, previous)
     assert _spills(tmp_path) == []
     assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
+
+
+def test_a_spill_file_changed_after_enable_is_refused_and_nothing_is_lost(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    model = meta_stack(N_BLOCKS)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True)
+    spill = Path(group.engine.spill_path)
+    assert _run_exact(model, reference, "cpu", steps=1)
+    data = bytearray(spill.read_bytes())
+    data[100] ^= 0xFF
+    spill.write_bytes(bytes(data))
+    x = inputs()
+    with pytest.raises(RuntimeError, match=r"fastoffload: checkpoint file .*\.fastoffload-spill-.* changed after offload "
+                                           r"was enabled"):
+        with torch.no_grad():
+            for _ in range(2):  # the read-ahead of the first step may already hold the old bytes
+                model(x)
+    disable_layerwise_offload(model, device="cpu")
+    assert _spills(tmp_path) == [] and params_equal(model, reference.cpu())
 
 
 def test_bad_spill_dir_is_refused() -> None:

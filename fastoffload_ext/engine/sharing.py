@@ -43,6 +43,11 @@ handler, and in the C++ segment's destructor. An owner killed before it unlinked
 the next owner's sweep removes them, and only them: the names of a job whose lock is free (its owner is
 dead, whatever its PID namespace) and that belong to this user.
 
+Compression (``compress=True`` or "auto"): the owner encodes each block and its segment holds the
+compressed bytes; every rank sends its codec settings in step 1 (a difference is a mismatch like a
+layout's), the owner sends each block's compressed size and checksum in step 2, and the other ranks
+check the segment against them (and the checksum against the bytes) before they decode from it.
+
 Contract and limits:
 - Every rank of the group must call ``enable_layerwise_offload`` then, in the same order, with the same
   model (same parameter names, dtypes, shapes, strides and values). With NCCL the object collectives use
