@@ -92,6 +92,25 @@ def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(
     assert params_equal(model, reference.cpu())
 
 
+def test_compressed_host_blocks_leave_room_for_more_blocks_in_the_host_budget(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    raw = block_bytes(reference)
+    budget = 5 * raw + 4096  # raw: about 4 host blocks beside one staging buffer, the rest on disk
+    options = DiskOptions(staging_buffers=1)
+    on_disk = {}
+    for compress in (False, True):
+        model = meta_stack(N_BLOCKS)
+        group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=compress,
+                                         disk_options=options)
+        on_disk[compress] = sum(s.on_disk for s in group.states)
+        assert group.engine.pool.stats()["in_use_bytes"] <= budget
+        assert _run_exact(model, reference, "cpu", steps=3)
+        disable_layerwise_offload(model, device="cpu")
+        assert params_equal(model, reference.cpu()) and _spills(tmp_path) == []
+    assert on_disk[False] >= 4 and 0 < on_disk[True] < on_disk[False], on_disk
+
+
 def test_spill_dir_holds_the_spill_file_and_a_missing_one_is_refused(tmp_path: Path) -> None:
     reference = reference_stack(N_BLOCKS)
     path = write_single(reference, tmp_path / "model.safetensors")

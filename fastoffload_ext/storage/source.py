@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -80,6 +80,10 @@ class CheckpointSource:
         self.file_index: dict[str, int] = {}
         self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
         self._next_block = 0
+        # For promotions (next_block): each block's packed bytes, the budget, the engine's codec mode.
+        self.block_bytes: list[int] = []
+        self.host_budget: int | None = None
+        self.compress = "off"
 
     # Before anything changes.
     @classmethod
@@ -92,7 +96,9 @@ class CheckpointSource:
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
         tiers = plan_tiers(block_bytes, budget, options.staging_buffers)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
-        return cls(checkpoint, sources, resident, tiers, options)
+        source = cls(checkpoint, sources, resident, tiers, options)
+        source.block_bytes, source.host_budget = list(block_bytes), budget
+        return source
 
     @staticmethod
     def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
@@ -159,6 +165,7 @@ class CheckpointSource:
 
     def open_spill(self, engine: Any, compress: str) -> None:
         """With compression and a disk tier: the spill file the disk-tier blocks are encoded into."""
+        self.compress = compress
         if compress == "off" or not self.tiers.disk:
             return
         opts = self.options
@@ -170,10 +177,26 @@ class CheckpointSource:
     def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
         return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
 
-    def next_block(self) -> BlockSource:
-        block = self.blocks[self._next_block]
+    def next_block(self, engine: Any = None) -> BlockSource:
+        """The next block to attach (the blocks before it are in the engine already)."""
+        index = self._next_block
         self._next_block += 1
-        return block
+        if self._promotes(index, engine):
+            self.blocks[index] = replace(self.blocks[index], on_disk=False)
+            logger.info("Disk tier: block %d moves to the host tier (the compressed host blocks left room)", index)
+        return self.blocks[index]
+
+    def _promotes(self, index: int, engine: Any) -> bool:
+        """Whether a disk-tier block fits in host memory after all: the tier plan counts raw bytes, but with
+        compression the host blocks before it hold fewer. Counted conservatively: what the pool holds now,
+        this block's raw region (it exists while it is encoded), the raw regions of every later host block,
+        and the staging ring."""
+        block = self.blocks[index]
+        if not block.on_disk or self.compress == "off" or engine is None or self.host_budget is None:
+            return False
+        later = sum(self.block_bytes[i] for i in range(index + 1, len(self.blocks)) if not self.blocks[i].on_disk)
+        held = int(engine.pool.stats()["in_use_bytes"])
+        return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
 
     def load_resident(self, model: nn.Module, device: torch.device) -> None:
         """Every non-offloaded parameter and every buffer, read from the checkpoint onto ``device``."""
@@ -206,7 +229,7 @@ class CheckpointSource:
     def start(self, engine: Any) -> None:
         """Waits for the host tier's pinning (overlapped with the reads) and starts the disk tier, if any."""
         engine.finish_loading()
-        if self.tiers.disk:
+        if any(block.on_disk for block in self.blocks):
             engine.start_disk_tier(self.tiers.staging_buffers)
 
     def roll_back(self) -> None:
