@@ -511,7 +511,25 @@ def _round_up(nbytes: int, alignment: int = 256) -> int:
 def test_two_ranks_share_one_compressed_host_copy(tmp_path: Path) -> None:
     """compress=True and "auto" on a shared copy: the segments hold the owner's compressed bytes, which
     rank 1 maps and decodes; both ranks bit-exact; ranks asking for other codec settings do not share."""
-    with _Ranks(tmp_path, "codec") as ranks:
+    _run_codec(tmp_path, "cpu")
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_share_one_compressed_host_copy(tmp_path: Path) -> None:
+    """Both ranks on cuda:0: each decodes the same compressed segment with the GPU kernel."""
+    _run_codec(tmp_path, "cuda:0")
+
+
+@pytest.mark.cuda
+def test_two_gpus_share_one_compressed_host_copy(tmp_path: Path) -> None:
+    """torchrun-style, one process per GPU: each GPU decodes the one compressed host copy."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _run_codec(tmp_path, "cuda")
+
+
+def _run_codec(tmp_path: Path, device: str) -> None:
+    with _Ranks(tmp_path, "codec", device) as ranks:
         done = ranks.expect("done", range(WORLD))
     for mode in ("True", "auto"):
         r0, r1 = done[0][mode], done[1][mode]
