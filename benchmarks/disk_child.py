@@ -155,6 +155,9 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
                               "bytes_read_timed": read, "h2d_gb_s": h2d / 1e9,
                               "disk_waits": group.engine.disk_stats()["waits"], "evicted_each_step": buffered,
                               "spill_bytes": group.engine.spill_bytes}
+    if compress:
+        result["note"] = (f"compress=True: disk blocks read {disk_bytes / 2**30:.3f} GiB/step from a "
+                          f"{group.engine.spill_bytes / 2**30:.3f} GiB spill file")
     if bandwidth:
         disk_ms = disk_bytes / bandwidth * 1e3
         bound = max(compute_ms, h2d_ms, disk_ms)
