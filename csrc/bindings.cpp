@@ -257,6 +257,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       PyErr_SetString(type.ptr(), oom.what_without_backtrace());
     }
   });
+  // A checkpoint read that failed (I/O error, short read, file changed) reaches Python as the package's
+  // CheckpointReadError (a CheckpointError and an OffloadStateError, so also a RuntimeError).
+  py::register_local_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const CheckpointReadFailure& failure) {
+      py::object type = py::module_::import("fastoffload_ext.errors").attr("CheckpointReadError");
+      PyErr_SetString(type.ptr(), failure.what_without_backtrace());
+    }
+  });
 
   m.def("build_info", []() {
     py::dict d;

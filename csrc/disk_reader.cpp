@@ -101,9 +101,10 @@ size_t DiskReader::open(const std::string& path) {
   auto file = std::make_unique<File>();
   file->path = path;
   file->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(file->fd >= 0, "fastoffload: cannot open checkpoint file ", path, ": ", error_text(errno));
+  FASTOFFLOAD_READ_CHECK(file->fd >= 0, "fastoffload: cannot open checkpoint file ", path, ": ", error_text(errno));
   struct stat st {};
-  TORCH_CHECK(::fstat(file->fd, &st) == 0, "fastoffload: cannot stat checkpoint file ", path, ": ", error_text(errno));
+  FASTOFFLOAD_READ_CHECK(::fstat(file->fd, &st) == 0, "fastoffload: cannot stat checkpoint file ", path, ": ",
+                         error_text(errno));
   file->size = static_cast<uint64_t>(st.st_size);
   file->mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000LL + st.st_mtim.tv_nsec;
   file->inode = static_cast<uint64_t>(st.st_ino);
@@ -137,13 +138,13 @@ void DiskReader::check_unchanged(size_t index) const {
   struct stat st {};
   const bool same_path = ::stat(file.path.c_str(), &st) == 0;
   const int64_t mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000LL + st.st_mtim.tv_nsec;
-  TORCH_CHECK(same_path && static_cast<uint64_t>(st.st_size) == file.size && mtime_ns == file.mtime_ns &&
-                  static_cast<uint64_t>(st.st_ino) == file.inode,
-              "fastoffload: checkpoint file ", file.path, same_path ? " changed" : " disappeared",
-              " after offload was enabled (it had ", std::to_string(file.size), " bytes",
-              same_path ? ", now " + std::to_string(static_cast<uint64_t>(st.st_size)) : std::string(),
-              ", or its modification time moved); the weights read from it now could differ from the ones "
-              "checked at enable. Restore the file, or disable offload and enable it again");
+  FASTOFFLOAD_READ_CHECK(same_path && static_cast<uint64_t>(st.st_size) == file.size && mtime_ns == file.mtime_ns &&
+                             static_cast<uint64_t>(st.st_ino) == file.inode,
+                         "fastoffload: checkpoint file ", file.path, same_path ? " changed" : " disappeared",
+                         " after offload was enabled (it had ", std::to_string(file.size), " bytes",
+                         same_path ? ", now " + std::to_string(static_cast<uint64_t>(st.st_size)) : std::string(),
+                         ", or its modification time moved); the weights read from it now could differ from the ones "
+                         "checked at enable. Restore the file, or disable offload and enable it again");
 }
 
 std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std::vector<FileRange>>& owned,
@@ -158,9 +159,9 @@ std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std
   });
   std::vector<Chunk> chunks;
   for (const FileRange* r : order) {
-    TORCH_CHECK(r->offset + r->nbytes <= file_at(r->file).size, "fastoffload: tensor '", r->name, "' ends at byte ",
-                std::to_string(r->offset + r->nbytes), " but ", file_at(r->file).path, " has only ",
-                std::to_string(file_at(r->file).size), " bytes: the file is truncated");
+    FASTOFFLOAD_READ_CHECK(r->offset + r->nbytes <= file_at(r->file).size, "fastoffload: tensor '", r->name,
+                           "' ends at byte ", std::to_string(r->offset + r->nbytes), " but ", file_at(r->file).path,
+                           " has only ", std::to_string(file_at(r->file).size), " bytes: the file is truncated");
     for (size_t done = 0; done < r->nbytes;) {
       const size_t piece = std::min(r->nbytes - done, limit);
       const uint64_t at = r->offset + done;
@@ -193,11 +194,20 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
   for (size_t f : files) check_unchanged(f);
 
   // A job smaller than threads x chunk_bytes is cut finer, so that every worker has a request in flight
-  // (a block of a small model would otherwise be one or two requests).
+  // (a block of a small model would otherwise be one or two requests), unless the queue already holds a
+  // request for every worker (a checkpoint load queues its blocks back to back): then full-size
+  // requests, which the disk serves faster.
   uint64_t total = 0;
   for (const auto& r : *owned) total += r.nbytes;
+  size_t queued = 0;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queued = queue_.size();
+  }
   const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
-  const size_t limit = std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
+  const size_t limit = queued >= workers_.size()
+                           ? chunk_bytes_
+                           : std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
   std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
@@ -208,9 +218,12 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     job->done_ = true;
     return job;
   }
-  auto finish_one = [](ReadJob& j, const std::string& error, size_t count) {
+  auto finish_one = [](ReadJob& j, const std::string& error, size_t count, bool read) {
     std::lock_guard<std::mutex> lock(j.mutex_);
-    if (!error.empty() && j.error_.empty()) j.error_ = error;
+    if (!error.empty() && j.error_.empty()) {
+      j.error_ = error;
+      j.read_failed_ = read;
+    }
     j.pending_ -= count;
     if (j.pending_ == 0) {
       j.done_ = true;
@@ -230,7 +243,7 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
         } catch (const std::exception& e) {
           error = std::string("fastoffload: read failed: ") + e.what();
         }
-        finish_one(*chunk.job, error, 1);
+        finish_one(*chunk.job, error, 1, true);
       });
     }
   };
@@ -248,11 +261,11 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
       error = std::string("fastoffload: ") + e.what();
     }
     if (!error.empty()) {
-      finish_one(*job, error, n + 1);  // nothing is read into a destination that may still be in use
+      finish_one(*job, error, n + 1, false);  // nothing is read into a destination that may still be in use
       return;
     }
     enqueue_chunks();
-    finish_one(*job, std::string(), 1);
+    finish_one(*job, std::string(), 1, false);
   });
   return job;
 }
@@ -260,7 +273,9 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
 void DiskReader::wait(ReadJob& job) {
   std::unique_lock<std::mutex> lock(job.mutex_);
   job.cv_.wait(lock, [&] { return job.done_; });
-  TORCH_CHECK(job.error_.empty(), job.error_);
+  if (job.error_.empty()) return;
+  FASTOFFLOAD_READ_CHECK(!job.read_failed_, job.error_);
+  TORCH_CHECK(false, job.error_);
 }
 
 bool DiskReader::done(const ReadJob& job) {
@@ -313,7 +328,7 @@ void DiskReader::maybe_fail(const File& file, const Chunk& chunk) {
     }
   }
   if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-  TORCH_CHECK(error_number == 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
+  FASTOFFLOAD_READ_CHECK(error_number == 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
               std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path, ") failed: ",
               error_text(error_number), ". Check the disk; nothing was changed, and a later read tries again");
 }
@@ -351,13 +366,13 @@ bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
     const ssize_t n = ::pread(file.direct_fd, bounce + got, length - got, static_cast<off_t>(first + got));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EINVAL && got == 0) return false;  // refused at read time (alignment rules differ)
-    TORCH_CHECK(n >= 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
-                std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path, ") failed: ",
-                error_text(errno));
+    FASTOFFLOAD_READ_CHECK(n >= 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
+                           std::to_string(chunk.begin), "..", std::to_string(chunk.end), " of ", file.path,
+                           ") failed: ", error_text(errno));
     if (n == 0) break;
     got += static_cast<uint64_t>(n);
   }
-  TORCH_CHECK(first + got >= chunk.end, "fastoffload: ", file.path, " ends at byte ", std::to_string(first + got),
+  FASTOFFLOAD_READ_CHECK(first + got >= chunk.end, "fastoffload: ", file.path, " ends at byte ", std::to_string(first + got),
               ", before the end of tensor '", *chunk.pieces.back().name, "' (byte ", std::to_string(chunk.end),
               "): the file is truncated or was rewritten after offload was enabled");
   for (const auto& piece : chunk.pieces) std::memcpy(piece.dest, bounce + (piece.offset - first), piece.nbytes);
@@ -370,9 +385,9 @@ void DiskReader::read_buffered(File& file, const Chunk& chunk) {
     while (got < piece.nbytes) {
       const ssize_t n = ::pread(file.fd, piece.dest + got, piece.nbytes - got, static_cast<off_t>(piece.offset + got));
       if (n < 0 && errno == EINTR) continue;
-      TORCH_CHECK(n >= 0, "fastoffload: reading tensor '", *piece.name, "' (bytes ", std::to_string(piece.offset),
+      FASTOFFLOAD_READ_CHECK(n >= 0, "fastoffload: reading tensor '", *piece.name, "' (bytes ", std::to_string(piece.offset),
                   "..", std::to_string(piece.offset + piece.nbytes), " of ", file.path, ") failed: ", error_text(errno));
-      TORCH_CHECK(n > 0, "fastoffload: ", file.path, " ends at byte ", std::to_string(piece.offset + got),
+      FASTOFFLOAD_READ_CHECK(n > 0, "fastoffload: ", file.path, " ends at byte ", std::to_string(piece.offset + got),
                   ", before the end of tensor '", *piece.name, "' (byte ", std::to_string(piece.offset + piece.nbytes),
                   "): the file is truncated or was rewritten after offload was enabled");
       got += static_cast<size_t>(n);

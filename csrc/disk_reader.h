@@ -12,6 +12,10 @@
 //
 // Each opened file's size and modification time are recorded when it is opened; every later job checks
 // them again first, so a checkpoint rewritten under a running offload is refused instead of read.
+//
+// Every failure to get a checkpoint's bytes (an I/O error, a short read, a file changed or gone) is a
+// CheckpointReadFailure, which the bindings raise as fastoffload's CheckpointReadError; a failure of a
+// job's `prepare` step (not a read) keeps its own type.
 #pragma once
 
 #include <sys/types.h>
@@ -28,7 +32,24 @@
 #include <thread>
 #include <vector>
 
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
 namespace fastoffload {
+
+// A c10::Error, so every handler of those still catches it; only its Python type differs.
+class CheckpointReadFailure : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
+
+// TORCH_CHECK for read failures: throws a CheckpointReadFailure with the arguments' text.
+#define FASTOFFLOAD_READ_CHECK(cond, ...)                                                          \
+  do {                                                                                             \
+    if (!(cond))                                                                                   \
+      throw ::fastoffload::CheckpointReadFailure({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, \
+                                                 ::c10::str(__VA_ARGS__));                         \
+  } while (false)
 
 // Bytes [offset, offset + nbytes) of file `file` go to `dest_offset` in the job's destination.
 struct FileRange {
@@ -74,7 +95,7 @@ class DiskReader {
   // set, runs on a worker before any byte is written (e.g. to wait until `dest` may be overwritten).
   std::shared_ptr<ReadJob> submit(std::vector<FileRange> ranges, uint8_t* dest,
                                   std::function<void()> prepare = nullptr);
-  // Blocks until `job` is done; throws its error, if any.
+  // Blocks until `job` is done; throws its error, if any (a CheckpointReadFailure when a read failed).
   static void wait(ReadJob& job);
   static bool done(const ReadJob& job);
   // Reads synchronously (submit + wait).
@@ -139,6 +160,7 @@ class ReadJob {
   size_t pending_ = 0;  // chunks (plus the start task) not yet finished
   bool done_ = false;
   std::string error_;
+  bool read_failed_ = false;  // error_ came from a read (not from the prepare step)
 };
 
 }  // namespace fastoffload

@@ -19,14 +19,15 @@ void DiskTier::add_block(size_t block, std::vector<FileRange> ranges) {
   ranges_.push_back(std::move(ranges));
 }
 
-void DiskTier::start(size_t count, size_t bytes, PinnedPool& pool) {
+void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_t bytes) {
+  const size_t count = buffers.size();
   TORCH_CHECK(count >= 1, "fastoffload: the disk tier needs at least one staging buffer, got ", std::to_string(count));
   drain();
   staging_.clear();
   staging_.reserve(count);
-  for (size_t k = 0; k < count; ++k) {
+  for (auto& memory : buffers) {
     Staging staging;
-    staging.memory = pool.allocate(bytes);
+    staging.memory = std::move(memory);
     staging.copied = std::make_unique<Event>(copy_.device_index());
     staging_.push_back(std::move(staging));
   }
@@ -125,10 +126,9 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
   }
   if (staging.job->failed()) {
     if (!wait) return nullptr;  // the block's own acquire raises it
-    const std::string error = staging.job->error();
+    const std::shared_ptr<ReadJob> failed = std::move(staging.job);
     staging.block = -1;  // free again; the block is read anew when it is next needed
-    staging.job.reset();
-    TORCH_CHECK(false, error);
+    DiskReader::wait(*failed);  // done: throws its error, with its type (a read failure or not)
   }
   return static_cast<const uint8_t*>(staging.memory->data());
 }

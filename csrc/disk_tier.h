@@ -42,9 +42,10 @@ class DiskTier {
   // Registers `block` (in forward order) with where its tensors are; dest offsets are packed offsets.
   void add_block(size_t block, std::vector<FileRange> ranges);
   bool has(size_t block) const { return position_.count(block) != 0; }
-  // Allocates `count` staging buffers of `bytes` each from `pool` and starts the first reads. Calling it
-  // again (more blocks, larger blocks) waits for the reads in flight and starts over.
-  void start(size_t count, size_t bytes, PinnedPool& pool);
+  // Takes `buffers` (at least one, `bytes` each, pinned pool memory) as the staging ring and starts the
+  // first reads. Calling it again (more blocks, larger blocks) waits for the reads in flight into the
+  // old ring, drops it and starts over.
+  void start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_t bytes);
   bool started() const { return !staging_.empty(); }
 
   // The staging bytes of `block`, fully read. wait=false: nullptr when the read has not finished yet.

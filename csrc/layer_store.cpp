@@ -153,6 +153,14 @@ LayerStore::LayerStore(std::shared_ptr<PinnedPool> pool) : pool_(std::move(pool)
   TORCH_CHECK(pool_ != nullptr, "fastoffload: LayerStore needs a PinnedPool");
 }
 
+LayerStore::~LayerStore() {
+  try {
+    finish_pins();
+  } catch (...) {
+    // Nobody is left to report a failed load to; what mattered was that it ended.
+  }
+}
+
 StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::string& segment_name, bool owner, bool pin, bool digest) {
   const std::vector<at::Tensor> tensors = resolve_lazy_bits(params);
@@ -300,36 +308,86 @@ StoredBlock LayerStore::plan_from_file(const std::vector<std::string>& names, co
 
 size_t LayerStore::add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                  const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
-                                 DiskReader& reader) {
-  StoredBlock block = plan_from_file(names, tensors, shapes, spans, reader);
+                                 const std::shared_ptr<DiskReader>& reader) {
+  TORCH_CHECK(reader != nullptr, "fastoffload: add_from_file needs a DiskReader");
+  StoredBlock block = plan_from_file(names, tensors, shapes, spans, *reader);
   block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
   std::shared_ptr<PoolAllocation> keep_alive = block.host;
   block.host_bytes = at::from_blob(
       block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
-  // Written in place by the reader: the pages are faulted in with their final contents, then pinned.
-  reader.read(block.ranges, static_cast<uint8_t*>(block.host->data()));
-  if (pool_->pins() && !pool_->allows_pageable_fallback()) {
-    // Overlapped with the next block's read. (A pageable fallback warns, which must happen on the
-    // caller's thread to reach Python, so that case pins here.)
-    std::shared_ptr<PinnedPool> pool = pool_;
-    std::shared_ptr<PoolAllocation> host = block.host;
-    pending_pins_.push_back(std::async(std::launch::async, [pool, host] { pool->pin(*host); }));
-  } else {
+  uint8_t* dest = static_cast<uint8_t*>(block.host->data());
+  if (pool_->pins() && pool_->allows_pageable_fallback()) {
+    // A pageable fallback warns, which must happen on the caller's thread to reach Python: read and
+    // pin here, one block at a time.
+    reader->read(block.ranges, dest);
     pool_->pin(*block.host);
+  } else {
+    std::lock_guard<std::mutex> lock(pending_mutex_);
+    PendingLoad load;
+    if (!pool_->pins()) {
+      load.read = reader->submit(block.ranges, dest);
+    } else if (pending_.empty()) {
+      // Nothing is being read yet that a pin could hide behind: read now into unpinned pages (which
+      // the read faults in), pin once the bytes are there, while the next blocks are read.
+      std::shared_ptr<ReadJob> read = reader->submit(block.ranges, dest);
+      std::shared_ptr<PinnedPool> pool = pool_;
+      load.read = read;
+      load.pin = std::async(std::launch::async, [pool, keep_alive, read]() -> std::shared_ptr<ReadJob> {
+                   DiskReader::wait(*read);
+                   pool->pin(*keep_alive);
+                   return nullptr;
+                 }).share();
+    } else {
+      load.pin = pin_then_read(keep_alive, reader, block.ranges);
+    }
+    pending_.push_back(std::move(load));
   }
   blocks_.push_back(std::move(block));
   return blocks_.size() - 1;
 }
 
-void LayerStore::finish_pins() {
-  std::vector<std::future<void>> pending;
-  pending.swap(pending_pins_);
+std::shared_future<std::shared_ptr<ReadJob>> LayerStore::pin_then_read(std::shared_ptr<PoolAllocation> host,
+                                                                       std::shared_ptr<DiskReader> reader,
+                                                                       std::vector<FileRange> ranges) {
+  std::shared_future<std::shared_ptr<ReadJob>> previous = last_pin_;
+  std::shared_ptr<PinnedPool> pool = pool_;
+  last_pin_ = std::async(std::launch::async,
+                         [pool, host, reader, ranges = std::move(ranges), previous]() -> std::shared_ptr<ReadJob> {
+                           if (previous.valid()) previous.wait();  // its failure is its own load's to report
+                           pool->pin(*host);
+                           if (reader == nullptr) return nullptr;
+                           return reader->submit(ranges, static_cast<uint8_t*>(host->data()));
+                         }).share();
+  return last_pin_;
+}
+
+std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes) {
+  if (!pool_->pins() || pool_->allows_pageable_fallback()) return pool_->allocate(nbytes);  // pinned (or not) now
+  std::shared_ptr<PoolAllocation> memory = pool_->allocate(nbytes, /*defer_pin=*/true);
+  std::lock_guard<std::mutex> lock(pending_mutex_);
+  PendingLoad load;
+  load.pin = pin_then_read(memory, nullptr, {});
+  pending_.push_back(std::move(load));
+  return memory;
+}
+
+void LayerStore::finish_pins() const {
+  std::lock_guard<std::mutex> lock(pending_mutex_);
+  std::vector<PendingLoad> pending;
+  pending.swap(pending_);
   std::exception_ptr first;
-  for (auto& pin : pending) {
+  for (auto& load : pending) {
     try {
-      pin.get();
+      std::shared_ptr<ReadJob> read = load.read;
+      if (load.pin.valid()) {
+        std::shared_ptr<ReadJob> after = load.pin.get();
+        if (after != nullptr) read = after;
+      }
+      if (read != nullptr) DiskReader::wait(*read);
     } catch (...) {
+      // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
+      // unattempted: every other load is still waited for.
       if (!first) first = std::current_exception();
     }
   }

@@ -11,6 +11,7 @@
 #include <future>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -76,6 +77,10 @@ std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, cons
 class LayerStore {
  public:
   explicit LayerStore(std::shared_ptr<PinnedPool> pool);
+  // Waits for the loads still running (their bytes land in regions this store frees).
+  ~LayerStore();
+  LayerStore(const LayerStore&) = delete;
+  LayerStore& operator=(const LayerStore&) = delete;
 
   // Packs the current values of `tensors` into a new region and returns the block's index.
   size_t add(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, bool pin = true);
@@ -99,20 +104,28 @@ class LayerStore {
                                   const std::string& segment_name, size_t packed_bytes, uint64_t checksum);
   // Packs a block straight from a checkpoint: tensor j has `shapes[j]` (contiguous) and the dtype of
   // `tensors[j]` (whose own values are ignored: they may be empty placeholders), and its bytes are
-  // `spans[j]`. The bytes are read into the block's region by `reader` and the region is pinned after;
-  // no other copy of them exists. On any error (short file, read failure) nothing is added.
+  // `spans[j]`, read into the block's region by `reader`; no other copy of them exists. It returns
+  // once the read is under way: the reads of successive blocks queue back to back, so the disk never
+  // idles between blocks, and the pins run beside them (see finish_pins). The first block of a load
+  // is read first and pinned after; every later one is pinned first, while the blocks before it are
+  // read, and read after, so that no pin is left to run once the last byte has arrived. An error
+  // found before the read starts adds nothing; a read or pin failure is thrown by finish_pins.
   size_t add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                        const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
-                       DiskReader& reader);
+                       const std::shared_ptr<DiskReader>& reader);
   // Registers a block of the disk tier: laid out like add_from_file, but no host region at all; its
   // bytes are read from `spans` each time it is needed (see DiskTier).
   size_t add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                      const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                      const DiskReader& reader);
-  // add_from_file pins each region on a thread of its own while the next block is read (pinning costs
-  // about as much as reading); this waits for those pins and throws the first failure. Call it before
-  // any region is copied or freed.
-  void finish_pins();
+  // Pool memory of `nbytes` for the caller to fill later (the disk tier's staging buffers), pinned in
+  // the background after the loads' pins, so that its pinning too runs while the loads read. Its pin
+  // is waited for by finish_pins.
+  std::shared_ptr<PoolAllocation> allocate_pinned_later(size_t nbytes);
+  // Waits for every read and pin that add_from_file and allocate_pinned_later started, and throws the
+  // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
+  // copied or freed. Safe from several threads: a caller returns only once every load has finished.
+  void finish_pins() const;
   // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
   // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
   // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
@@ -171,9 +184,24 @@ class LayerStore {
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                              const DiskReader& reader) const;
 
+  // The pin of `host`, queued after the pins queued before it (registrations run one at a time, in
+  // order); then `reader` (when set) reads `ranges` into it.
+  std::shared_future<std::shared_ptr<ReadJob>> pin_then_read(std::shared_ptr<PoolAllocation> host,
+                                                             std::shared_ptr<DiskReader> reader,
+                                                             std::vector<FileRange> ranges);
+
+  // A load still running: the read submitted at once (or null), and the pin, which returns the read
+  // it submitted once it had pinned (or null).
+  struct PendingLoad {
+    std::shared_ptr<ReadJob> read;
+    std::shared_future<std::shared_ptr<ReadJob>> pin;
+  };
+
   std::shared_ptr<PinnedPool> pool_;
   std::vector<StoredBlock> blocks_;
-  std::vector<std::future<void>> pending_pins_;
+  mutable std::mutex pending_mutex_;  // held while waiting, so that no caller returns before the loads end
+  mutable std::vector<PendingLoad> pending_;
+  std::shared_future<std::shared_ptr<ReadJob>> last_pin_;  // the tail of the pin queue
 };
 
 // A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`

@@ -189,6 +189,7 @@ size_t OffloadEngine::weight_bytes(size_t block) const {
 at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
   auto lock = gate_.enter_read();
   check_block(block);
+  finish_loading();
   at::Tensor bytes = store_.raw_bytes(block, verify_);
   // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
   return store_.block(block).shared ? bytes.clone() : bytes;
@@ -230,7 +231,7 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
-  const size_t index = store_.add_from_file(names, params, shapes, spans, *reader_);
+  const size_t index = store_.add_from_file(names, params, shapes, spans, reader_);
   travel_.push_back(Travel::kRaw);
   if (compress_mode_ != CompressMode::kOff) {
     store_.finish_pins();  // the encoder reads the region the reader just filled
@@ -314,9 +315,15 @@ void OffloadEngine::start_disk_tier(size_t count) {
   size_t disk_blocks = 0;
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b] && store_.block(b).on_disk) disk_blocks += 1;
+  const size_t buffers = std::max<size_t>(1, std::min(count, disk_blocks));
+  const size_t bytes = store_.max_disk_block_bytes();
+  // Allocated before waiting for the host tier's reads: pinning the ring costs about as much as
+  // reading it would, and runs beside those reads instead of after them.
+  std::vector<std::shared_ptr<PoolAllocation>> staging;
+  for (size_t k = 0; k < buffers; ++k) staging.push_back(store_.allocate_pinned_later(bytes));
   finish_loading();
   copy_.synchronize_copies();  // the old staging buffers may still be read by copies in flight
-  disk_->start(std::max<size_t>(1, std::min(count, disk_blocks)), store_.max_disk_block_bytes(), *store_.pool());
+  disk_->start(std::move(staging), bytes);
 }
 
 void OffloadEngine::check_not_on_disk(size_t block, const char* what) const {
@@ -745,6 +752,7 @@ bool OffloadEngine::is_shared(size_t block) const {
 
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   auto lock = gate_.enter_read();
+  finish_loading();
   if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
   at::Tensor view = store_.host_view(block, j);
   if (!store_.block(block).shared) return view;
@@ -753,6 +761,7 @@ at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
 
 std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   auto lock = gate_.enter_read();
+  finish_loading();
   const StoredBlock& stored = store_.block(block);
   if (stored.on_disk) {
     const at::Tensor bytes = store_.read_block(block, *reader_);

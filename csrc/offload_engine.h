@@ -88,7 +88,8 @@ class OffloadEngine {
   // Checkpoint-backed blocks (see LayerStore::add_from_file): the reader opens the files and reads the
   // bytes; set it before adding such blocks.
   void set_reader(std::shared_ptr<DiskReader> reader);
-  // Packs a block straight from the checkpoint into its pinned region (the host tier).
+  // Packs a block straight from the checkpoint into its pinned region (the host tier). Returns once the
+  // read is under way; finish_loading waits for it.
   size_t add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
   // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
@@ -100,12 +101,13 @@ class OffloadEngine {
   void set_spill_file(const std::string& path);
   std::string spill_path() const;
   uint64_t spill_bytes() const;
-  // Allocates the disk tier's staging ring (`count` buffers of the largest disk block) and starts
-  // reading ahead. Call once every block is added.
+  // Allocates the disk tier's staging ring (`count` buffers of the largest disk block, pinned while
+  // the host tier's reads still run), waits for those reads (finish_loading) and starts reading ahead.
+  // Call once every block is added.
   void start_disk_tier(size_t count);
-  // Waits until every block added from a file is pinned (see LayerStore::finish_pins); throws a pin
-  // failure. Every path that copies or frees a region calls it first.
-  void finish_loading() { store_.finish_pins(); }
+  // Waits until every block added from a file is read and pinned (see LayerStore::finish_pins); throws
+  // the first read or pin failure. Every path that reads, copies or frees a region calls it first.
+  void finish_loading() const { store_.finish_pins(); }
   bool is_on_disk(size_t block) const { return store_.block(block).on_disk; }
   // Whether acquire(block) would wait for a disk read (so that the caller can release its locks first).
   bool acquire_may_wait(size_t block) const;

@@ -6,7 +6,7 @@ and says what to do.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "FastOffloadError", "OffloadConfigError", "OffloadStateError"]
+__all__ = ["CheckpointError", "CheckpointReadError", "FastOffloadError", "OffloadConfigError", "OffloadStateError"]
 
 
 class FastOffloadError(Exception):
@@ -23,3 +23,12 @@ class OffloadStateError(FastOffloadError, RuntimeError):
 
 class CheckpointError(OffloadConfigError):
     """A checkpoint that offload cannot build from: missing, truncated, or not matching the model."""
+
+
+class CheckpointReadError(CheckpointError, OffloadStateError):
+    """Reading a checkpoint's bytes failed: an I/O error, a short read, a file changed or gone after enable.
+
+    At enable nothing is built (the model is as it was); mid-step nothing is lost (every parameter keeps
+    its values, detach works) and the next step reads again. Raised by the compiled core's reader; it is
+    both a :class:`CheckpointError` and an :class:`OffloadStateError` (so also a ``RuntimeError``).
+    """

@@ -54,6 +54,8 @@ def test_model_twice_the_host_budget_is_bit_exact(tmp_path: Path, device: str, d
     assert len(disk) >= 4  # at least half the model stays on disk
     stats = group.engine.pool.stats()
     assert stats["in_use_bytes"] <= budget  # host tier + staging, nothing more pinned
+    if device != "cpu":  # the staging ring was pinned beside the host tier's reads, and finished with them
+        assert stats["pinned_bytes"] >= stats["in_use_bytes"] > 0
     x = inputs().to(device)
     reference = reference.to(device)
     with torch.no_grad():
@@ -101,3 +103,67 @@ def test_disk_blocks_report_no_host_bytes(tmp_path: Path) -> None:
     index = group.states.index(disk)
     for name, tensor in disk.cpu_named_parameters.items():
         assert torch.equal(tensor, reference.blocks[index].get_parameter(name))
+
+
+def _host_memory(usable: int):
+    from fastoffload_ext.planning import memory
+    return memory.HostMemory(mem_available=usable, cgroup_headroom=None, cgroup_path=None, margin=0)
+
+
+def _outside_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+
+
+def test_auto_host_budget_keeps_what_does_not_fit_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.planning import memory
+    reference, path, half = _twice_the_budget(tmp_path)
+    # On the host device the weights outside the blocks land in host memory too: "auto" leaves them room.
+    usable = half + _outside_bytes(reference)
+    monkeypatch.setattr(memory, "probe_host", lambda: _host_memory(usable))
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path)  # host_budget="auto", the default
+    disk = [s for s in group.states if s.on_disk]
+    assert len(disk) >= 4
+    assert group.engine.pool.stats()["in_use_bytes"] <= half
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+
+
+def test_auto_host_budget_with_room_keeps_every_block_in_host_memory(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.planning import memory
+    reference, path, half = _twice_the_budget(tmp_path)
+    monkeypatch.setattr(memory, "probe_host", lambda: _host_memory(4 * half + _outside_bytes(reference)))
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path)
+    assert not any(s.on_disk for s in group.states)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+
+
+def test_auto_host_budget_below_the_staging_ring_names_the_measured_memory(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.planning import memory
+    reference, path, _ = _twice_the_budget(tmp_path)
+    monkeypatch.setattr(memory, "probe_host", lambda: _host_memory(1000 + _outside_bytes(reference)))
+    model = meta_stack(8)
+    with pytest.raises(OffloadConfigError, match="fastoffload: the host memory this process may use \\(1000 B: "
+                                                 "MemAvailable .* B, no cgroup v2 limit readable, margin 0 B, less "
+                                                 ".* for the weights kept on the host\\) cannot hold even the disk "
+                                                 "tier's staging ring .*raise host_budget \\(or free host memory\\)"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_host_budget_none_keeps_every_block_in_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.planning import memory
+    reference, path, _ = _twice_the_budget(tmp_path)
+    monkeypatch.setattr(memory, "probe_host", lambda: _host_memory(0))  # not consulted
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=None)
+    assert not any(s.on_disk for s in group.states)

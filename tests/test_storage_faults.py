@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.errors import CheckpointError, OffloadConfigError, OffloadStateError
+from fastoffload_ext.errors import CheckpointError, CheckpointReadError, OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.source import CheckpointSource
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import params_equal
@@ -109,12 +110,68 @@ def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, 
     monkeypatch.setattr(CheckpointSource, "open_files", failing)
     before = _threads()
     model = meta_stack(6)
-    with pytest.raises(RuntimeError, match=f"fastoffload: reading tensor 'blocks\\.\\d\\.[a-z.]+' \\(bytes "
-                                           f"\\d+\\.\\.\\d+ of {path}\\) failed: Input/output error"):
+    with pytest.raises(CheckpointReadError, match=f"fastoffload: reading tensor 'blocks\\.\\d\\.[a-z.]+' \\(bytes "
+                                                  f"\\d+\\.\\.\\d+ of {path}\\) failed: Input/output error"):
         enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=1)
     _untouched(model)
     gc.collect()
     assert _threads() <= before  # the reader's threads ended with the engine (others may have ended too)
+
+
+READ_ERROR = ("fastoffload: reading tensor 'blocks\\.\\d\\.[a-z0-9_.]+' \\(bytes \\d+\\.\\.\\d+ of {path}\\) failed: "
+              "Input/output error\\. Check the disk; nothing was changed, and a later read tries again")
+
+
+def _fail_mid_step(group: object, model: torch.nn.Module, x: torch.Tensor, path: Path, count: int) -> str:
+    """Makes the next ``count`` chunk reads fail and runs steps until one raises; returns its message."""
+    group.engine.reader._inject_errors(0, count, errno.EIO)
+    with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)) as raised:
+        for _ in range(3):
+            model(x)
+    return str(raised.value)
+
+
+def _first_good_step(model: torch.nn.Module, x: torch.Tensor, path: Path, tries: int) -> torch.Tensor:
+    for _ in range(tries - 1):
+        try:
+            return model(x)
+        except CheckpointReadError as error:
+            assert re.match(READ_ERROR.format(path=path), str(error))
+    return model(x)
+
+
+def test_read_error_mid_step_then_detach_keeps_every_value(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    with torch.no_grad():
+        _fail_mid_step(group, model, inputs(), path, 1)
+    disable_layerwise_offload(model)  # straight after the failed step: the disk blocks are read back
+    assert get_offload_group(model) is None
+    assert params_equal(model, reference)
+
+
+def test_persistent_read_error_repeats_the_same_error(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):  # each retry raises the same error again; nothing is left half-read
+            _fail_mid_step(group, model, x, path, 10**6)
+        # Detach needs the disk blocks' bytes too: it refuses with the same error and changes nothing, so
+        # that it can be retried once the disk reads again.
+        with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)):
+            disable_layerwise_offload(model)
+        group.engine.reader._inject_errors(0, 0, 0)
+        assert get_offload_group(model) is group
+        # The blocks before the failing one were detached, the rest are still offloaded: both run. A
+        # read-ahead that failed while the disk did raises once more when its block is needed, then
+        # that block is read anew.
+        assert torch.equal(_first_good_step(model, x, path, tries=4), expected)
+        disable_layerwise_offload(model)
+    assert params_equal(model, reference)
 
 
 @pytest.mark.parametrize("budget_blocks", [3])
@@ -127,10 +184,11 @@ def test_read_error_mid_step_then_recovers(checkpoint: tuple[torch.nn.Module, Pa
         expected = reference(x)
         assert torch.equal(model(x), expected)
         group.engine.reader._inject_errors(2, 1, errno.EIO)
-        with pytest.raises(RuntimeError, match=f"fastoffload: reading tensor '[a-z0-9_.]+' \\(bytes \\d+\\.\\.\\d+ of "
-                                               f"{path}\\) failed: Input/output error\\. Check the disk; nothing was changed"):
+        with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)) as raised:
             for _ in range(3):
                 model(x)
+        # Both what a build-time checkpoint fault is and what a runtime state error is.
+        assert isinstance(raised.value, CheckpointError) and isinstance(raised.value, OffloadStateError)
         for _ in range(2):
             assert torch.equal(model(x), expected)
     disable_layerwise_offload(model)
@@ -147,8 +205,8 @@ def test_file_changed_after_enable(checkpoint: tuple[torch.nn.Module, Path]) -> 
         expected = reference(x)
         assert torch.equal(model(x), expected)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-        with pytest.raises(RuntimeError, match=f"fastoffload: checkpoint file {path} changed after offload was "
-                                               "enabled .*disable offload and enable it again"):
+        with pytest.raises(CheckpointReadError, match=f"fastoffload: checkpoint file {path} changed after offload was "
+                                                      "enabled .*disable offload and enable it again"):
             for _ in range(2):
                 model(x)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
@@ -163,7 +221,7 @@ def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tm
     enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
     shutil.copy(path, tmp_path / "copy.safetensors")
     os.replace(tmp_path / "copy.safetensors", path)  # another file (inode) under the same name
-    with torch.no_grad(), pytest.raises(RuntimeError, match=f"checkpoint file {path} changed after offload"):
+    with torch.no_grad(), pytest.raises(CheckpointReadError, match=f"checkpoint file {path} changed after offload"):
         for _ in range(2):
             model(inputs())
 

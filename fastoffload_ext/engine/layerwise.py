@@ -150,8 +150,9 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         weights: a safetensors checkpoint to build the offload from (a file, a sharded checkpoint's
             ``*.index.json``, or a folder holding either, e.g. a diffusers component folder). The model may
             then be built on the meta device: block weights are read straight into pinned host memory,
-            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. With an
-            integer ``host_budget``, the blocks beyond it stay on disk and are read every step.
+            everything else onto ``device``. ext backend only; see ``fastoffload_ext.storage``. The
+            blocks beyond ``host_budget`` (bytes, a size, or "auto": what this process may use) stay on
+            disk and are read every step; None keeps every block in host memory.
         disk_options: with ``weights``: reader and staging knobs (``storage.DiskOptions``).
         block_lists: which direct-child ``nn.ModuleList``s to offload. None (default): the first one,
             FastVideo's rule. ``"all"``: every non-empty one, in registration order (Flux and
@@ -258,7 +259,7 @@ def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> Checkpoint
     if options.weights is None or not options.offloaded:
         return None
     return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
-                                    options.weights, options.host_budget_bytes, options.disk_options)
+                                    options.weights, options.host_budget_bytes, options.disk_options, options.device)
 
 
 def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -> BlockOffloadState:

@@ -58,7 +58,9 @@ class OffloadOptions:
     settings: dict[str, Any] | None = None  # the budget arguments, resolved, for a later re-plan
 
     weights: Any = None  # a checkpoint to build from (storage/); None: the model's own tensors
-    host_budget_bytes: int | None = None  # an int host_budget: the disk tier keeps the rest on disk
+    # With weights=: the disk tier's budget (bytes, or "auto": what the process may use, measured when the
+    # tiers are planned); the blocks beyond it stay on disk. None: no limit.
+    host_budget_bytes: int | str | None = None
     disk_options: DiskOptions | None = None
 
     @property
@@ -207,7 +209,7 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                           pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
                           process_group=process_group, compress=compress_mode, plan=layout.plan,
                           settings=layout.settings, weights=weights,
-                          host_budget_bytes=disk_budget if isinstance(disk_budget, int) else None,
+                          host_budget_bytes=disk_budget,
                           disk_options=disk_options, lists=tuple(lists))
 
 

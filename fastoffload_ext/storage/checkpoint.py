@@ -77,7 +77,8 @@ def _one_file(path: str) -> tuple[dict[str, TensorEntry], int]:
         size = os.path.getsize(path)
         with safe_open(path, framework="pt") as handle:
             names = list(handle.offset_keys())
-            specs = [(handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape())) for name in names]
+            slices = [handle.get_slice(name) for name in names]
+            specs = [(piece.get_dtype(), tuple(piece.get_shape())) for piece in slices]
     except FileNotFoundError as error:
         raise CheckpointError(f"fastoffload: checkpoint file {path} does not exist; check the weights= path "
                               "(a sharded checkpoint's index names every shard, which must sit beside it)") from error

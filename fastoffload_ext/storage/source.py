@@ -26,9 +26,10 @@ from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.errors import CheckpointError
+from fastoffload_ext.planning.budgets import AUTO
 from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
 from fastoffload_ext.storage.options import DiskOptions
-from fastoffload_ext.storage.tiers import TierPlan, check_host_budget, plan_tiers
+from fastoffload_ext.storage.tiers import TierPlan, plan_tiers, resolve_host_budget
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +89,31 @@ class CheckpointSource:
     # Before anything changes.
     @classmethod
     def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, offloaded: list[int], weights: Any,
-                host_budget: object, options: DiskOptions | None) -> CheckpointSource:
+                host_budget: object, options: DiskOptions | None,
+                device: torch.device | None = None) -> CheckpointSource:
         options = options if options is not None else DiskOptions()
-        budget = check_host_budget(host_budget)
         checkpoint = open_checkpoint(weights)
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
-        tiers = plan_tiers(block_bytes, budget, options.staging_buffers)
+        budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
+        tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         source = cls(checkpoint, sources, resident, tiers, options)
-        source.block_bytes, source.host_budget = list(block_bytes), budget
+        source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
         return source
+
+    @staticmethod
+    def _host_use(blocks: nn.ModuleList, offloaded: list[int], resident: dict[str, TensorEntry],
+                  device: torch.device | None, host_budget: object) -> tuple[int, int]:
+        """(bytes the build adds to host memory beside the pinned blocks, bytes the blocks hold there now
+        and the build frees): what a measured host budget must leave room for, and may count as free."""
+        if host_budget != AUTO:
+            return 0, 0  # a given budget is taken as it is
+        # On the host device the resident weights land in host memory too, beside the pinned blocks.
+        on_host = sum(e.nbytes for e in resident.values()) if device is not None and device.type == "cpu" else 0
+        credit = sum(p.numel() * p.element_size() for i in offloaded for p in blocks[i].parameters()
+                     if p.device.type == "cpu")
+        return on_host, credit
 
     @staticmethod
     def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
@@ -227,10 +242,15 @@ class CheckpointSource:
             module._buffers[leaf] = load()
 
     def start(self, engine: Any) -> None:
-        """Waits for the host tier's pinning (overlapped with the reads) and starts the disk tier, if any."""
-        engine.finish_loading()
-        if any(block.on_disk for block in self.blocks):
+        """Waits for the host tier's reads and pins, and starts the disk tier, if any.
+
+        The blocks' reads were only queued while the blocks were attached; with a disk tier, its staging
+        ring is allocated and pinned while they still run, and the engine waits for them after that.
+        """
+        if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
             engine.start_disk_tier(self.tiers.staging_buffers)
+        else:
+            engine.finish_loading()
 
     def roll_back(self) -> None:
         """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""

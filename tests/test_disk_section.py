@@ -1,0 +1,44 @@
+"""The disk benchmark section's start-up bound counts exactly what enable reads (pure parts; the section
+itself runs in the suite, on the host when there is no GPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from benchmarks.disk_child import enable_read_bytes
+from fastoffload_ext import enable_layerwise_offload
+from tests._checkpoints import block_bytes, meta_stack, reference_stack, write_single
+
+
+def _outside(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+
+
+def test_every_block_in_host_memory_counts_every_byte_the_reader_read(tmp_path: Path) -> None:
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=None)
+    counted = enable_read_bytes(group.checkpoint)
+    assert counted["host_tier_read_bytes"] == 6 * block_bytes(reference)
+    # enable has waited for every block read: the reader read those bytes, no more, no fewer
+    assert group.engine.reader.stats()["bytes_read"] == counted["host_tier_read_bytes"]
+    assert counted["resident_read_bytes"] == _outside(reference)
+    data = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert counted["header_bytes"] == path.stat().st_size - data > 0
+
+
+def test_half_on_disk_counts_only_the_host_tier(tmp_path: Path) -> None:
+    reference = reference_stack(8)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(8)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * block_bytes(reference) + 4096)
+    on_disk = [s for s in group.states if s.on_disk]
+    assert on_disk
+    counted = enable_read_bytes(group.checkpoint)
+    assert counted["host_tier_read_bytes"] == (8 - len(on_disk)) * block_bytes(reference)
+    # Beyond them the reader only reads the staging ring's first fill, queued after the host tier.
+    staging = group.engine.disk_stats()["staging_count"] * block_bytes(reference)
+    assert counted["host_tier_read_bytes"] <= group.engine.reader.stats()["bytes_read"] <= (
+        counted["host_tier_read_bytes"] + staging)
