@@ -11,15 +11,29 @@ says which a row is on this machine.
 Measurement: host speed drifts between processes and over minutes, so every figure here comes from
 interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and ext stay
 alive for the whole model; each peer is then set up in turn and timed in rounds together with them
-(resident, ext, peer, in rotating order), and its ratios are taken within each round. Only one peer
-is alive at a time because a host copy of the 14B model is 28 GB. Every ratio is the median of the
-per-round ratios, with the lowest and highest round beside it.
+(resident, ext, peer, in rotating order), and its ratios are taken within each round. Every ratio is
+the median of the per-round ratios, with the lowest and highest round beside it.
+
+Memory: a host copy of the 14B model is 28 GB and the GPU machine has 128 GB of RAM, so the section
+keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks and
+each peer's model are copied from it (on the device, then moved to the host tensor by tensor), one
+offloader at a time; a peer's model, hooks and pinned blocks are freed before the next is built. The
+host then holds ext's pinned copy plus one peer's copies (pageable and pinned): about 2-3x the model.
+Every phase prints a line with the time, host RSS and GPU memory to stderr (a killed run shows where
+it was) and the phases go into the notes. Peers are set up strongest first; the 14B model runs only
+FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all). The section has
+``BENCHMARK_MODELS_BUDGET_S`` seconds (default 420); at each model's start what is left is split evenly
+over the models still to run, and once a model's share is spent no further peer of it starts. Skipped
+peers have rows saying why. A peer that is not bit-equal gets, in its note, the first traced op where
+its forward parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches
+are compared and put back around every peer.
 
 Rows per model and token count: ``resident``, ``floor`` (max(resident, offloaded bytes / peak H2D)),
 ``ext`` (``enable_layerwise_offload`` with default settings, eager), and the peers of
 ``benchmarks/peers.py``; a peer that cannot run has a row saying why. Every offloaded output is
-compared with the resident one bit for bit. ext's peak GPU memory is measured alone (before the
-resident copy exists) against (k+1) x largest block + the modules outside the lists + activations.
+compared with the resident one bit for bit. ext's peak GPU memory is its own (the peak during its
+forward less what the master and the inputs held before ext existed), against (k+1) x largest block +
+the modules outside the lists + activations.
 
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: all; ``--quick``: wan-1.3b).
 Without a GPU the same models run at tiny configs on the host (device="cpu"), resident and ext only.
@@ -37,9 +51,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.interleave import Interleaved, run_interleaved
-from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory, module_bytes, try_import
+from benchmarks.phases import PhaseLog
+from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
 from fastoffload_ext import enable_layerwise_offload
 
 TITLE = "models: Wan 1.3B / 14B and Flux (all block lists) vs resident and the peers, interleaved rounds"
@@ -71,6 +87,15 @@ EXT_TARGET = 1.05  # x floor, eager, default settings
 MEM_SLACK_BYTES = 64 * MiB
 BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
 ENV_MODELS = "BENCHMARK_MODELS"
+ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all": every peer on every model, also where a model's spec names fewer
+ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
+# Seconds from the section's start after which no further peer is set up (its rows say so): the whole
+# section must fit one GPU command of 600 s together with the bandwidth section and the start-up.
+DEFAULT_BUDGET_S = 420.0
+# Peers in the order they are set up: the strongest first, so a spent time budget cuts the weakest.
+RUN_ORDER = ("fastvideo", "sglang", "diffusers", "mmgp", "diffusers leaf", "accelerate")
+# On a 28 GB model each peer costs a host copy, its pinning and its rounds: only the strongest run.
+BIG_MODEL_PEERS = ("fastvideo", "sglang", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,7 @@ class ModelSpec:
     cpu_tokens: dict[str, int]
     block_lists: str | None
     inputs: Callable[[dict[str, Any], int, torch.device], dict[str, torch.Tensor]] = field(repr=False)
+    peers: tuple[str, ...] | None = None  # None: every peer
 
 
 def _wan_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -145,7 +171,7 @@ MODELS = {
                          dict(_WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824,
                               num_layers=40),
                          _WAN_TINY, {"transfer-bound": 1560, "balanced": 9360}, {"small": 16, "large": 64}, None,
-                         _wan_inputs),
+                         _wan_inputs, BIG_MODEL_PEERS),
 }
 
 
@@ -164,8 +190,10 @@ def selected_models(ctx: Context) -> list[ModelSpec]:
     return list(MODELS.values())
 
 
-def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
-    """Random bf16 weights, initialised on the device when there is one (seconds, not minutes), on the host."""
+def build_master(spec: ModelSpec, ctx: Context) -> nn.Module:
+    """Random bf16 weights, built and kept on the device (the resident model, and the source every offloaded
+    copy is made from): initialising on the GPU takes seconds, and no host copy exists beyond the ones the
+    offloaders themselves hold."""
     import diffusers
 
     config = spec.config if ctx.cuda else spec.cpu_config
@@ -182,7 +210,23 @@ def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
             if param.ndim == 1:
                 # Default-initialised norms and biases (ones, zeros) would hide a weight copied to the wrong slot.
                 param.add_(torch.randn_like(param), alpha=0.02)
-    return model.to("cpu").eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
+    """:func:`build_master`, then on the host (for sections that want a host model to copy from)."""
+    return build_master(spec, ctx).to("cpu")
+
+
+def host_copy(master: nn.Module, lists: list[str] | None = None) -> nn.Module:
+    """A copy of ``master`` with the listed block lists (all of it when None) on the host, the rest where
+    ``master`` is. The copy is made on the device and moved tensor by tensor, so the host never holds
+    more than the copy itself."""
+    model = copy.deepcopy(master)
+    for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
+        part.to("cpu")
+    free_memory()
+    return model
 
 
 def block_list_names(model: nn.Module, block_lists: str | None) -> list[str]:
@@ -225,53 +269,66 @@ class ModelRun:
     """What one model's rows share: the models alive, inputs, references and the rounds so far."""
 
     spec: ModelSpec
-    master: nn.Module
+    master: nn.Module  # on the device: the resident model
     lists: list[str]
     inputs: dict[str, dict[str, Any]]
+    log: PhaseLog
     references: dict[str, torch.Tensor] = field(default_factory=dict)
     forwards: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # "config|label"
     rounds: dict[str, list[float]] = field(default_factory=dict)  # resident and ext, across every session
+    warmed: set[str] = field(default_factory=set)
     offloaded_bytes: int = 0
     largest_block: int = 0
     non_block_bytes: int = 0
     ext_peak: dict[str, int] = field(default_factory=dict)
     ext_equal: dict[str, bool] = field(default_factory=dict)
     activations: dict[str, int] = field(default_factory=dict)
+    # Torch's numerics switches when the references were computed; every peer runs under them too.
+    settings: dict[str, Any] = field(default_factory=peer_diff.numerics_settings)
 
 
-def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any]) -> ModelRun:
-    master = build_host(spec, ctx)
+def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: PhaseLog) -> ModelRun:
+    master = build_master(spec, ctx)
+    log.mark(f"{spec.name}: master built on {ctx.device} ({module_bytes(master) / GB:.1f} GB)")
     lists = block_list_names(master, spec.block_lists)
     tokens = spec.tokens if ctx.cuda else spec.cpu_tokens
     config = spec.config if ctx.cuda else spec.cpu_config
     inputs = {label: spec.inputs(config, count, ctx.device) for label, count in tokens.items()}
-    run = ModelRun(spec, master, lists, inputs)
+    run = ModelRun(spec, master, lists, inputs, log)
     blocks = [block for name in lists for block in getattr(master, name)]
     sizes = [module_bytes(block) for block in blocks]
     run.offloaded_bytes, run.largest_block = sum(sizes), max(sizes)
     run.non_block_bytes = module_bytes(master) - run.offloaded_bytes
-    # ext first and alone, so its peak GPU memory is its own.
-    ext = copy.deepcopy(master)
-    peer_setups._rest_to(ext, ctx.device, lists)
+    # Everything on the device before ext exists is the master's and the inputs': ext's peak is above it.
+    before_ext = _allocated(ctx)
+    ext = host_copy(master, lists)
+    log.mark(f"{spec.name}: ext's host copy of {len(lists)} list(s)")
     kwargs = {"block_lists": spec.block_lists} if spec.block_lists else {}
     if enable(ext, device=ctx.device, **kwargs) is None:
         raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
-    ext_outputs = {}
+    log.mark(f"{spec.name}: ext enabled")
     for label, inputs in run.inputs.items():
         _reset_peak(ctx)
-        ext_outputs[label] = _forward(ext, inputs)().to("cpu", copy=True)
-        run.ext_peak[label] = _peak(ctx)
-    resident = copy.deepcopy(master).to(ctx.device)
-    for label, inputs in run.inputs.items():
+        ext_output = _forward(ext, inputs)().to("cpu", copy=True)
+        run.ext_peak[label] = max(0, _peak(ctx) - before_ext)
+        before = _allocated(ctx)
         _reset_peak(ctx)
-        run.references[label] = _forward(resident, inputs)().to("cpu", copy=True)
-        peak = _peak(ctx)
-        if peak:
-            run.activations[label] = max(0, peak - module_bytes(master))
-        run.ext_equal[label] = bool(torch.equal(ext_outputs[label], run.references[label]))
-        run.forwards[f"resident|{label}"] = _forward(resident, inputs)
+        run.references[label] = _forward(master, inputs)().to("cpu", copy=True)
+        if ctx.cuda:
+            run.activations[label] = max(0, _peak(ctx) - before)
+        run.ext_equal[label] = bool(torch.equal(ext_output, run.references[label]))
+        run.forwards[f"resident|{label}"] = _forward(master, inputs)
         run.forwards[f"ext|{label}"] = _forward(ext, inputs)
+        run.warmed.update((f"resident|{label}", f"ext|{label}"))  # both just ran once
+    log.mark(f"{spec.name}: ext and resident checked")
     return run
+
+
+def _allocated(ctx: Context) -> int:
+    if not ctx.cuda:
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated())
 
 
 def _reset_peak(ctx: Context) -> None:
@@ -288,13 +345,18 @@ def _peak(ctx: Context) -> int:
 
 
 def _session(ctx: Context, run: ModelRun, extra: dict[str, Callable[[], torch.Tensor]]) -> Interleaved:
-    """Interleaved rounds of resident, ext and ``extra``, every token count; resident/ext rounds are kept."""
+    """Interleaved rounds of resident, ext and ``extra``, every token count; resident/ext rounds are kept.
+
+    A forward that already ran once (the bit-equal checks) is warm: first loads, lazy inits and the
+    allocator's growth are behind it, and on a 28 GB model a second warm-up costs seconds per forward.
+    """
     big = module_bytes(run.master) > BIG_MODEL_BYTES
     iters = 2 if (big or not ctx.cuda) else (3 if ctx.quick else 5)
     rounds = 3 if (big or ctx.quick or not ctx.cuda) else 5  # on the host the point is the bit-equal column
-    forwards = {**{k: v for k, v in run.forwards.items()}, **extra}
-    for forward in forwards.values():
-        forward()  # warm-up outside the rounds: first loads, lazy inits, allocator growth
+    forwards = {**run.forwards, **extra}
+    for name, forward in forwards.items():
+        if name not in run.warmed:
+            forward()
     result = run_interleaved({name: _timer(ctx, forward, iters) for name, forward in forwards.items()}, rounds)
     for name in run.forwards:
         run.rounds.setdefault(name, []).extend(result.rounds[name])
@@ -314,31 +376,83 @@ def _ratio(values: list[float]) -> tuple[float, str]:
 PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception | None]
 
 
-def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer) -> list[PendingRow]:
+def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> str | None:
+    if not ctx.cuda:
+        return "needs a CUDA device"
+    wanted = run.spec.peers
+    if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
+        return (f"not run on {run.spec.name} so that the section fits one 600 s GPU command (each peer needs its "
+                f"own host copy, pinned, and rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
+    if run.log.elapsed_s() > deadline_s:
+        return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ended at "
+                f"{deadline_s:.0f} s and it was {run.log.elapsed_s():.0f} s; the stronger peers ran first")
+    return None
+
+
+def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
+                  holder: dict[str, Any]) -> tuple[dict[str, bool], Interleaved]:
+    """Sets the peer up on its own host copy and times it; every reference to its model lives in
+    ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
+    name = run.spec.name
+    holder["model"] = host_copy(run.master)
+    run.log.mark(f"{name} {peer.name}: host copy")
+    holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
+    run.log.mark(f"{name} {peer.name}: set up")
+    changed = peer_diff.settings_changed(run.settings, peer_diff.numerics_settings())
+    if changed:
+        # Measured under its own switches, its rows (and the resident and ext rounds beside them) would
+        # differ for a reason that is not offload.
+        holder["notes"].append(f"its set-up changed torch's numerics ({changed}); put back for its rows")
+        peer_diff.restore_settings(run.settings)
+    holder["extra"] = {f"{peer.name}|{label}": _forward(holder["model"], inputs) for label, inputs in run.inputs.items()}
+    equal = {label: bool(torch.equal(holder["extra"][f"{peer.name}|{label}"]().to("cpu"), run.references[label]))
+             for label in run.inputs}
+    run.log.mark(f"{name} {peer.name}: bit-equal checked")
+    unequal = [label for label in run.inputs if not equal[label]]
+    if unequal:
+        label = unequal[0]
+        why = peer_diff.first_difference(run.master, _forward(run.master, run.inputs[label]),
+                                         holder["extra"][f"{peer.name}|{label}"])
+        holder["notes"].append(f"not bit-equal: {why}")
+        free_memory()  # the resident trace
+        run.log.mark(f"{name} {peer.name}: first difference traced")
+    result = _session(ctx, run, holder["extra"])
+    run.log.mark(f"{name} {peer.name}: timed")
+    return equal, result
+
+
+def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> None:
+    teardown = holder.pop("teardown", None)
+    try:
+        if teardown is not None:
+            teardown()
+    finally:
+        notes = holder.get("notes", [])
+        holder.clear()
+        holder["notes"] = notes
+        peer_diff.restore_settings(run.settings)  # a teardown may leave switches of its own behind
+        free_memory()
+        empty_host_cache()  # pinned blocks a peer took through torch's host allocator
+        run.log.mark(f"{run.spec.name} {peer.name}: released")
+
+
+def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> list[PendingRow]:
     labels = {label: {"model": run.spec.name, "tokens": _tokens_label(run, label), "backend": peer.name}
               for label in run.inputs}
-    if not ctx.cuda:
-        return [(row, None, "needs a CUDA device", None) for row in labels.values()]
-    holder: dict[str, Any] = {}
+    skipped = _peer_skip_reason(ctx, run, peer, deadline_s)
+    if skipped is not None:
+        return [(row, None, skipped, None) for row in labels.values()]
+    holder: dict[str, Any] = {"notes": []}
     try:
-        model = copy.deepcopy(run.master)
-        holder["model"] = model
-        holder["teardown"] = peer.setup(model, ctx.device, run.lists)
-        extra = {f"{peer.name}|{label}": _forward(model, inputs) for label, inputs in run.inputs.items()}
-        equal = {label: bool(torch.equal(extra[f"{peer.name}|{label}"]().to("cpu"), run.references[label]))
-                 for label in run.inputs}
-        result = _session(ctx, run, extra)
+        equal, result = _peer_session(ctx, run, peer, holder)
     except peer_setups.PeerUnavailable as error:
         return [(row, None, str(error), None) for row in labels.values()]
     except Exception as error:  # a peer that breaks costs its rows only
+        error.__traceback__ = None  # its frames would keep the peer's model alive until the rows are written
         return [(row, None, None, error) for row in labels.values()]
     finally:
-        teardown = holder.pop("teardown", None)
-        if teardown is not None:
-            teardown()
-        holder.clear()
-        free_memory()
-    notes = [peer.how]
+        _release(holder, run, peer)
+    notes = [peer.how, *holder["notes"]]
     if peer.name == "sglang" and peer_setups.STUBBED.get("sglang"):
         notes.append("stubbed (absent, not on its offload path): " + ", ".join(peer_setups.STUBBED["sglang"]))
     rows: list[PendingRow] = []
@@ -400,6 +514,43 @@ def _own_rows(ctx: Context, run: ModelRun, peak_gbps: float | None, k: int,
     return rows
 
 
+def _budget_s(ctx: Context) -> float:
+    raw = os.environ.get(ENV_BUDGET, "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_BUDGET_S
+    except ValueError:
+        ctx.note(f"{ENV_BUDGET}={raw!r} is not a number of seconds; using {DEFAULT_BUDGET_S:.0f}")
+        return DEFAULT_BUDGET_S
+
+
+def _peers_in_run_order() -> list[peer_setups.Peer]:
+    rank = {name: index for index, name in enumerate(RUN_ORDER)}
+    return sorted(peer_setups.PEERS, key=lambda peer: rank.get(peer.name, len(rank)))
+
+
+def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None, deadline_s: float) -> None:
+    try:
+        model_run = _prepare(ctx, spec, enable_layerwise_offload, log)
+    except Exception as error:
+        error.__traceback__ = None
+        ctx.run_row("models", {"model": spec.name, "backend": "all"}, lambda error=error: _raise(error))
+        return
+    _session(ctx, model_run, {})
+    log.mark(f"{spec.name}: resident and ext timed")
+    ctx.progress.finish()
+    pending: list[PendingRow] = []
+    for peer in _peers_in_run_order():
+        pending.extend(_peer_rows(ctx, model_run, peer, deadline_s))
+        ctx.progress.finish()
+    own = _own_rows(ctx, model_run, peak, ctx.options.prefetch_depth, pending)
+    order = {peer.name: index for index, peer in enumerate(peer_setups.PEERS)}
+    pending.sort(key=lambda row: order.get(row[0]["backend"], len(order)))  # the table keeps PEERS' order
+    # Per token count: resident, floor, ext, then the peers.
+    for label in model_run.inputs:
+        tokens = _tokens_label(model_run, label)
+        _write(ctx, [row for row in own + pending if row[0]["tokens"] == tokens])
+
+
 def run(ctx: Context) -> None:
     diffusers, reason = try_import("diffusers")
     specs = selected_models(ctx)
@@ -407,33 +558,24 @@ def run(ctx: Context) -> None:
         for spec in specs:
             ctx.skip("models", {"model": spec.name, "backend": "all"}, reason)
         return
-    enable = enable_layerwise_offload
     from benchmarks.forward import peak_h2d_gbps
     peak = peak_h2d_gbps(ctx) if ctx.cuda else None
     if not ctx.cuda:
         ctx.note("no CUDA device: tiny configs of the same classes on the host (device='cpu'); resident and ext "
                  "only, for the bit-equal column; the peers need a GPU")
+    log = PhaseLog("models", echo=ctx.options.progress or ctx.cuda)  # on a GPU a killed run must show where it was
+    budget_s = _budget_s(ctx)
     ctx.progress.add(len(specs) * (len(peer_setups.PEERS) + 1))
-    for spec in specs:
-        try:
-            model_run = _prepare(ctx, spec, enable)
-        except Exception as error:
-            ctx.run_row("models", {"model": spec.name, "backend": "all"},
-                        lambda error=error: _raise(error))
-            continue
-        _session(ctx, model_run, {})
-        ctx.progress.finish()
-        pending: list[PendingRow] = []
-        for peer in peer_setups.PEERS:
-            pending.extend(_peer_rows(ctx, model_run, peer))
-            ctx.progress.finish()
-        own = _own_rows(ctx, model_run, peak, ctx.options.prefetch_depth, pending)
-        # Per token count: resident, floor, ext, then the peers.
-        for label in model_run.inputs:
-            tokens = _tokens_label(model_run, label)
-            _write(ctx, [row for row in own + pending if row[0]["tokens"] == tokens])
-        del model_run
+    for index, spec in enumerate(specs):
+        # What is left of the budget, split evenly over the models still to run: time a small model
+        # does not use goes to the large ones after it, and no model's peers can starve the next's.
+        deadline_s = log.elapsed_s() + max(0.0, budget_s - log.elapsed_s()) / (len(specs) - index)
+        log.mark(f"{spec.name}: peers may start until +{deadline_s:.0f}s")
+        _run_model(ctx, spec, log, peak, deadline_s)
         free_memory()
+        empty_host_cache()
+        log.mark(f"{spec.name}: done, freed")
+    ctx.note(log.summary())
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[str]:

@@ -7,17 +7,29 @@ block) then ``hook.post_forward(block, None)`` (release). The loop is timed with
 it queues is drained after each timed run, outside the clock, so the figure is what the Python thread pays — the cost that, on W3, decides whether the
 copy or the CPU sets the pace. docs/DESIGN.md ("Workloads and targets"): <= 20 us + 0.3 us per parameter.
 
+Three figures per row, timed in interleaved rounds in one process (``benchmarks/interleave.py``; host
+speed drifts): ``us/block`` is the hook's entry points called directly as above; ``call us`` is the
+block called the way a model calls it (``block(x)``: ``nn.Module.__call__``, the hook manager's
+wrapper and its single-hook fast path, the forward, an identity here) less the same call on a block
+with no offload, i.e. what offload adds to a model's step per block; ``general us`` is that call with
+the fast path turned off for the row (the wrapper's general path, every hook through its
+``pre_forward``/``post_forward``), so ``general / call`` is what the fast path saves. The spread beside
+each is (slowest - fastest round) / median.
+
 Parameter counts 4, 16, 64, 136 (a W3 block: 4 Linears x 2 + 64 LayerNorms x 2) and 512
 (``--quick``: 4, 136, 512), each parameter a 128-byte bf16 tensor (the copy is not what is measured). On
 the host the engine runs with ``device="cpu"``; on a GPU machine the same rows run on CUDA too.
 """
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from benchmarks.interleave import run_interleaved
 from benchmarks.utils import Column, Context, Table, median, time_host_runs_ns
 from fastoffload_ext import ModuleHookManager, disable_layerwise_offload, enable_layerwise_offload
 
@@ -31,6 +43,11 @@ TABLES = {
             Column("backend", "backend"),
             Column("params", "params", "d"),
             Column("us_per_block", "us/block", ".2f"),
+            Column("call_us", "call us", ".2f"),
+            Column("call_spread", "spread", ".0%"),
+            Column("general_us", "general us", ".2f"),
+            Column("general_spread", "spread", ".0%"),
+            Column("x_general", "general/call", ".2f"),
             Column("us_per_param", "us/param", ".3f"),
             Column("target_us", "target us", ".1f"),
             Column("x_target", "x target", ".2f"),
@@ -66,6 +83,51 @@ class ParamStack(nn.Module):
 
 def target_us(params: int) -> float:
     return 20.0 + 0.3 * params
+
+
+def _steps_for(step: Callable[[], None], drain: Callable[[], None], run_seconds: float) -> int:
+    """Steps per timed run so that one run lasts about ``run_seconds``."""
+    one = max(time_host_runs_ns(step, number=1, runs=1, between=drain)[0] / 1e9, 1e-6)
+    return max(1, min(10_000, int(run_seconds / one)))
+
+
+def call_paths(blocks: list[nn.Module], hooks: list[Any], plain: list[nn.Module], drain: Callable[[], None],
+               run_seconds: float, rounds: int) -> dict[str, Any]:
+    """Per-block microseconds of ``block(x)`` through the fast path and the general path, each less the
+    same call on a block without offload, from interleaved rounds (median, and the rounds' spread)."""
+    x = torch.zeros(1)
+    points = [hook.eager_points for hook in hooks]
+
+    def calls(modules: list[nn.Module]) -> Callable[[], None]:
+        def step() -> None:
+            for module in modules:
+                module(x)
+        return step
+
+    def general() -> None:
+        for hook in hooks:
+            hook.eager_points = None  # the instance attribute hides the pair: the wrapper's general path
+        try:
+            calls(blocks)()
+        finally:
+            for hook, pair in zip(hooks, points):
+                hook.eager_points = pair
+
+    steps = {"plain": calls(plain), "call": calls(blocks), "general": general}
+    number = {name: _steps_for(step, drain, run_seconds) for name, step in steps.items()}
+    result = run_interleaved({name: (lambda name=name, step=step: [
+        ns / 1e3 / len(blocks) for ns in time_host_runs_ns(step, number=number[name], runs=1, between=drain)])
+        for name, step in steps.items()}, rounds)
+    plain_us = result.rounds["plain"]
+    out: dict[str, Any] = {"plain_us": statistics.median(plain_us)}
+    for name in ("call", "general"):
+        added = [value - base for value, base in zip(result.rounds[name], plain_us)]
+        middle = statistics.median(added)
+        out[f"{name}_us"] = middle
+        out[f"{name}_spread"] = (max(added) - min(added)) / middle if middle > 0 else None
+        out[f"{name}_rounds_us"] = added
+    out["x_general"] = out["general_us"] / out["call_us"] if out["call_us"] > 0 else None
+    return out
 
 
 def run(ctx: Context) -> None:
@@ -111,17 +173,17 @@ def run(ctx: Context) -> None:
                         for _ in range(3):
                             step()
                         drain()
-                        # Calibrate: enough steps that one timed run lasts about run_seconds.
-                        one = max(time_host_runs_ns(step, number=1, runs=1, between=drain)[0] / 1e9, 1e-6)
-                        steps = max(1, min(10_000, int(run_seconds / one)))
+                        steps = _steps_for(step, drain, run_seconds)
                         per_step_ns = time_host_runs_ns(step, number=steps, runs=repeats, between=drain)
                         per_block_ns = [ns / len(blocks) for ns in per_step_ns]
+                        plain = list(ParamStack(params, NUM_BLOCKS).blocks)
+                        paths = call_paths(blocks, hooks, plain, drain, run_seconds / 2, repeats)
                     us = median(per_block_ns) / 1e3
                     target = target_us(params)
                     stats = dict(group.stats())
                     return {"us_per_block": us, "us_per_param": us / params, "target_us": target,
                             "x_target": us / target, "pass": us <= target, "steps_per_run": steps,
-                            "runs_us": [v / 1e3 for v in per_block_ns], "stats": stats}
+                            "runs_us": [v / 1e3 for v in per_block_ns], **paths, "stats": stats}
 
                 def cleanup(holder: dict[str, Any] = holder) -> None:
                     model, group = holder.pop("model", None), holder.pop("group", None)

@@ -386,6 +386,11 @@ def _peak_rss_hwm() -> int:
     return 0
 
 
+def rss_high_water_bytes() -> int:
+    """This process's RSS high-water mark (VmHWM), bytes; 0 where unreadable."""
+    return _peak_rss_hwm()
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0, ``clear_refs`` 5). False where not allowed."""
     try:

@@ -308,7 +308,7 @@ StoredBlock LayerStore::plan_from_file(const std::vector<std::string>& names, co
 
 size_t LayerStore::add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                                  const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
-                                 const std::shared_ptr<DiskReader>& reader) {
+                                 const std::shared_ptr<DiskReader>& reader, bool pin) {
   TORCH_CHECK(reader != nullptr, "fastoffload: add_from_file needs a DiskReader");
   StoredBlock block = plan_from_file(names, tensors, shapes, spans, *reader);
   block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
@@ -317,7 +317,8 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
       block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
   uint8_t* dest = static_cast<uint8_t*>(block.host->data());
-  if (pool_->pins() && pool_->allows_pageable_fallback()) {
+  const bool pins = pin && pool_->pins();
+  if (pins && pool_->allows_pageable_fallback()) {
     // A pageable fallback warns, which must happen on the caller's thread to reach Python: read and
     // pin here, one block at a time.
     reader->read(block.ranges, dest);
@@ -325,7 +326,7 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
   } else {
     std::lock_guard<std::mutex> lock(pending_mutex_);
     PendingLoad load;
-    if (!pool_->pins()) {
+    if (!pins) {
       load.read = reader->submit(block.ranges, dest);
     } else if (pending_.empty()) {
       // Nothing is being read yet that a pin could hide behind: read now into unpinned pages (which

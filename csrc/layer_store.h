@@ -110,9 +110,11 @@ class LayerStore {
   // is read first and pinned after; every later one is pinned first, while the blocks before it are
   // read, and read after, so that no pin is left to run once the last byte has arrived. An error
   // found before the read starts adds nothing; a read or pin failure is thrown by finish_pins.
+  // pin=false: the region stays pageable (a raw copy that is about to be compressed and dropped); the
+  // read is still queued, and waited for, the same way.
   size_t add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                        const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
-                       const std::shared_ptr<DiskReader>& reader);
+                       const std::shared_ptr<DiskReader>& reader, bool pin = true);
   // Registers a block of the disk tier: laid out like add_from_file, but no host region at all; its
   // bytes are read from `spans` each time it is needed (see DiskTier).
   size_t add_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,

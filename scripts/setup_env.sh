@@ -38,12 +38,29 @@ if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
     pip_install "${wheels[@]}" diffusers transformers accelerate sentencepiece \
       || echo "setup: could not install diffusers/transformers (offline?); their tests skip" >&2
   fi
-  if ! have fastvideo.hooks.layerwise_offload; then
+  # Installed or not, by its files: importing it needs the modules below, which may be what is missing.
+  if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fastvideo') is None)" 2>/dev/null; then
     tv_minor=$(( $("$PY" -c "import torch; print(torch.__version__.split('.')[1])") + 15 ))
-    { pip_install "${wheels[@]}" --no-deps fastvideo==0.2.1 "torchvision==0.${tv_minor}.*" &&
-      pip_install "${wheels[@]}" imageio einops remote_pdb ftfy; } \
+    pip_install "${wheels[@]}" --no-deps fastvideo==0.2.1 "torchvision==0.${tv_minor}.*" \
       || echo "setup: could not install fastvideo (offline?); its tests skip" >&2
   fi
+  # Checked one by one and whether or not fastvideo was already there: a machine that has fastvideo but
+  # lacks one of these skips every FastVideo test (fastvideo.utils imports remote_pdb, its T5 configs ftfy,
+  # and ftfy needs wcwidth, which pip finds in .whl/ as well).
+  fv_missing=()
+  for pair in imageio:imageio einops:einops remote_pdb:remote_pdb wcwidth:wcwidth ftfy:ftfy; do
+    have "${pair%%:*}" || fv_missing+=("${pair##*:}")
+  done
+  if [ ${#fv_missing[@]} -gt 0 ]; then
+    echo "setup: installing FastVideo's runtime modules ${fv_missing[*]}" >&2
+    # One at a time: offline, a module absent from .whl/ must not stop the others.
+    for package in "${fv_missing[@]}"; do
+      pip_install "${wheels[@]}" "$package" \
+        || echo "setup: could not install $package (offline and not in .whl/?); FastVideo tests skip" >&2
+    done
+  fi
+  have fastvideo.hooks.layerwise_offload \
+    || echo "setup: fastvideo.hooks.layerwise_offload does not import; FastVideo tests skip" >&2
 fi
 
 # Rebuild only when the sources or the torch changed: a stamp of both sits next to the package.

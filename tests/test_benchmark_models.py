@@ -3,13 +3,20 @@ ext bit-equal, every GPU-only peer row saying why it did not run; and its summar
 from __future__ import annotations
 
 import json
+import os
+import re
+import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
-from benchmarks import models, peers  # noqa: E402
+from benchmarks import models, peer_diff, peers  # noqa: E402
+from benchmarks.phases import PhaseLog  # noqa: E402
 from benchmarks.utils import Context, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
@@ -89,3 +96,150 @@ def test_stub_modules_can_be_subclassed_called_and_used_as_decorators() -> None:
     assert issubclass(Derived, base) and Derived().anything is not None
     with pytest.raises(AttributeError):
         stub.__file__  # noqa: B018
+
+
+def _tiny_wan() -> torch.nn.Module:
+    ctx = Context("models", Options(device="cpu", progress=False), os.devnull)
+    try:
+        return models.build_master(models.MODELS["wan-1.3b"], ctx)
+    finally:
+        ctx.close()
+
+
+def test_a_host_copy_moves_only_the_listed_block_lists_and_keeps_every_value() -> None:
+    master = _tiny_wan()
+    copied = models.host_copy(master, ["blocks"])
+    assert copied is not master
+    mine, theirs = dict(copied.state_dict(keep_vars=True)), master.state_dict(keep_vars=True)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]) and tensor.data_ptr() != theirs[name].data_ptr(), name
+    assert all(param.device.type == "cpu" for param in copied.blocks.parameters())
+
+
+def _run_for(spec: models.ModelSpec, elapsed_s: float) -> models.ModelRun:
+    log = PhaseLog("models", echo=False)
+    log.started -= elapsed_s
+    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log)
+
+
+def _cuda_ctx() -> Context:
+    ctx = Context("models", Options(device="cpu", progress=False), os.devnull)
+    ctx.cuda = True  # the reasons are decided before anything touches a device
+    return ctx
+
+
+def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(models.ENV_PEERS, raising=False)
+    run = _run_for(models.MODELS["wan-14b"], 0.0)
+    by_name = {peer.name: peer for peer in peers.PEERS}
+    ctx = _cuda_ctx()
+    try:
+        assert models._peer_skip_reason(ctx, run, by_name["sglang"], 480.0) is None
+        reason = models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0)
+        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one 600 s")
+        assert "BENCHMARK_MODEL_PEERS=all runs it" in reason
+        monkeypatch.setenv(models.ENV_PEERS, "all")
+        assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
+    finally:
+        ctx.close()
+
+
+def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
+    run = _run_for(models.MODELS["flux"], 500.0)
+    ctx = _cuda_ctx()
+    try:
+        reason = models._peer_skip_reason(ctx, run, peers.PEERS[0], 480.0)
+    finally:
+        ctx.close()
+    assert reason == ("not run: flux's share of the section's time budget (BENCHMARK_MODELS_BUDGET_S) ended at "
+                      "480 s and it was 500 s; the stronger peers ran first")
+
+
+def test_peers_are_set_up_strongest_first() -> None:
+    assert [peer.name for peer in models._peers_in_run_order()] == list(models.RUN_ORDER)
+    assert set(models.RUN_ORDER) == {peer.name for peer in peers.PEERS}
+
+
+def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    log = PhaseLog("models")
+    line = log.mark("wan-14b: master built")
+    assert re.fullmatch(r"\[models \d\d:\d\d:\d\d \+\d+s\] rss \d+\.\d GB \(high-water \d+\.\d GB\)"
+                        r"( gpu \d+\.\d GB)?: wan-14b: master built", line), line
+    assert capsys.readouterr().err.strip() == line
+    assert log.summary().startswith("models: host RSS peak ") and log.summary().endswith("wan-14b: master built")
+
+
+def _fake_peers() -> tuple[peers.Peer, ...]:
+    """Three peers on the host: one exact, one that nudges a weight, one that cannot run."""
+    def exact(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
+        return lambda: None
+
+    def nudged(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
+        with torch.no_grad():
+            linear = next(m for m in getattr(model, lists[0])[1].modules() if isinstance(m, torch.nn.Linear))
+            linear.weight.add_(1.0)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # a set-up that changes numerics
+        return lambda: None
+
+    def absent(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
+        raise peers.PeerUnavailable("absent: not installed")
+
+    return (peers.Peer("fastvideo", exact, "exact"), peers.Peer("sglang", nudged, "nudged"),
+            peers.Peer("mmgp", absent, "absent"))
+
+
+def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU-only peer path, run on the host: the device timers and memory counters are swapped for
+    host ones, everything else is what runs on the H200."""
+    monkeypatch.setattr(peers, "PEERS", _fake_peers())
+    monkeypatch.setattr(models, "_peers_in_run_order", lambda: list(peers.PEERS))
+    def host_timer(ctx: Context, fn: Any, iters: int) -> Any:
+        def measure() -> list[float]:
+            times = []
+            for _ in range(iters):
+                started = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - started) * 1e3)
+            return times
+        return measure
+
+    monkeypatch.setattr(models, "_timer", host_timer)  # CUDA events would need a device
+    copies: list[weakref.ref[torch.nn.Module]] = []
+    real_copy = models.host_copy
+
+    def tracked_copy(master: torch.nn.Module, lists: list[str] | None = None) -> torch.nn.Module:
+        model = real_copy(master, lists)
+        if lists is None:  # a peer's copy, not ext's
+            copies.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(models, "host_copy", tracked_copy)
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
+    before = peer_diff.numerics_settings()
+    log = PhaseLog("models", echo=False)
+    try:
+        run = models._prepare(ctx, models.MODELS["wan-1.3b"], models.enable_layerwise_offload, log)
+        ctx.cuda = True  # the peers' path from here on; the device stays the host
+        pending = [row for peer in peers.PEERS for row in models._peer_rows(ctx, run, peer, 1e9)]
+        ctx.cuda = False
+        models._write(ctx, pending)
+        del run
+    finally:
+        ctx.close()
+        peer_diff.restore_settings(before)
+    rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+    by_backend = {(row["backend"], row.get("tokens")): row for row in rows}
+    assert ("all", None) not in by_backend, by_backend
+    exact, nudged = by_backend[("fastvideo", "16 (small)")], by_backend[("sglang", "16 (small)")]
+    assert exact["bit_equal"] is True and exact["note"] == "exact"
+    assert nudged["bit_equal"] is False
+    assert "its set-up changed torch's numerics (matmul.allow_bf16_reduced_precision_reduction True -> False); " \
+           "put back for its rows" in nudged["note"]
+    assert "not bit-equal: op " in nudged["note"] and "a weight holds other values than the resident's" in nudged["note"]
+    assert by_backend[("mmgp", "64 (large)")]["skipped"] == "absent: not installed"
+    assert peer_diff.numerics_settings() == before
+    assert len(copies) == 3 and all(ref() is None for ref in copies)  # every peer's model was freed
+    assert any("fastvideo: released" in line for line in log.lines)

@@ -42,3 +42,24 @@ def test_half_on_disk_counts_only_the_host_tier(tmp_path: Path) -> None:
     staging = group.engine.disk_stats()["staging_count"] * block_bytes(reference)
     assert counted["host_tier_read_bytes"] <= group.engine.reader.stats()["bytes_read"] <= (
         counted["host_tier_read_bytes"] + staging)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.skips: list[tuple[str, dict, str]] = []
+
+    def skip(self, table: str, labels: dict, reason: str) -> None:
+        self.skips.append((table, labels, reason))
+
+
+def test_kvikio_row_says_why_it_is_absent(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from benchmarks.disk import _kvikio_rows
+    monkeypatch.setitem(sys.modules, "kvikio", None)  # what an absent or unloadable package looks like
+    ctx = _Recorder()
+    _kvikio_rows(ctx, tmp_path / "unused.safetensors", 0)  # type: ignore[arg-type]
+    assert len(ctx.skips) == 1
+    table, labels, reason = ctx.skips[0]
+    assert (table, labels) == ("read", {"reader": "kvikio"})
+    assert reason == "kvikio not importable: ModuleNotFoundError: import of kvikio halted; None in sys.modules"

@@ -29,6 +29,10 @@ class LayerwiseOffloadHook(ForwardHook):
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
+        cls = type(self)
+        if cls.pre_forward is LayerwiseOffloadHook.pre_forward and cls.post_forward is LayerwiseOffloadHook.post_forward:
+            # A subclass that changes either entry point keeps the general path.
+            self.eager_points = (self._enter, self._leave)  # type: ignore[misc]
 
     @classmethod
     def name(cls) -> str:
@@ -49,6 +53,15 @@ class LayerwiseOffloadHook(ForwardHook):
     # capture; with it, the hook is one opaque eager call and the block body stays one region.
     @torch.compiler.disable
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._enter()
+        return args, kwargs
+
+    @torch.compiler.disable
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self._leave()
+        return output
+
+    def _enter(self) -> None:
         state = self.state
         state.acquire()
         try:
@@ -58,13 +71,10 @@ class LayerwiseOffloadHook(ForwardHook):
             state.release()  # the manager only cleans up hooks whose pre_forward completed
             raise
         self.saved_tensors.enter()
-        return args, kwargs
 
-    @torch.compiler.disable
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
+    def _leave(self) -> None:
         self.saved_tensors.leave()
         self.state.release()
-        return output
 
     @contextlib.contextmanager
     def mutate_params_scope(self) -> Iterator[None]:
