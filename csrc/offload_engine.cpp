@@ -231,10 +231,12 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
-  const size_t index = store_.add_from_file(names, params, shapes, spans, reader_);
+  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded.
+  const bool compress = compress_mode_ != CompressMode::kOff;
+  const size_t index = store_.add_from_file(names, params, shapes, spans, reader_, /*pin=*/!compress);
   travel_.push_back(Travel::kRaw);
-  if (compress_mode_ != CompressMode::kOff) {
-    store_.finish_pins();  // the encoder reads the region the reader just filled
+  if (compress) {
+    store_.finish_pins();  // the encoder reads the region the reader is filling
     encode_new(index);
   }
   finish_add(index);
