@@ -398,7 +398,15 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
                      else "")
             lines.append(f"budgets {row['workload']} {row['budget']}: plan {row.get('plan')} = {row['x_best']:.3f}x "
                          f"best grid{extra}; memory within budget {verdict(row.get('mem_ok'))}; bit-equal "
-                         f"{verdict(row.get('bit_equal'))}: {verdict(row.get('pass'))}")
+                         f"{verdict(row.get('bit_equal'))}: {verdict(row.get('pass'))}"
+                         + (f" ({row['note']})" if row.get("note") else ""))
+    for row in rows("budgets", "compressed"):
+        if row.get("x_raw") is not None:
+            floor = f", {row['x_floor']:.3f}x floor" if row.get("x_floor") is not None else ""
+            lines.append(f"budgets {row['workload']} {row['budget']} compressed: plan {row.get('plan')} = "
+                         f"{row['x_raw']:.3f}x the raw plan {row.get('raw_plan')}{floor}; memory within budget "
+                         f"{verdict(row.get('mem_ok'))}; bit-equal {verdict(row.get('bit_equal'))}: "
+                         f"{verdict(row.get('pass'))}")
     for row in rows("budgets", "depth"):
         if row.get("x_depth1") is not None and row.get("depth") != 1:
             lines.append(f"budgets {row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1: "

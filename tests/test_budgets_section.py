@@ -29,3 +29,41 @@ def test_summary_lines() -> None:
     assert summarize(rows) == [
         "W1 50%: plan 8/16 d1 35.00 ms = 1.010x best grid (plan), 1.020x ideal, 0.520x floor, pass True",
         "W1 depth 2: 0.990x depth 1 (rounds 0.980..1.010)"]
+
+
+class _Plan:
+    host_bytes = 2 * 10**9
+    overhead_ms = 1.0
+
+
+def _row(**figures) -> dict:
+    row = {"x_best": 1.0, "best": "plan", "best_ms": 10.0, "predicted_ms": 10.0, "x_predicted": 1.0,
+           "spread": 0.01, "budget_mib": 100.0}
+    row.update(figures)
+    return row
+
+
+def test_ideals_put_the_hooks_on_the_compute_side() -> None:
+    from benchmarks.budgets import _ideals
+
+    row = _row(ms=44.0, resident_ms=40.0)
+    _ideals(row, _Plan(), peak_gbps=50.0, total_bytes=4 * 10**9)  # copies: 40 ms moved, 80 ms all
+    assert row["ideal_ms"] == 40.0 and row["ideal_hooks_ms"] == 41.0 and row["floor_ms"] == 80.0
+    assert row["x_ideal"] == 44.0 / 40.0 and row["x_ideal_hooks"] == 44.0 / 41.0 and row["x_floor"] == 0.55
+
+
+def test_notes_name_each_missed_target_and_its_reason() -> None:
+    from benchmarks.budgets import _misses
+    from benchmarks.workloads import stack_workload
+
+    w1 = stack_workload("W1", cpu=True)
+    fine = _row(x_ideal=1.01, x_ideal_hooks=1.0, copy_ms=5.0, resident_ms=10.0, mem_ok=True, x_floor=0.5)
+    assert _misses(fine, "50%", w1) == []
+    hooks = _row(x_ideal=1.08, x_ideal_hooks=1.02, hooks_ms=0.4, copy_ms=1.0, resident_ms=2.4)
+    assert _misses(hooks, "auto", w1) == ["x ideal 1.080: the hooks' fixed cost (0.40 ms a step) accounts for it"]
+    slow = _row(x_best=1.07, best="spread15/d1", best_ms=40.0, predicted_ms=45.0, x_predicted=0.95, spread=0.12,
+                x_ideal=1.09, x_ideal_hooks=1.08, copy_ms=50.0, resident_ms=42.0, mem_ok=False, peak_mib=101.5)
+    notes = _misses(slow, "0%", w1)
+    assert notes[0].startswith("x best 1.070: spread15/d1 ran 40.00 ms") and "round spread 12%" in notes[0]
+    assert notes[1].startswith("x ideal 1.090: transfer-bound")
+    assert notes[2] == "peak 101.5 MiB over the 100.0 MiB budget"

@@ -211,8 +211,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
-    _finish(model, group, options, was_on_cuda)
-    return group
+    return _finish(model, group, options, was_on_cuda)
 
 
 def _check_model(model: nn.Module, options: OffloadOptions) -> None:
@@ -360,14 +359,21 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
         state.next_state = targets[0] if targets else None
 
 
-def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions, was_on_cuda: bool) -> None:
-    """Resident blocks to the device, the group onto the model."""
+def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions,
+            was_on_cuda: bool) -> LayerwiseOffloadGroup:
+    """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     for index in options.resident:
         options.blocks[index].to(options.device)
     setattr(model, GROUP_ATTRIBUTE, group)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
     logger.info("Layerwise offload enabled: %r", group)
+    if group.plan is not None and group.compress_mode == "on":
+        from fastoffload_ext.planning import replan as replanning
+
+        # The plan counted estimated compressed sizes; the engine has encoded now and knows the real ones.
+        return replanning.recheck(group)
+    return group
 
 
 def disable_layerwise_offload(model: nn.Module, device: str | torch.device | None = None) -> None:

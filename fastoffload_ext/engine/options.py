@@ -194,7 +194,9 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
     disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
-    layout = resolve_layout(list(blocks), device, list_name, resident_blocks=resident_blocks,
+    # compress=True makes the copies move (and the host pin) the coded bytes: the planner counts those.
+    layout = resolve_layout(list(blocks), device, list_name, compress="on" if compress is True else "off",
+                            resident_blocks=resident_blocks,
                             prefetch_depth=prefetch_depth, device_budget=device_budget,
                             host_budget=None if weights is not None else host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)

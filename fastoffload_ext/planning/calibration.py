@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ class Measurement:
     activation_bytes: int | None  # None where it cannot be measured (the host as device)
     repeats: int
     spread: float                 # (slowest - fastest) / median step
+    gap_ms: tuple[float, ...] | None = None  # per block: previous block's end to its start (None: a block re-ran)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,8 +121,22 @@ def _detach_timers(blocks: Sequence[nn.Module]) -> None:
             ModuleHookManager.remove_from_manager(block)
 
 
-def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device) -> tuple[list[float], float, float, int | None]:
-    """(per-block ms, step ms, ms outside the blocks, activation bytes) of one step."""
+_Sample = tuple[list[float], float, float, "int | None", "list[float] | None"]
+
+
+def _gaps(timers: list[BlockTimer], begin: _Mark) -> list[float] | None:
+    """Per block, the time from the previous block's end to its start (0 for the first block); None
+    when a block ran other than once (the gaps then belong to no single block)."""
+    if any(len(t.spans) != 1 for t in timers):
+        return None
+    gaps = [0.0]
+    for previous, timer in zip(timers, timers[1:]):
+        gaps.append(previous.spans[0][1].ms_until(timer.spans[0][0]))
+    return gaps
+
+
+def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device) -> _Sample:
+    """(per-block ms, step ms, ms outside the blocks, activation bytes, gaps before blocks) of one step."""
     for timer in timers:
         timer.spans.clear()
     begin, end = _Mark(device), _Mark(device)
@@ -147,7 +162,7 @@ def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch
     first = min((t.spans[0][0] for t in timers), key=lambda m: begin.ms_until(m))
     last = max((t.spans[-1][1] for t in timers), key=lambda m: begin.ms_until(m))
     other = max(0.0, step_ms - first.ms_until(last))
-    return block_ms, step_ms, other, peak
+    return block_ms, step_ms, other, peak, _gaps(timers, begin)
 
 
 def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device, *,
@@ -157,7 +172,7 @@ def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device:
         raise OffloadConfigError(f"fastoffload: calibration needs 1 <= repeats <= max_repeats, got repeats={repeats}, "
                                  f"max_repeats={max_repeats}")
     timers = _attach_timers(blocks, device)
-    samples: list[tuple[list[float], float, float, int | None]] = []
+    samples: list[_Sample] = []
     try:
         with torch.inference_mode():
             for _ in range(warmup):
@@ -169,10 +184,13 @@ def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device:
         _detach_timers(blocks)
     block_ms = tuple(statistics.median(s[0][i] for s in samples) for i in range(len(blocks)))
     peaks = [s[3] for s in samples if s[3] is not None]
+    gap_samples = [s[4] for s in samples if s[4] is not None]
+    gaps = (tuple(statistics.median(g[i] for g in gap_samples) for i in range(len(blocks)))
+            if len(gap_samples) == len(samples) else None)
     return Measurement(block_ms=block_ms, step_ms=statistics.median(s[1] for s in samples),
                        other_ms=statistics.median(s[2] for s in samples),
                        activation_bytes=max(peaks) + ALLOCATOR_SLACK_BYTES if peaks else None, repeats=len(samples),
-                       spread=spread_of([s[1] for s in samples]))
+                       spread=spread_of([s[1] for s in samples]), gap_ms=gaps)
 
 
 # The caching allocator's peak moves by a block or two (0.1-0.75 MiB seen on the H200) from one
@@ -181,13 +199,28 @@ def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device:
 ALLOCATOR_SLACK_BYTES = 2 * 1024 * 1024
 
 
+def probe_bytes_for(block_bytes: Sequence[int]) -> int:
+    """The probe size that copies like the blocks do: the median block, within 1 MiB..256 MiB.
+
+    Bandwidth depends on the copy size (about 43 GB/s at 1 MiB, 49 at 16 MiB, 52 at 1 GiB on an H200),
+    and the per-copy fixed cost is in the rate measured at the block's own size.
+    """
+    sizes = [b for b in block_bytes if b > 0]
+    middle = int(statistics.median(sizes)) if sizes else BANDWIDTH_PROBE_BYTES
+    return min(max(middle, PROBE_MIN_BYTES), PROBE_MAX_BYTES)
+
+
+PROBE_MIN_BYTES = 1024**2
+PROBE_MAX_BYTES = 256 * 1024**2
+
+
 def measure_h2d_gbps(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTES, repeats: int = 5,
                      refresh: bool = False) -> float:
-    """Pinned host-to-device copy bandwidth (GB/s), median of ``repeats``; cached per device per process.
+    """Pinned host-to-device copy bandwidth (GB/s), median of ``repeats``; cached per device and size.
 
     With the host as the device it is the host's memcpy bandwidth, which is what that engine's copies are.
     """
-    key = str(device)
+    key = f"{device}/{nbytes}"
     if key in _BANDWIDTH_CACHE and not refresh:
         return _BANDWIDTH_CACHE[key]
     cuda = device.type == "cuda"
@@ -205,6 +238,7 @@ def measure_h2d_gbps(device: torch.device, *, nbytes: int = BANDWIDTH_PROBE_BYTE
             times.append(begin.ms_until(end))
     gbps = nbytes / (statistics.median(times) * 1e6)
     _BANDWIDTH_CACHE[key] = gbps
+    _BANDWIDTH_CACHE[str(device)] = gbps  # the latest figure for this device, for bytes-only plans
     return gbps
 
 
@@ -219,20 +253,101 @@ def cached_h2d_gbps(device: torch.device) -> float:
     return _BANDWIDTH_CACHE.get(str(device), ASSUMED_H2D_GBPS)
 
 
+def fit_block_overhead(costs: BlockCosts, measured: Measurement, resident: Collection[int], depth: int,
+                       cyclic: bool = True) -> float:
+    """The hooks' fixed cost per offloaded block (ms), from the gaps between blocks of the calibration step.
+
+    The step was run with ``resident`` kept and ``depth``: the simulation of that layout without any
+    overhead predicts each gap (the wait for a copy); what the measured gap has on top is the hook, the
+    engine call and the event wait. Blocks whose copy the simulation hides tell it best, so their median
+    residual is taken; when every copy is exposed (transfer-bound), the smallest residual, since there
+    the gap also carries any error of the bandwidth figure. It includes the timers' own marks, a few
+    microseconds, so it errs on the side of residency.
+    """
+    if measured.gap_ms is None or depth < 0:
+        return 0.0
+    from fastoffload_ext.planning.simulate import simulate_step
+
+    bare = dataclasses.replace(costs, block_overhead_ms=0.0)
+    timeline = simulate_step(bare, resident, depth, cyclic=cyclic)
+    keep = set(resident)
+    residual: list[tuple[float, float]] = []  # (simulated gap, measured - simulated) per offloaded block
+    for block in range(1, costs.blocks):
+        if block in keep:
+            continue
+        simulated = timeline.block_start[block] - timeline.block_end[block - 1]
+        residual.append((simulated, measured.gap_ms[block] - simulated))
+    if not residual:
+        return 0.0
+    hidden = [r for simulated, r in residual if simulated <= HIDDEN_GAP_MS]
+    value = statistics.median(hidden) if hidden else min(r for _, r in residual)
+    return max(0.0, value)
+
+
+DECODE_PROBE_BYTES = 8 * 1024**2
+
+
+def measure_host_decode_gbps(*, nbytes: int = DECODE_PROBE_BYTES, repeats: int = 3) -> float:
+    """The host decoder's output rate (GB/s), median of ``repeats``: what a compressed copy costs with the
+    host as the device. Cached per process. (On CUDA the decode kernel runs at HBM speed beside the copy,
+    and the cost table keeps its default.)"""
+    key = f"decode/{nbytes}"
+    if key in _BANDWIDTH_CACHE:
+        return _BANDWIDTH_CACHE[key]
+    from fastoffload_ext import _backend
+
+    core = _backend.require_ext()
+    generator = torch.Generator().manual_seed(0)
+    values = (torch.randn(nbytes // 2, generator=generator) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    coded = core.codec_encode(values, [(0, values.numel(), True)])
+    times = []
+    for index in range(repeats + 1):
+        begin = time.perf_counter()
+        core.codec_decode(coded)
+        if index:  # the first decode pays first-touch of its output
+            times.append(time.perf_counter() - begin)
+    gbps = nbytes / (statistics.median(times) * 1e9)
+    _BANDWIDTH_CACHE[key] = gbps
+    return gbps
+
+
+# A simulated gap this short means the block's copy was ready when the block before it ended.
+HIDDEN_GAP_MS = 1e-3
+
+
 def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device,
                     block_bytes: Sequence[int], *, activation_reserve: int | None = None,
-                    h2d_gbps: float | None = None, repeats: int = 5, max_repeats: int = 15) -> tuple[BlockCosts, Measurement]:
-    """The cost table of ``blocks`` measured on this machine by running ``step`` (one forward)."""
+                    h2d_gbps: float | None = None, repeats: int = 5, max_repeats: int = 15,
+                    transfer_bytes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
+                    resident: Collection[int] = (),
+                    depth: int | None = None, cyclic: bool = True) -> tuple[BlockCosts, Measurement]:
+    """The cost table of ``blocks`` measured on this machine by running ``step`` (one forward).
+
+    ``resident`` and ``depth`` are the layout ``step`` runs with (an offloaded model's); with ``depth``
+    given, the hooks' fixed cost per offloaded block is fitted from the gaps between blocks.
+    ``transfer_bytes``: what each block's copy moves (compressed host copies), default its packed bytes;
+    a callable is asked after the step ran (a codec in "auto" mode decides while it runs).
+    """
     measured = measure_blocks(blocks, step, device, repeats=repeats, max_repeats=max_repeats)
-    bandwidth = h2d_gbps if h2d_gbps is not None else measure_h2d_gbps(device)
+    if callable(transfer_bytes):
+        transfer_bytes = transfer_bytes()
+    moved = tuple(transfer_bytes) if transfer_bytes is not None else tuple(block_bytes)
+    bandwidth = h2d_gbps if h2d_gbps is not None else measure_h2d_gbps(device, nbytes=probe_bytes_for(moved))
     activation = activation_reserve if activation_reserve is not None else (measured.activation_bytes or 0)
     costs = BlockCosts(measured.block_ms, tuple(block_bytes), bandwidth, other_ms=measured.other_ms,
-                       activation_bytes=activation, overlap=device.type == "cuda", calibrated=True)
-    logger.info("calibrated %d blocks: step %.3f ms (spread %.0f %% over %d repeats), compute %.3f ms, H2D %.1f GB/s",
-                len(blocks), measured.step_ms, 100 * measured.spread, measured.repeats, costs.total_compute_ms(),
-                bandwidth)
+                       activation_bytes=activation, overlap=device.type == "cuda", calibrated=True,
+                       transfer_bytes=moved)
+    if costs.compressed and device.type == "cpu":
+        costs = dataclasses.replace(costs, decode_gbps=measure_host_decode_gbps())
+    if depth is not None:
+        overhead = fit_block_overhead(costs, measured, resident, depth, cyclic)
+        costs = dataclasses.replace(costs, block_overhead_ms=overhead)
+    logger.info("calibrated %d blocks: step %.3f ms (spread %.0f %% over %d repeats), compute %.3f ms, H2D %.1f GB/s, "
+                "hook overhead %.1f us per offloaded block", len(blocks), measured.step_ms, 100 * measured.spread,
+                measured.repeats, costs.total_compute_ms(), bandwidth, 1e3 * costs.block_overhead_ms)
     return costs, measured
 
 
 __all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
-           "cached_h2d_gbps", "calibrate_costs", "measure_blocks", "measure_h2d_gbps", "spread_of"]
+           "cached_h2d_gbps", "calibrate_costs", "fit_block_overhead", "measure_blocks", "measure_h2d_gbps",
+           "measure_host_decode_gbps", "probe_bytes_for", "spread_of"]

@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 # The compiled core packs each tensor of a block at this alignment (PinnedPool::kAlignment), so a slot
 # and a block's host copy are the sum of the rounded-up tensor sizes.
 PACK_ALIGNMENT = 256
+# The device decoder of compressed copies runs at HBM speed (docs/DESIGN.md, "Compressed host copies"):
+# an assumption until measured, and only the time from landing to "ready" depends on it.
+DEFAULT_DECODE_GBPS = 550.0
+# The engine double-buffers coded copies in device staging (the next copy lands while one decodes).
+STAGING_BUFFERS = 2
 
 
 def packed_bytes(tensor_bytes: Sequence[int]) -> int:
@@ -38,6 +43,14 @@ class BlockCosts:
     overlap: copies run beside compute (a CUDA copy stream). False for the host-as-device engine,
         whose copies are memcpys on the one host timeline.
     calibrated: the compute column was measured (False: bytes only, compute assumed free).
+    block_overhead_ms: fixed cost on the compute timeline of each offloaded block per step (the offload
+        hook's acquire and release, the engine call, the wait on the block's "ready" event); resident
+        blocks carry no hook and pay none. Calibration fits it from the gaps between blocks.
+    transfer_bytes: the bytes each block's copy moves over PCIe, which are also its pinned host copy
+        (compressed blocks: the compressed region); None: the packed bytes (``block_bytes``). A slot and
+        a resident block always hold ``block_bytes``.
+    decode_gbps: output rate of the device decoder (GB/s) for blocks whose ``transfer_bytes`` differ from
+        ``block_bytes``; the decode runs on its own stream after the copy and delays "ready" only.
     """
 
     compute_ms: tuple[float, ...]
@@ -48,10 +61,25 @@ class BlockCosts:
     copy_latency_ms: float = 0.0
     overlap: bool = True
     calibrated: bool = True
+    block_overhead_ms: float = 0.0
+    transfer_bytes: tuple[int, ...] | None = None
+    decode_gbps: float = DEFAULT_DECODE_GBPS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compute_ms", tuple(float(c) for c in self.compute_ms))
         object.__setattr__(self, "block_bytes", tuple(int(b) for b in self.block_bytes))
+        if self.transfer_bytes is not None:
+            moved = tuple(int(b) for b in self.transfer_bytes)
+            object.__setattr__(self, "transfer_bytes", None if moved == self.block_bytes else moved)
+            if len(moved) != len(self.block_bytes) or any(b < 0 for b in moved):
+                raise OffloadConfigError(f"fastoffload: BlockCosts transfer_bytes needs one size >= 0 per block: got "
+                                         f"{list(moved)} for {len(self.block_bytes)} blocks")
+        if self.block_overhead_ms < 0 or self.copy_latency_ms < 0:
+            raise OffloadConfigError(f"fastoffload: BlockCosts block_overhead_ms and copy_latency_ms must be >= 0, got "
+                                     f"{self.block_overhead_ms} and {self.copy_latency_ms}")
+        if not self.decode_gbps > 0:
+            raise OffloadConfigError(f"fastoffload: BlockCosts decode_gbps must be > 0 (GB/s), got "
+                                     f"{self.decode_gbps!r}")
         if len(self.compute_ms) != len(self.block_bytes):
             raise OffloadConfigError(f"fastoffload: BlockCosts needs one compute time per block: got "
                                      f"{len(self.compute_ms)} compute times for {len(self.block_bytes)} blocks")
@@ -66,9 +94,34 @@ class BlockCosts:
     def blocks(self) -> int:
         return len(self.block_bytes)
 
+    @property
+    def compressed(self) -> bool:
+        """Some block moves fewer bytes than it holds (compressed host copies)."""
+        return self.transfer_bytes is not None
+
+    def moved_bytes(self, block: int) -> int:
+        """Bytes one copy of ``block`` moves over PCIe (and its pinned host copy holds)."""
+        return self.block_bytes[block] if self.transfer_bytes is None else self.transfer_bytes[block]
+
+    def is_coded(self, block: int) -> bool:
+        return self.transfer_bytes is not None and self.transfer_bytes[block] != self.block_bytes[block]
+
     def copy_ms(self, block: int) -> float:
-        nbytes = self.block_bytes[block]
+        """Time the copy stream is busy with one copy of ``block``."""
+        nbytes = self.moved_bytes(block)
         return 0.0 if nbytes == 0 else self.copy_latency_ms + nbytes / (self.h2d_gbps * 1e6)
+
+    def decode_ms(self, block: int) -> float:
+        """Time from a coded block's landing to its "ready" (the device decoder); 0 for raw copies."""
+        return self.block_bytes[block] / (self.decode_gbps * 1e6) if self.is_coded(block) else 0.0
+
+    def staging_bytes(self, offloaded: Sequence[int]) -> int:
+        """Device staging the engine keeps for coded copies: two buffers of the largest coded block (none
+        with the host as the device, which decodes straight from the host copy)."""
+        if not self.overlap:
+            return 0
+        coded = [self.moved_bytes(b) for b in offloaded if self.is_coded(b)]
+        return STAGING_BUFFERS * max(coded) if coded else 0
 
     def total_compute_ms(self) -> float:
         return sum(self.compute_ms) + self.other_ms
@@ -97,5 +150,5 @@ def module_device_bytes(module: nn.Module, device: object) -> int:
     return sum(p.numel() * p.element_size() for p in _sized(module) if p.device == device)
 
 
-__all__ = ["PACK_ALIGNMENT", "BlockCosts", "module_device_bytes", "module_host_bytes", "module_packed_bytes",
+__all__ = ["DEFAULT_DECODE_GBPS", "PACK_ALIGNMENT", "STAGING_BUFFERS", "BlockCosts", "module_device_bytes", "module_host_bytes", "module_packed_bytes",
            "packed_bytes"]

@@ -21,6 +21,7 @@ from torch import nn
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.budgets import AUTO, format_bytes, parse_size
 from fastoffload_ext.planning.calibration import cached_h2d_gbps
+from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 from fastoffload_ext.planning.costs import BlockCosts, module_device_bytes, module_host_bytes, module_packed_bytes
 from fastoffload_ext.planning.memory import device_free_bytes, probe_host
 from fastoffload_ext.planning.plan import OffloadPlan
@@ -107,10 +108,15 @@ def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torc
 
 
 def _check_host(host_budget: int | None, blocks: Sequence[nn.Module], resident: tuple[int, ...],
-                explicit: bool) -> None:
+                explicit: bool, compress: str = "off") -> None:
     if host_budget is None:
         return
-    need = sum(module_packed_bytes(block) for i, block in enumerate(blocks) if i not in set(resident))
+    offloaded = [block for i, block in enumerate(blocks) if i not in set(resident)]
+    need = sum(map(module_packed_bytes, offloaded))
+    if need > host_budget and compress == "on":
+        # compress=True keeps only the coded copies on the host ("auto" holds both while it measures);
+        # sampled only when the raw bytes would not fit, so enable pays for it only then.
+        need = sum(estimate_transfer_bytes(offloaded))
     if need > host_budget:
         source = "host_budget" if explicit else "the host memory this process may use"
         raise OffloadConfigError(
@@ -122,8 +128,13 @@ def _check_host(host_budget: int | None, blocks: Sequence[nn.Module], resident: 
 def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name: str, *, resident_blocks: object,
                    prefetch_depth: object, device_budget: object = None, host_budget: object = AUTO,
                    activation_reserve: object = None, plan: OffloadPlan | None = None, cyclic: bool = True,
-                   costs: BlockCosts | None = None) -> Layout:
-    """The resident set and depth enable should apply; raises OffloadConfigError before anything changes."""
+                   costs: BlockCosts | None = None, compress: str = "off") -> Layout:
+    """The resident set and depth enable should apply; raises OffloadConfigError before anything changes.
+
+    ``compress``: the engine's codec mode. With "on" a bytes-only plan counts the coded bytes each copy
+    will move (sampled, ``compressed.py``); "auto" decides per step later, so it plans the raw bytes
+    until a calibration reads what the engine chose.
+    """
     n = len(blocks)
     resident = _resident_spec(resident_blocks, n, list_name)
     depth = check_prefetch_depth(prefetch_depth)
@@ -136,7 +147,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     if not planned:
         fixed = resident if isinstance(resident, tuple) else ()
         _, host, _ = _budgets(settings, blocks, device, costs)
-        _check_host(host, blocks, fixed, settings["host_budget"] != AUTO)
+        _check_host(host, blocks, fixed, settings["host_budget"] != AUTO, compress)
         return Layout(fixed, 1 if depth is None else int(depth), None, settings)
     if settings["device_budget"] is None:
         settings["device_budget"] = AUTO  # "auto" residency or depth without a budget: what the device has free
@@ -148,6 +159,8 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
     table = table.with_activation_bytes(reserve)
+    if compress == "on" and not table.compressed:
+        table = dataclasses.replace(table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
     chosen = plan_offload(table, budget, host_budget=host, resident=fixed_resident, prefetch_depth=fixed_depth,
                           cyclic=cyclic)
     logger.info("%s", chosen)

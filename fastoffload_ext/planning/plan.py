@@ -19,10 +19,13 @@ logger = logging.getLogger(__name__)
 class OffloadPlan:
     """A resident set and a prefetch depth for one block list, with the figures behind the choice.
 
-    device_bytes = resident_bytes + num_slots x slot_bytes + activation_bytes: what a step may hold on
-    the device (never above ``device_budget``). host_bytes: the offloaded blocks' packed host copies.
-    predicted_step_ms comes from the pipeline simulation; ideal_ms is max(compute of the step,
-    offloaded bytes / bandwidth), the floor no schedule can beat with this resident set.
+    device_bytes = resident_bytes + num_slots x slot_bytes + staging_bytes + activation_bytes: what a
+    step may hold on the device (never above ``device_budget``). host_bytes: the offloaded blocks'
+    pinned host copies, which are also the bytes a step copies (compressed where the blocks are:
+    ``compressed_blocks`` of them, against ``raw_offloaded_bytes`` uncompressed). predicted_step_ms
+    comes from the pipeline simulation; ideal_ms is max(compute of the step, moved bytes / bandwidth),
+    the floor no schedule can beat with this resident set; overhead_ms is the hooks' fixed cost per
+    step that the prediction includes and the ideal does not.
     """
 
     blocks: int
@@ -43,12 +46,21 @@ class OffloadPlan:
     candidates: int
     why: str
     costs: BlockCosts = dataclasses.field(repr=False, compare=False)
+    raw_offloaded_bytes: int = 0
+    compressed_blocks: int = 0
+    staging_bytes: int = 0
+    overhead_ms: float = 0.0
     tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
 
     @property
     def offloaded(self) -> tuple[int, ...]:
         resident = set(self.resident)
         return tuple(b for b in range(self.blocks) if b not in resident)
+
+    @property
+    def compressed(self) -> bool:
+        """The plan counts compressed copies: fewer bytes move (and sit pinned) than the blocks hold."""
+        return self.compressed_blocks > 0
 
     @property
     def calibrated(self) -> bool:
@@ -73,13 +85,32 @@ class OffloadPlan:
             "host_budget": self.host_budget, "predicted_step_ms": self.predicted_step_ms,
             "ideal_ms": self.ideal_ms, "compute_ms": self.compute_ms, "copy_ms": self.copy_ms,
             "calibrated": self.calibrated, "candidates": self.candidates, "why": self.why,
+            "compressed": self.compressed, "compressed_blocks": self.compressed_blocks,
+            "raw_offloaded_bytes": self.raw_offloaded_bytes, "staging_bytes": self.staging_bytes,
+            "overhead_ms": self.overhead_ms,
         }
+
+    def explain(self) -> str:
+        """The plan in a few lines: layout, memory, bytes moved (compressed or raw), prediction and why."""
+        moved = (f"{format_bytes(self.host_bytes)} compressed from {format_bytes(self.raw_offloaded_bytes)} "
+                 f"({self.compressed_blocks} coded blocks, {format_bytes(self.staging_bytes)} device staging)"
+                 if self.compressed else f"{format_bytes(self.host_bytes)} raw")
+        return "\n".join([
+            f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
+            f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",
+            f"device {format_bytes(self.device_bytes)} of budget {format_bytes(self.device_budget)} (activation "
+            f"reserve {format_bytes(self.activation_bytes)}); host pinned {format_bytes(self.host_bytes)}",
+            f"moved per step: {moved}",
+            f"predicted {self.predicted_step_ms:.3f} ms/step, ideal {self.ideal_ms:.3f} ms, hook overhead "
+            f"{self.overhead_ms:.3f} ms; {self.why}",
+        ])
 
     def __str__(self) -> str:
         return (f"OffloadPlan: {len(self.resident)} of {self.blocks} blocks resident {list(self.resident)}, "
                 f"prefetch_depth {self.prefetch_depth} ({self.num_slots} slots x {format_bytes(self.slot_bytes)}), "
                 f"device {format_bytes(self.device_bytes)} of {format_bytes(self.device_budget)}, predicted "
-                f"{self.predicted_step_ms:.3f} ms/step (ideal {self.ideal_ms:.3f} ms). {self.why}")
+                f"{self.predicted_step_ms:.3f} ms/step (ideal {self.ideal_ms:.3f} ms)"
+                + (f", {self.compressed_blocks} blocks compressed" if self.compressed else "") + f". {self.why}")
 
 
 __all__ = ["OffloadPlan"]

@@ -2,11 +2,12 @@
 
 It is a pure function of its inputs. Every candidate (resident set, depth) is scored by the pipeline
 simulation (``simulate.py``) and must fit: resident bytes + (depth + 1) slots of the largest offloaded
-block + the activation reserve within the device budget, and the offloaded blocks' host copies within
-the host budget. The fastest predicted candidate wins. Equal predictions go to the one that keeps more
-bytes resident (what the simulation leaves out, the per-block hook cost and the copies' pressure on
-memory bandwidth, only ever favours residency), then to less device memory, then to the shallower
-prefetch.
+block (+ staging for compressed copies) + the activation reserve within the device budget, and the
+offloaded blocks' host copies within the host budget. The fastest predicted candidate wins. Equal
+predictions go to the one predicted fastest with copies 10 % slower (slack in the copy windows), then
+to the one that keeps more bytes resident (what the simulation leaves out, the copies' pressure on
+memory bandwidth, only ever favours residency), then to the shortest run of offloaded blocks in a row,
+then to less device memory, then to the shallower prefetch.
 
 Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
 count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
@@ -16,6 +17,7 @@ time. The candidate list does not depend on the budget, so a larger budget never
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,20 +35,40 @@ DEFAULT_MAX_DEPTH = 3
 EXHAUSTIVE_LIMIT = 8
 GREEDY_LIMIT = 32
 _TIE_MS = 1e-6  # predictions closer than this are equal (float noise of the simulation)
+# Equal predictions go to the layout that loses least when copies run this much slower: several
+# layouts often tie (every copy hidden, or the step bound by the same total), and the one with slack
+# in its copy windows is the one a drifting host does not push over.
+SLOW_COPY_FACTOR = 1.1
 
 
 def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int, int, int]:
-    """(resident bytes, slot bytes, device bytes, host bytes) of one candidate."""
+    """(resident bytes, slot bytes, device bytes, host bytes) of one candidate.
+
+    Slots hold decoded blocks (``block_bytes``); coded copies add the engine's two staging buffers on
+    the device, and the host holds what the copies move (``transfer_bytes``).
+    """
     resident_bytes = sum(costs.block_bytes[b] for b in resident)
-    offloaded = [costs.block_bytes[b] for b in range(costs.blocks) if b not in resident]
-    slot = max(offloaded) if offloaded else 0
+    offloaded = [b for b in range(costs.blocks) if b not in resident]
+    slot = max((costs.block_bytes[b] for b in offloaded), default=0)
     slots = (depth + 1) if offloaded else 0
-    return resident_bytes, slot, resident_bytes + slots * slot + costs.activation_bytes, sum(offloaded)
+    device = resident_bytes + slots * slot + costs.staging_bytes(offloaded) + costs.activation_bytes
+    return resident_bytes, slot, device, sum(costs.moved_bytes(b) for b in offloaded)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) -> float:
     return simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
+
+
+def _longest_run(resident: frozenset[int], n: int) -> int:
+    """The most offloaded blocks in a row (around the wrap): among equal predictions the layout whose
+    copies each have a resident block's compute nearby is the one real jitter hurts least. Only for
+    measured tables: a bytes-only plan keeps the first blocks, as ``resident_blocks=N`` does."""
+    longest = run = 0
+    for index in range(2 * n):  # twice round, so a run across the wrap is counted whole
+        run = 0 if (index % n) in resident else run + 1
+        longest = max(longest, min(run, n))
+    return longest
 
 
 def _even(n: int, count: int, offset: float) -> frozenset[int]:
@@ -64,7 +86,7 @@ def _spread_sets(n: int) -> Iterable[frozenset[int]]:
 
 
 def _heaviest_prefixes(costs: BlockCosts) -> Iterable[frozenset[int]]:
-    order = sorted(range(costs.blocks), key=lambda b: (-costs.block_bytes[b], b))
+    order = sorted(range(costs.blocks), key=lambda b: (-costs.copy_ms(b), -costs.block_bytes[b], b))
     for count in range(costs.blocks + 1):
         yield frozenset(order[:count])
 
@@ -118,17 +140,19 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
             f"copies that the {costs.blocks - len(fixed)} offloaded blocks need; keep more blocks resident, "
             "or raise host_budget")
     slot = max(costs.block_bytes, default=0)
-    need = (depth + 1) * slot + costs.activation_bytes
+    staging = costs.staging_bytes(range(costs.blocks))
+    need = (depth + 1) * slot + staging + costs.activation_bytes
     if device_budget is not None and device_budget < need:
         return OffloadConfigError(
             f"fastoffload: device_budget {format_bytes(device_budget)} is smaller than what offload needs at least: "
-            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + {reserve} activation reserve = "
-            f"{format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
+            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + "
+            + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
+            + f"{reserve} activation reserve = {format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
             "lower activation_reserve")
     return OffloadConfigError(
         f"fastoffload: host_budget {format_bytes(host_budget)} is too small: no resident set that fits device_budget "
         f"{format_bytes(device_budget)} leaves the offloaded blocks' pinned copies within it (all "
-        f"{costs.blocks} blocks need {format_bytes(sum(costs.block_bytes))}). Raise host_budget (free host memory), "
+        f"{costs.blocks} blocks need {format_bytes(sum(map(costs.moved_bytes, range(costs.blocks))))}). Raise host_budget (free host memory), "
         "or raise device_budget so that more blocks stay resident")
 
 
@@ -151,9 +175,21 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
                         if 0 < len(plan_resident) < n - 1 else ""))
     if depth > 1:
         parts.append(f"depth {depth} lets short windows borrow from longer ones")
+    offloaded = [b for b in range(n) if b not in plan_resident]
+    coded = [b for b in offloaded if costs.is_coded(b)]
+    if coded:
+        raw = sum(costs.block_bytes[b] for b in offloaded)
+        moved = sum(costs.moved_bytes(b) for b in offloaded)
+        parts.append(f"compressed: {len(coded)} of {len(offloaded)} offloaded blocks move coded bytes, "
+                     f"{format_bytes(moved)} of {format_bytes(raw)} ({moved / raw if raw else 1.0:.3f}x) cross PCIe "
+                     "and sit in pinned host memory")
+    overhead = costs.block_overhead_ms * len(offloaded)
     exposed = step_ms - max(ideal_ms, 0.0)
     parts.append(f"predicted {step_ms:.3f} ms = {step_ms / ideal_ms if ideal_ms > 0 else 1.0:.3f}x the ideal "
-                 f"{ideal_ms:.3f} ms" + (f" ({exposed:.3f} ms of copy exposed)" if exposed > _TIE_MS * 1e3 else ""))
+                 f"{ideal_ms:.3f} ms" + (f" ({exposed:.3f} ms exposed" if exposed > _TIE_MS * 1e3 else "")
+                 + (f", of which up to {overhead:.3f} ms is the hooks' fixed {1e3 * costs.block_overhead_ms:.0f} us "
+                    f"per offloaded block)" if exposed > _TIE_MS * 1e3 and overhead > 0 else
+                    ")" if exposed > _TIE_MS * 1e3 else ""))
     if budget is None:
         parts.append("no device budget given")
     return "; ".join(parts)
@@ -190,7 +226,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
     fixed = frozenset(resident) if resident is not None else None
     depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
-    best: tuple[tuple[float, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
     scored = 0
     for depth in depths:
         sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
@@ -202,7 +239,9 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                 continue
             scored += 1
             ms = _score(costs, chosen, depth, cyclic)
-            key = (round(ms / _TIE_MS) * _TIE_MS, -resident_bytes, device, depth, tuple(sorted(chosen)))
+            key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
+                   -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
+                   tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:
@@ -212,13 +251,16 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
     compute = costs.total_compute_ms()
     ideal = max(compute, copy_ms) if costs.overlap else compute + copy_ms
-    offloaded = costs.blocks - len(chosen)
+    offloaded = [b for b in range(costs.blocks) if b not in chosen]
     plan = OffloadPlan(
         blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
         num_slots=(depth + 1) if offloaded else 0, slot_bytes=slot, resident_bytes=resident_bytes,
         host_bytes=host, activation_bytes=costs.activation_bytes, device_bytes=device,
         device_budget=device_budget, host_budget=host_budget, predicted_step_ms=ms, ideal_ms=ideal,
         compute_ms=compute, copy_ms=copy_ms, candidates=scored,
+        raw_offloaded_bytes=sum(costs.block_bytes[b] for b in offloaded),
+        compressed_blocks=sum(1 for b in offloaded if costs.is_coded(b)),
+        staging_bytes=costs.staging_bytes(offloaded), overhead_ms=costs.block_overhead_ms * len(offloaded),
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget), costs=costs)
     logger.debug("%s", plan)
     return plan

@@ -13,12 +13,14 @@ not fit, before anything is undone.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs
+from fastoffload_ext.planning.compressed import estimate_block
 from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
 from fastoffload_ext.planning.planner import plan_offload
 
@@ -26,11 +28,36 @@ logger = logging.getLogger(__name__)
 
 
 def _block_bytes(group: Any) -> list[int]:
-    """Each block's packed bytes (what a copy moves), from the host copy when the block is offloaded."""
+    """Each block's packed bytes (what a slot holds), from the host copy when the block is offloaded."""
     sizes = [module_packed_bytes(block) for block in group.blocks]
     for index, state in zip(group.offloaded_indices, group.states):
         sizes[index] = packed_bytes([t.numel() * t.element_size() for t in state.cpu_named_parameters.values()])
     return sizes
+
+
+def transfer_bytes(group: Any, sizes: list[int]) -> list[int]:
+    """What each block's copy moves now: the engine's compressed bytes for blocks it sends coded.
+
+    Read after the calibration step, so a ``compress="auto"`` engine has decided; a block still
+    measuring counts raw. A resident block has no host copy to measure: with ``compress=True`` it
+    counts the sampled estimate (``compressed.py``), with "auto" raw (the engine decides later).
+    """
+    moved = list(sizes)
+    engine = group.engine
+    mode = getattr(group, "compress_mode", "off")
+    if engine is None or mode == "off":
+        return moved
+    if mode == "on":
+        for index in group.resident:
+            moved[index] = estimate_block(group.blocks[index])
+    for index, state in zip(group.offloaded_indices, group.states):
+        handle = getattr(state, "handle", None)
+        if handle is None or engine.is_removed(handle):
+            continue
+        info = engine.codec_info(handle)
+        if info["mode"] == "compressed":
+            moved[index] = int(info["compressed_bytes"])
+    return moved
 
 
 def _check_current(group: Any) -> None:
@@ -46,8 +73,13 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
     """Measures the group's cost table with ``step`` (one forward); re-plans a planned group from it."""
     _check_current(group)
     reserve = group.enable_kwargs.get("activation_reserve_bytes")
-    costs, measured = calibrate_costs(group.blocks, step, group.device, _block_bytes(group),
-                                      activation_reserve=reserve, h2d_gbps=h2d_gbps, repeats=repeats)
+    sizes = _block_bytes(group)
+    # The hooks' fixed cost is fitted against this layout's simulated gaps; the bytes a copy moves are
+    # read after the step ran (an "auto" codec decides during it).
+    costs, measured = calibrate_costs(group.blocks, step, group.device, sizes, activation_reserve=reserve,
+                                      h2d_gbps=h2d_gbps, repeats=repeats, resident=group.resident,
+                                      depth=group.prefetch_depth, cyclic=group.cyclic,
+                                      transfer_bytes=lambda: transfer_bytes(group, sizes))
     group.costs = costs
     if group.plan is not None and group.plan.calibrated:
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
@@ -85,6 +117,34 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     return _apply(group, new, table)
 
 
+def recheck(group: Any) -> Any:
+    """After enable encoded the blocks: the plan again with the engine's compressed sizes.
+
+    A plan made with compression counted sampled estimates (``compressed.py``). Scored again with the
+    real sizes, the same layout replaces the plan when it still fits its budgets (the usual case: the
+    estimate errs high); otherwise the planner chooses again from the real sizes and offload is applied
+    anew. Returns the group now on the model.
+    """
+    plan = group.plan
+    if plan is None or not plan.costs.compressed or group.engine is None:
+        return group
+    sizes = list(plan.costs.block_bytes)
+    costs = dataclasses.replace(plan.costs, transfer_bytes=tuple(transfer_bytes(group, sizes)))
+    try:
+        group.plan = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
+                                  prefetch_depth=plan.prefetch_depth, cyclic=group.cyclic)
+        return group
+    except OffloadConfigError as error:
+        logger.info("the encoded blocks do not fit the plan made from estimates (%s); planning again", error)
+    try:
+        new = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget, cyclic=group.cyclic)
+    except OffloadConfigError as error:
+        logger.warning("fastoffload: the compressed blocks are larger than estimated and no layout fits the budgets "
+                       "with them (%s); keeping the layout enable applied", error)
+        return group
+    return _apply(group, new, costs)
+
+
 def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
 
@@ -97,4 +157,4 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     return fresh
 
 
-__all__ = ["calibrate", "replan"]
+__all__ = ["calibrate", "recheck", "replan", "transfer_bytes"]

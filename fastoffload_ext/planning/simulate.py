@@ -14,8 +14,13 @@ Several steps are simulated back to back and the last is reported, so the cyclic
 last block prefetching the first of the next step) is in its steady state. Compute outside the block
 list (``other_ms``) runs between steps, where the wrap-around copy can hide behind it.
 
+Each offloaded block also pays ``block_overhead_ms`` on the compute timeline before its kernels (the
+hook and the engine call; resident blocks have no hook). A compressed copy (``transfer_bytes`` below
+``block_bytes``) occupies the copy stream for its compressed bytes and is "ready" after the decode
+that follows it on the decode stream.
+
 With ``overlap=False`` (the host-as-device engine) a copy is a memcpy on the one host timeline: it
-runs when it is issued and delays the compute after it.
+runs when it is issued and delays the compute after it (a host decode too).
 """
 from __future__ import annotations
 
@@ -102,13 +107,15 @@ class _Pipeline:
             start = max(start, self.compute_at)
         end = start + self.costs.copy_ms(block)
         self.copy_at = end
+        # A coded copy is decoded into the slot on its own stream: only "ready" waits for it.
+        ready = end + self.costs.decode_ms(block)
         if not self.costs.overlap:
-            self.compute_at = end
-        ring.block[slot], ring.state[slot], ring.ready_at[slot] = block, _READY, end
+            self.compute_at = ready
+        ring.block[slot], ring.state[slot], ring.ready_at[slot] = block, _READY, ready
         ring.where[block] = slot
         ring.touch(slot)
         self.copies += 1
-        self.copied_bytes += self.costs.block_bytes[block]
+        self.copied_bytes += self.costs.moved_bytes(block)
         return True
 
     def run_offloaded(self, block: int, compute: float) -> tuple[float, float]:
@@ -117,6 +124,8 @@ class _Pipeline:
             issued = self.issue(block)
             assert issued, "one block runs at a time, so a slot that is not in use always exists"
         slot = ring.where[block]
+        # The hook's fixed cost comes before the block's kernels, whether its copy was ready or not.
+        self.compute_at += self.costs.block_overhead_ms
         start = max(self.compute_at, ring.ready_at[slot])
         ring.state[slot] = _IN_USE
         ring.touch(slot)
