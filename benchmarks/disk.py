@@ -223,7 +223,7 @@ def _kvikio_row(kvikio: Any, path: Path, size: int, target: str) -> dict[str, An
 
 def run(ctx: Context) -> None:
     spec = _spec(ctx.cuda, ctx.quick)
-    ctx.progress.add(5)
+    ctx.progress.add(6)
     path = _write_checkpoint(spec, ctx.cuda)
     try:
         _measure(ctx, spec, path)
@@ -247,8 +247,12 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
     ctx.note("startup 'GiB read' = host-tier blocks + tensors outside the offloaded blocks + safetensors headers; "
              "the disk-tier blocks (budget 'half') are not read at enable: their first staging fill is queued "
              "after the host tier and runs once enable has returned")
-    config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "bandwidth": bandwidth}
-    ctx.run_row("stream", {"workload": spec.name}, lambda: _spawn(config, timeout))
+    for compress in (False, True):
+        # compress=True: the disk tier streams the compressed blocks from a spill file next to the checkpoint.
+        config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "bandwidth": bandwidth,
+                  "compress": compress}
+        labels = {"workload": spec.name} if not compress else {"workload": spec.name, "compress": True}
+        ctx.run_row("stream", labels, lambda c=config: _spawn(c, timeout))
 
 
 def _bracketed_startup(config: dict[str, Any], path: Path, timeout: float) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Section 8, ranks: several ranks of one host offloading the same model, with and without a shared host copy.
 
 Configurations: 1 rank; 2 ranks each pinning its own copy (``share_host_copy=False``); 2 ranks sharing
-one copy (``share_host_copy=True``). Each runs under ``torch.distributed.run`` (torchrun) in
+one copy (``share_host_copy=True``); 2 ranks sharing one compressed copy (``compress=True`` too: the
+owner encodes, every rank decodes the same bytes). Each runs under ``torch.distributed.run`` (torchrun) in
 fresh processes: NCCL and one GPU per rank when the host has enough GPUs, gloo and the host device
 (scaled-down workload) without a GPU; 2-rank rows on a 1-GPU host say why they were skipped.
 
@@ -47,7 +48,7 @@ TABLES = {
     ),
 }
 
-CONFIGS = ((1, "own"), (2, "own"), (2, "shared"))
+CONFIGS = ((1, "own"), (2, "own"), (2, "shared"), (2, "shared+compress"))
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -106,7 +107,7 @@ def launch(ranks: int, share: str, cuda: bool, quick: bool) -> dict[str, Any]:
         "bit_equal": all(r["bit_equal"] for r in reports),
         "per_rank": reports,
         "note": f"{reports[0]['workload']}, {reports[0]['weight_bytes'] / GiB:.2f} GiB of block weights; "
-                f"shared by {max(r['shared_by'] for r in reports)} rank(s)" if share == "shared" else
+                f"shared by {max(r['shared_by'] for r in reports)} rank(s)" if share.startswith("shared") else
                 f"{reports[0]['workload']}, {reports[0]['weight_bytes'] / GiB:.2f} GiB of block weights",
     }
 
@@ -131,7 +132,8 @@ def worker() -> None:
     from benchmarks.workloads import move_non_block_modules, stack_workload
 
     cuda = os.environ["FASTOFFLOAD_RANKS_DEVICE"] == "cuda"
-    share = os.environ["FASTOFFLOAD_RANKS_SHARE"] == "shared"
+    share = os.environ["FASTOFFLOAD_RANKS_SHARE"].startswith("shared")
+    compress = os.environ["FASTOFFLOAD_RANKS_SHARE"] == "shared+compress"
     quick = os.environ.get("FASTOFFLOAD_RANKS_QUICK") == "1"
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
@@ -150,7 +152,7 @@ def worker() -> None:
         want = model.to(device)(*inputs).cpu()
     model.to("cpu")
     move_non_block_modules(model, device)
-    fo.enable_layerwise_offload(model, device=device, share_host_copy=share)
+    fo.enable_layerwise_offload(model, device=device, share_host_copy=share, compress=compress)
     stats = fo.get_offload_group(model).stats()
 
     dist.barrier()

@@ -122,6 +122,7 @@ py::dict codec_info_dict(const OffloadEngine& engine, size_t block) {
   d["segments"] = info.segments;
   d["coded_segments"] = info.coded_segments;
   d["exceptions"] = info.exceptions;
+  d["checksum"] = info.checksum;
   return d;
 }
 
@@ -282,6 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   m.attr("SEGMENT_PREFIX") = kSegmentPrefix;
+  m.attr("CODEC_VERSION") = codec::kVersion;
   m.def(
       "sweep_stale_segments", [] { return without_gil([] { return sweep_stale_segments(); }); },
       "Removes the shared segment names of this user's jobs whose owner died (its flock'ed job lock is free); "
@@ -396,10 +398,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "add_block_shared",
           [](OffloadEngine& e, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-             const std::string& segment_name, bool owner) {
-            return without_gil([&] { return e.add_block_shared(names, params, segment_name, owner); });
+             const std::string& segment_name, bool owner, size_t packed_bytes, uint64_t checksum) {
+            return without_gil(
+                [&] { return e.add_block_shared(names, params, segment_name, owner, packed_bytes, checksum); });
           },
-          py::arg("names"), py::arg("params"), py::arg("segment_name"), py::arg("owner"))
+          py::arg("names"), py::arg("params"), py::arg("segment_name"), py::arg("owner"), py::arg("packed_bytes") = 0,
+          py::arg("checksum") = 0)
       .def(
           "is_shared", [](const OffloadEngine& e, int64_t block) { return e.is_shared(checked_block(e, block)); },
           py::arg("block"))
@@ -418,6 +422,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return without_gil([&] { return e.add_block_on_disk(names, params, shapes, spans); });
           },
           py::arg("names"), py::arg("params"), py::arg("shapes"), py::arg("spans"))
+      .def("set_spill_file", &OffloadEngine::set_spill_file, py::arg("path"))
+      .def_property_readonly("spill_path", &OffloadEngine::spill_path)
+      .def_property_readonly("spill_bytes", &OffloadEngine::spill_bytes)
       .def("start_disk_tier", [](OffloadEngine& e, size_t count) { without_gil([&] { e.start_disk_tier(count); }); },
            py::arg("count"))
       .def(

@@ -51,6 +51,21 @@ const void* span_data(const at::Tensor& t) {
   return static_cast<const char*>(t.storage().data()) + t.storage_offset() * t.element_size();
 }
 
+// A CPU uint8 tensor over the `nbytes` of `region`, keeping it alive.
+at::Tensor bytes_over(const std::shared_ptr<PoolAllocation>& region, size_t nbytes) {
+  std::shared_ptr<PoolAllocation> keep_alive = region;
+  return at::from_blob(
+      region->data(), {static_cast<int64_t>(nbytes)}, [keep_alive](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+std::vector<codec::TensorSpan> codec_spans(const std::vector<TensorLayout>& layout) {
+  std::vector<codec::TensorSpan> spans;
+  spans.reserve(layout.size());
+  for (const TensorLayout& entry : layout) spans.push_back({entry.offset, entry.nbytes, entry.dtype == at::kBFloat16});
+  return spans;
+}
+
 // Copies tensor `source`'s span into its place in `host_bytes`; returns the digest of the packed bytes.
 uint64_t pack_and_digest(at::Tensor& host_bytes, const TensorLayout& entry, const at::Tensor& source) {
   char* dst = static_cast<char*>(host_bytes.data_ptr()) + entry.offset;
@@ -147,7 +162,7 @@ LayerStore::~LayerStore() {
 }
 
 StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                             const std::string& segment_name, bool owner, bool pin) {
+                             const std::string& segment_name, bool owner, bool pin, bool digest) {
   const std::vector<at::Tensor> tensors = resolve_lazy_bits(params);
   StoredBlock block;
   block.layout = plan_layout(names, tensors, &block.bytes);
@@ -164,7 +179,7 @@ StoredBlock LayerStore::pack(const std::vector<std::string>& names, const std::v
   // A non-owner's segment already holds the owner's bytes, laid out as `block.layout` says.
   for (size_t j = 0; j < tensors.size() && (!shared || owner); ++j) {
     const TensorLayout& entry = block.layout[j];
-    if (shared) {
+    if (shared || digest) {
       block.digests.push_back(entry.nbytes == 0 ? digest_bytes(nullptr, 0)
                                                 : pack_and_digest(block.host_bytes, entry, tensors[j]));
       continue;
@@ -187,6 +202,64 @@ size_t LayerStore::add_shared(const std::vector<std::string>& names, const std::
                               const std::string& segment_name, bool owner) {
   TORCH_CHECK(!segment_name.empty(), "fastoffload: add_shared needs a segment name");
   blocks_.push_back(pack(names, tensors, segment_name, owner));
+  return blocks_.size() - 1;
+}
+
+size_t LayerStore::add_shared_compressed(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                         const std::string& segment_name, const codec::EncodeOptions& options,
+                                         bool* compressed) {
+  TORCH_CHECK(!segment_name.empty(), "fastoffload: add_shared_compressed needs a segment name");
+  StoredBlock block = pack(names, tensors, std::string(), true, /*pin=*/false, /*digest=*/true);
+  const auto* raw = static_cast<const uint8_t*>(block.host->data());
+  const codec::Plan plan = codec::plan_block(raw, block.bytes, codec_spans(block.layout), options);
+  const bool pays = plan.coded_segments > 0 && plan.total_bytes < block.bytes;
+  std::shared_ptr<PoolAllocation> segment =
+      pool_->allocate_shared(segment_name, pays ? plan.total_bytes : block.bytes, /*owner=*/true);
+  auto* out = static_cast<uint8_t*>(segment->data());
+  if (pays) codec::encode_block(raw, plan, out, options.threads);
+  else if (block.bytes > 0) std::memcpy(out, raw, block.bytes);
+  pool_->pin(*segment);
+  block.shared = true;
+  block.shared_owner = true;
+  if (pays) {
+    block.packed_summary = codec::inspect(out, plan.total_bytes);
+    block.packed = std::move(segment);
+    block.packed_bytes = plan.total_bytes;
+    block.host_bytes = at::Tensor();
+    block.host.reset();  // the private raw copy: the segment holds the only copy now
+  } else {
+    block.host_bytes = bytes_over(segment, block.bytes);
+    block.host = std::move(segment);
+  }
+  *compressed = pays;
+  blocks_.push_back(std::move(block));
+  return blocks_.size() - 1;
+}
+
+size_t LayerStore::attach_shared_compressed(const std::vector<std::string>& names,
+                                            const std::vector<at::Tensor>& tensors, const std::string& segment_name,
+                                            size_t packed_bytes, uint64_t checksum) {
+  TORCH_CHECK(!segment_name.empty(), "fastoffload: attach_shared_compressed needs a segment name");
+  StoredBlock block;
+  block.layout = plan_layout(names, resolve_lazy_bits(tensors), &block.bytes);
+  std::shared_ptr<PoolAllocation> segment = pool_->allocate_shared(segment_name, packed_bytes, /*owner=*/false);
+  const auto* data = static_cast<const uint8_t*>(segment->data());
+  const codec::Summary summary = codec::inspect(data, packed_bytes);
+  TORCH_CHECK(summary.raw_bytes == block.bytes, "fastoffload: the shared segment '", segment_name, "' decodes to ",
+              std::to_string(summary.raw_bytes), " bytes but this rank's block packs to ", std::to_string(block.bytes),
+              " bytes: the ranks of this host built different parameters");
+  const uint64_t stored = reinterpret_cast<const codec::Header*>(data)->checksum;
+  TORCH_CHECK(stored == checksum, "fastoffload: the shared segment '", segment_name, "' holds compressed bytes "
+              "with checksum ", std::to_string(stored), " but the owner encoded ", std::to_string(checksum),
+              ": the segment changed after the owner wrote it; enable offload again on every rank");
+  codec::verify_block(data, packed_bytes);  // the bytes themselves, not only the header's claim
+  pool_->pin(*segment);
+  block.packed_summary = summary;
+  block.packed = std::move(segment);
+  block.packed_bytes = packed_bytes;
+  block.shared = true;
+  block.tensors = tensors;
+  blocks_.push_back(std::move(block));
   return blocks_.size() - 1;
 }
 
@@ -331,6 +404,24 @@ size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std:
   return blocks_.size() - 1;
 }
 
+bool LayerStore::spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options) {
+  TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed && blocks_[index].on_disk,
+              "fastoffload: internal error: block ", std::to_string(index), " is not in the disk tier");
+  const at::Tensor raw = read_block(index, reader);
+  StoredBlock& stored = blocks_[index];
+  const auto* data = raw.data_ptr<uint8_t>();
+  const codec::Plan plan = codec::plan_block(data, stored.bytes, codec_spans(stored.layout), options);
+  if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) return false;
+  std::vector<uint8_t> out(plan.total_bytes);
+  codec::encode_block(data, plan, out.data(), options.threads);
+  const codec::Summary summary = codec::inspect(out.data(), plan.total_bytes);
+  stored.spill_offset = spill.append(out.data(), plan.total_bytes);  // assigned only once written
+  stored.spilled = true;
+  stored.packed_bytes = plan.total_bytes;
+  stored.packed_summary = summary;
+  return true;
+}
+
 at::Tensor LayerStore::read_block(size_t index, DiskReader& reader) const {
   const StoredBlock& stored = block(index);
   at::Tensor bytes = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
@@ -364,6 +455,16 @@ void LayerStore::make_private(size_t index) {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed, "fastoffload: no stored block ", std::to_string(index));
   StoredBlock& stored = blocks_[index];
   if (!stored.shared) return;
+  if (stored.has_packed()) {
+    std::shared_ptr<PoolAllocation> packed = pool_->allocate(stored.packed_bytes, /*defer_pin=*/true);
+    std::memcpy(packed->data(), stored.packed->data(), stored.packed_bytes);
+    pool_->pin(*packed);
+    stored.packed = std::move(packed);
+    stored.shared = false;
+    stored.shared_owner = false;
+    stored.digests.clear();
+    return;
+  }
   std::shared_ptr<PoolAllocation> host = pool_->allocate(stored.bytes, /*defer_pin=*/true);
   if (stored.bytes > 0) std::memcpy(host->data(), stored.host->data(), stored.bytes);
   pool_->pin(*host);
@@ -376,6 +477,12 @@ void LayerStore::make_private(size_t index) {
   stored.shared = false;
   stored.shared_owner = false;
   stored.digests.clear();
+}
+
+void LayerStore::discard_last(size_t index) {
+  TORCH_CHECK(index + 1 == blocks_.size(), "fastoffload: internal error: block ", std::to_string(index),
+              " is not the last one added");
+  blocks_.pop_back();
 }
 
 void LayerStore::remove(size_t index) {

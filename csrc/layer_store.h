@@ -21,6 +21,7 @@
 #include "disk_reader.h"
 #include "codec.h"
 #include "pinned_pool.h"
+#include "spill_file.h"
 
 namespace fastoffload {
 
@@ -44,6 +45,10 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
+  // A disk-tier block stored compressed in the spill file (LayerStore::spill): its region is
+  // `packed_bytes` at `spill_offset` there, and `packed` stays null (no host copy at all).
+  bool spilled = false;
+  uint64_t spill_offset = 0;
   // Owner of a shared block only: digest_bytes() of each tensor's packed bytes, computed while packing
   // (the other ranks compare theirs, from tensor_digests(), before they map the copy). Empty otherwise.
   std::vector<uint64_t> digests;
@@ -86,6 +91,17 @@ class LayerStore {
   // maps it; nothing is copied.
   size_t add_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                     const std::string& segment_name, bool owner);
+  // The owner of a shared block with compression on: packs the block privately (hashing each tensor as
+  // add_shared does), encodes it, and writes the compressed region into the shared segment
+  // `segment_name`, created at the compressed size; the private raw copy is freed. A block whose coding
+  // does not pay goes into the segment raw. *compressed says which.
+  size_t add_shared_compressed(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                               const std::string& segment_name, const codec::EncodeOptions& options, bool* compressed);
+  // Another rank of the host: maps the owner's compressed segment (`packed_bytes` long), checks that it
+  // decodes to this rank's layout of `tensors` and that its bytes hash to `checksum` (what the owner
+  // encoded, as the owner reported it), and registers the block with no raw copy.
+  size_t attach_shared_compressed(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                                  const std::string& segment_name, size_t packed_bytes, uint64_t checksum);
   // Packs a block straight from a checkpoint: tensor j has `shapes[j]` (contiguous) and the dtype of
   // `tensors[j]` (whose own values are ignored: they may be empty placeholders), and its bytes are
   // `spans[j]`, read into the block's region by `reader`; no other copy of them exists. It returns
@@ -112,6 +128,10 @@ class LayerStore {
   // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
   // copied or freed. Safe from several threads: a caller returns only once every load has finished.
   void finish_pins() const;
+  // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
+  // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
+  // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
+  bool spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options);
   // The packed bytes of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_block(size_t index, DiskReader& reader) const;
   // Tensor j of an on-disk block, read now into a new CPU tensor.
@@ -120,10 +140,12 @@ class LayerStore {
   // e.g. after a LoRA conversion replaced submodules). The old region is freed.
   void replace(size_t index, const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                bool pin = true);
-  // Moves block `index`'s host copy out of its shared segment into private pool memory (same bytes,
-  // same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
+  // Moves block `index`'s host copy (raw or compressed) out of its shared segment into private pool
+  // memory (same bytes, same layout); a no-op for a private block. How an owner takes its copy back when the ranks decide
   // not to share after it packed.
   void make_private(size_t index);
+  // Takes back the block just added (`index` must be the last one) after a later step of adding it failed.
+  void discard_last(size_t index);
   // Frees block `index`'s region; the block keeps its index but can no longer be used.
   void remove(size_t index);
 
@@ -155,8 +177,10 @@ class LayerStore {
  private:
   // segment_name empty: private pool memory.
   // pin: pin the raw copy now (false when it is about to be compressed and dropped).
+  // digest: fill StoredBlock::digests for a private region too (a shared owner's is always hashed).
   StoredBlock pack(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true);
+                   const std::string& segment_name = std::string(), bool owner = true, bool pin = true,
+                   bool digest = false);
 
   StoredBlock plan_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,

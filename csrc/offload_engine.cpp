@@ -166,10 +166,11 @@ BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
   info.travel = travel_[block];
   info.raw_bytes = stored.bytes;
   info.compressed_bytes = stored.packed_bytes;
-  info.host_bytes = (stored.has_raw() ? stored.bytes : 0) + stored.packed_bytes;
+  info.host_bytes = stored.on_disk ? 0 : (stored.has_raw() ? stored.bytes : 0) + stored.packed_bytes;
   info.segments = stored.packed_summary.num_segments;
   info.coded_segments = stored.packed_summary.coded_segments;
   info.exceptions = stored.packed_summary.exceptions;
+  if (stored.has_packed()) info.checksum = reinterpret_cast<const codec::Header*>(stored.packed->data())->checksum;
   return info;
 }
 
@@ -195,13 +196,26 @@ at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
 }
 
 size_t OffloadEngine::add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                                       const std::string& segment_name, bool owner) {
+                                       const std::string& segment_name, bool owner, size_t packed_bytes,
+                                       uint64_t checksum) {
   GateHold hold = waiting_gate();
-  TORCH_CHECK(compress_mode_ != CompressMode::kOn, "fastoffload: compress=True cannot be combined with a host copy "
-              "shared across the ranks of this host: pass share_host_copy=False to compress each rank's copy, or "
-              "compress=False (or \"auto\", which keeps shared blocks raw)");
-  const size_t index = store_.add_shared(names, params, segment_name, owner);
-  travel_.push_back(Travel::kRaw);
+  TORCH_CHECK(owner || packed_bytes == 0 || compress_mode_ != CompressMode::kOff, "fastoffload: the owner of the "
+              "shared host copy compressed block ", std::to_string(store_.size()), " but this rank has compression off; "
+              "pass the same compress= on every rank");
+  // One set of bytes serves every rank, so "auto" cannot measure per rank and keep whichever copy wins:
+  // a shared block travels compressed whenever its coding pays (see docs/DESIGN.md, "Compressed host copies").
+  bool compressed = false;
+  size_t index = 0;
+  if (owner && compress_mode_ != CompressMode::kOff) {
+    index = store_.add_shared_compressed(names, params, segment_name, codec_options_, &compressed);
+  } else if (!owner && packed_bytes > 0) {
+    index = store_.attach_shared_compressed(names, params, segment_name, packed_bytes, checksum);
+    compressed = true;
+  } else {
+    index = store_.add_shared(names, params, segment_name, owner);
+  }
+  travel_.push_back(compressed ? Travel::kCompressed : Travel::kRaw);
+  chooser_.forget(index);
   finish_add(index);
   return index;
 }
@@ -217,8 +231,14 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
-  const size_t index = store_.add_from_file(names, params, shapes, spans, reader_);
-  travel_.push_back(Travel::kRaw);  // checkpoint blocks are not compressed
+  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded.
+  const bool compress = compress_mode_ != CompressMode::kOff;
+  const size_t index = store_.add_from_file(names, params, shapes, spans, reader_, /*pin=*/!compress);
+  travel_.push_back(Travel::kRaw);
+  if (compress) {
+    store_.finish_pins();  // the encoder reads the region the reader is filling
+    encode_new(index);
+  }
   finish_add(index);
   return index;
 }
@@ -231,15 +251,69 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
   const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
   if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
-  disk_->add_block(index, store_.block(index).ranges);
   travel_.push_back(Travel::kRaw);
+  if (spill_ != nullptr) {
+    // A disk read costs far more than a decode, so a disk-tier block travels compressed whenever its
+    // coding pays, "auto" included: there is no compute-bound case to protect.
+    try {
+      if (store_.spill(index, *reader_, *spill_, codec_options_)) travel_[index] = Travel::kCompressed;
+    } catch (...) {
+      // Nothing half-added: the engine's per-block lists must stay as long as the store's.
+      travel_.pop_back();
+      store_.discard_last(index);
+      throw;
+    }
+    deferred_disk_.push_back(index);
+  } else {
+    disk_->add_block(index, store_.block(index).ranges);
+  }
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::set_spill_file(const std::string& path) {
+  GateHold hold = waiting_gate();
+  TORCH_CHECK(compress_mode_ != CompressMode::kOff, "fastoffload: a spill file holds compressed disk-tier blocks; "
+              "set compression on first");
+  TORCH_CHECK(spill_ == nullptr, "fastoffload: the disk tier already has a spill file ('", spill_->path(), "')");
+  spill_ = std::make_unique<SpillFile>(path);
+}
+
+std::string OffloadEngine::spill_path() const {
+  auto lock = gate_.enter_read();
+  return spill_ != nullptr ? spill_->path() : std::string();
+}
+
+uint64_t OffloadEngine::spill_bytes() const {
+  auto lock = gate_.enter_read();
+  return spill_ != nullptr ? spill_->bytes() : 0;
+}
+
+void OffloadEngine::register_deferred_disk_blocks() {
+  if (deferred_disk_.empty()) return;
+  spill_->finish();
+  const size_t file = reader_->open(spill_->path());
+  for (size_t b : deferred_disk_) {
+    const StoredBlock& stored = store_.block(b);
+    if (!stored.spilled) {
+      disk_->add_block(b, stored.ranges);
+      continue;
+    }
+    FileRange range;
+    range.file = file;
+    range.offset = stored.spill_offset;
+    range.nbytes = stored.packed_bytes;
+    range.dest_offset = 0;
+    range.name = "block " + std::to_string(b) + " (compressed, in the spill file)";
+    disk_->add_block(b, {range});
+  }
+  deferred_disk_.clear();
 }
 
 void OffloadEngine::start_disk_tier(size_t count) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(disk_ != nullptr, "fastoffload: start_disk_tier: no block was added to the disk tier");
+  register_deferred_disk_blocks();
   size_t disk_blocks = 0;
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b] && store_.block(b).on_disk) disk_blocks += 1;
@@ -352,9 +426,12 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
     void* const staging[2] = {staging_[0].defined() ? staging_[0].data_ptr() : nullptr,
                               staging_[1].defined() ? staging_[1].data_ptr() : nullptr};
     const size_t staging_bytes = staging_[0].defined() ? static_cast<size_t>(staging_[0].numel()) : 0;
-    copy_.decode_to_device(s.buffer.data_ptr(), stored.bytes, stored.packed->data(), stored.packed_bytes, staging,
-                           staging_bytes, stored.packed_summary.num_segments, stored.packed_summary.num_tiles, verify_,
-                           *s.free, *s.ready);
+    // A disk-tier block's compressed bytes are in its staging buffer, the others' in their host region.
+    const void* packed = stored.on_disk ? source : stored.packed->data();
+    copy_.decode_to_device(s.buffer.data_ptr(), stored.bytes, packed, stored.packed_bytes, staging, staging_bytes,
+                           stored.packed_summary.num_segments, stored.packed_summary.num_tiles, verify_, *s.free,
+                           *s.ready);
+    if (stored.on_disk) disk_->consumed(block);
     return;
   }
   if (travel_[block] == Travel::kMeasuring && copy_.is_host()) {
@@ -590,6 +667,7 @@ void OffloadEngine::close() {
   }
   copy_.synchronize_copies();
   if (disk_ != nullptr) disk_->drain();
+  if (spill_ != nullptr) spill_->remove();  // the reader may keep it open: the name goes now, the pages with it
   for (size_t b = 0; b < store_.size(); ++b) {
     if (removed_[b]) continue;
     ring_.forget_block(b);

@@ -64,6 +64,7 @@ struct BlockCodecInfo {
   uint32_t segments = 0;
   uint32_t coded_segments = 0;
   uint64_t exceptions = 0;
+  uint64_t checksum = 0;  // the compressed region's (its header's), 0 without one
 };
 
 class OffloadEngine {
@@ -77,8 +78,12 @@ class OffloadEngine {
   // packs into it, another rank of the host maps the owner's copy without copying. Either way the
   // parameters become placeholders; slots, streams and events stay this process's own. A shared block
   // cannot be materialized or repacked (its bytes are other processes' weights too).
+  // With compression on, the owner encodes the block and the segment holds the compressed bytes
+  // (LayerStore::add_shared_compressed); another rank passes the owner's `packed_bytes` and `checksum`
+  // for such a block (0: the segment holds raw bytes) and decodes the same bytes on its own device.
   size_t add_block_shared(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                          const std::string& segment_name, bool owner);
+                          const std::string& segment_name, bool owner, size_t packed_bytes = 0,
+                          uint64_t checksum = 0);
 
   // Checkpoint-backed blocks (see LayerStore::add_from_file): the reader opens the files and reads the
   // bytes; set it before adding such blocks.
@@ -90,6 +95,12 @@ class OffloadEngine {
   // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
   size_t add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                            const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
+  // Compressed disk tier: the disk-tier blocks added from now on are encoded and written to a new spill
+  // file at `path` (SpillFile), which they read every step instead of the checkpoint; the file is
+  // removed by close() or the destructor. Only with compression on.
+  void set_spill_file(const std::string& path);
+  std::string spill_path() const;
+  uint64_t spill_bytes() const;
   // Allocates the disk tier's staging ring (`count` buffers of the largest disk block, pinned while
   // the host tier's reads still run), waits for those reads (finish_loading) and starts reading ahead.
   // Call once every block is added.
@@ -198,6 +209,8 @@ class OffloadEngine {
   // The bytes to copy for `block`: its host region, or its disk-tier staging buffer (waited for).
   const void* copy_source(size_t block);
   void encode_new(size_t block);
+  // Spill-file blocks are given to the disk tier once the file is complete (start_disk_tier).
+  void register_deferred_disk_blocks();
   void decide_travel();
   void ensure_staging();
 
@@ -222,6 +235,8 @@ class OffloadEngine {
   // engine's events) is torn down first.
   std::shared_ptr<DiskReader> reader_;
   std::unique_ptr<DiskTier> disk_;
+  std::unique_ptr<SpillFile> spill_;
+  std::vector<size_t> deferred_disk_;  // disk-tier blocks, in order, not yet given to disk_
 };
 
 }  // namespace fastoffload

@@ -189,12 +189,17 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate_shared(const std::string& n
     std::lock_guard<std::mutex> lock(mutex_);
     auto reserved = reserved_.find(name);
     if (owner && reserved != reserved_.end()) {
-      TORCH_CHECK(reserved->second->size() == size, "fastoffload: internal error: the shared segment '", name,
+      TORCH_CHECK(reserved->second->size() >= size, "fastoffload: internal error: the shared segment '", name,
                   "' was reserved with ", std::to_string(reserved->second->size()), " bytes, but its block packs to ",
                   std::to_string(size));
       segment = std::move(reserved->second);
       reserved_.erase(reserved);
     }
+  }
+  if (segment != nullptr && segment->size() != size) {
+    // Reserved at the raw size, filled with the smaller compressed form: the reservation is given up
+    // (unmapped and unlinked) and the name created again at the size the other ranks will expect.
+    segment.reset();
   }
   if (segment == nullptr) segment = owner ? SharedSegment::create(name, size) : SharedSegment::open(name, size);
   std::lock_guard<std::mutex> lock(mutex_);

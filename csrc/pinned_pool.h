@@ -110,7 +110,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // contents are the owner's). Either way, call pin() next; pinning registers this process's mapping.
   std::shared_ptr<PoolAllocation> allocate_shared(const std::string& name, size_t nbytes, bool owner);
   // Owner: creates the segment `name` of aligned(nbytes) bytes now (pages reserved), for a later
-  // allocate_shared(name, nbytes, true). Creating every segment before packing any block makes a
+  // allocate_shared(name, nbytes, true) (or a smaller nbytes: a compressed block, whose segment is
+  // then created again at its own size). Creating every segment before packing any block makes a
   // failure (a taken name, /dev/shm full) show before any work is done, when the ranks can still agree
   // to keep one copy each instead.
   void reserve_shared(const std::string& name, size_t nbytes);

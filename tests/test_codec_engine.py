@@ -253,13 +253,14 @@ def test_compress_needs_the_compiled_core() -> None:
     assert params_equal(model, reference)
 
 
-def test_shared_host_copy_refuses_compress_true() -> None:
+def test_compress_mode_no_longer_depends_on_sharing() -> None:
+    """A shared host copy is compressed too (the owner encodes, tests/test_sharing.py): the mode is the one asked for."""
     from fastoffload_ext.codec import resolve_compress
-    with pytest.raises(fo.OffloadConfigError, match=r"^fastoffload: compress=True cannot be combined with a host copy "
-                                                    r"shared across the ranks"):
-        resolve_compress(True, "ext", True)
-    assert resolve_compress("auto", "ext", True) == "off"
-    assert resolve_compress("auto", "ext", False) == "auto"
+    assert resolve_compress(True, "ext") == "on"
+    assert resolve_compress("auto", "ext") == "auto"
+    assert resolve_compress(False, "ext") == "off"
+    with pytest.raises(fo.OffloadConfigError, match=r"^fastoffload: compress must be False, True or 'auto', got 'yes'"):
+        resolve_compress("yes", "ext")
 
 
 def test_verify_mode_decodes_with_the_checksum(monkeypatch) -> None:

@@ -330,7 +330,55 @@ def _scenario_taken_name(rank: int, device: str, queue: Any, control: Path) -> N
     queue.put((rank, "done", result))
 
 
-SCENARIOS = {"main": _scenario_main, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
+def _bf16_model(device: str):
+    """The bf16 model whose blocks the codec compresses (the float32 one travels raw)."""
+    model, reference = make_pair(N_BLOCKS, dtype=torch.bfloat16, d=D, seed=0)
+    reference.to(device)
+    place_outside_blocks(model, device)
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    with torch.inference_mode():
+        want = reference(x)
+    return model, reference, x, want
+
+
+def _scenario_codec(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Compressed shared host copies: the owner encodes, rank 1 maps the same compressed bytes."""
+    import torch.distributed as dist
+
+    result: dict[str, Any] = {}
+    for mode in (True, "auto"):
+        model, reference, x, want = _bf16_model(device)
+        group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True, compress=mode)
+        stats = group.stats()
+        host = group.states[1].cpu_named_parameters
+        result[str(mode)] = {
+            "exact": _exact(model, x, want), "stats": {k: v for k, v in stats.items() if k != "codec"},
+            "codec": stats["codec"], "job": group.share.job, "mapping_modes": _mapping_modes(),
+            "host_views_equal": all(torch.equal(host[n], p) for n, p in place_named(reference.blocks[1]))}
+        try:
+            with ModuleHookManager.get_from(model.blocks[0]).get_forward_hook(
+                    LayerwiseOffloadHook.name()).mutate_params_scope():
+                result[str(mode)]["mutate"] = "allowed"
+        except RuntimeError as error:
+            result[str(mode)]["mutate"] = str(error)
+        dist.barrier()
+        fo.disable_layerwise_offload(model, device="cpu")
+        result[str(mode)]["own_weights"] = params_equal(model, reference)
+    # The ranks disagree on the codec: True raises on every rank, "auto" keeps one copy per rank.
+    for share in (True, "auto"):
+        model, reference, x, want = _bf16_model(device)
+        try:
+            group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=share,
+                                                compress=True if rank == 0 else "auto")
+            result[f"mismatch_{share}"] = {"shared": group.share is not None, "exact": _exact(model, x, want)}
+            fo.disable_layerwise_offload(model, device="cpu")
+        except RuntimeError as error:
+            result[f"mismatch_{share}"] = f"{type(error).__name__}: {error}"
+        result[f"mismatch_{share}_own_weights"] = params_equal(model, reference)
+    queue.put((rank, "done", result))
+
+
+SCENARIOS = {"main": _scenario_main, "codec": _scenario_codec, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
              "interrupts": _scenario_interrupts, "out_of_step": _scenario_out_of_step, "values": _scenario_values,
              "taken_name": _scenario_taken_name}
 
@@ -454,6 +502,59 @@ _FIGURES = ("shared_owner", "shared_bytes", "shared_owned_bytes", "host_reserved
 
 def test_two_ranks_share_one_host_copy(tmp_path: Path) -> None:
     _run_main(tmp_path, "cpu")
+
+
+def _round_up(nbytes: int, alignment: int = 256) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def test_two_ranks_share_one_compressed_host_copy(tmp_path: Path) -> None:
+    """compress=True and "auto" on a shared copy: the segments hold the owner's compressed bytes, which
+    rank 1 maps and decodes; both ranks bit-exact; ranks asking for other codec settings do not share."""
+    _run_codec(tmp_path, "cpu")
+
+
+@pytest.mark.cuda
+def test_two_ranks_on_one_gpu_share_one_compressed_host_copy(tmp_path: Path) -> None:
+    """Both ranks on cuda:0: each decodes the same compressed segment with the GPU kernel."""
+    _run_codec(tmp_path, "cuda:0")
+
+
+@pytest.mark.cuda
+def test_two_gpus_share_one_compressed_host_copy(tmp_path: Path) -> None:
+    """torchrun-style, one process per GPU: each GPU decodes the one compressed host copy."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _run_codec(tmp_path, "cuda")
+
+
+def _run_codec(tmp_path: Path, device: str) -> None:
+    with _Ranks(tmp_path, "codec", device) as ranks:
+        done = ranks.expect("done", range(WORLD))
+    for mode in ("True", "auto"):
+        r0, r1 = done[0][mode], done[1][mode]
+        for rank, r in enumerate((r0, r1)):
+            assert r["exact"] and r["host_views_equal"] and r["own_weights"], (rank, mode)
+            assert [b["mode"] for b in r["codec"]] == ["compressed"] * N_BLOCKS, (rank, mode, r["codec"])
+            compressed = sum(b["compressed_bytes"] for b in r["codec"])
+            raw = sum(b["raw_bytes"] for b in r["codec"])
+            # The host holds the compressed bytes only, once: the segments are exactly their size.
+            assert r["stats"]["host_bytes"] == compressed < 0.8 * raw, (rank, mode, compressed, raw)
+            assert r["stats"]["shared_bytes"] == sum(_round_up(b["compressed_bytes"]) for b in r["codec"])
+            assert "the host copy is shared by 2 ranks of this host" in r["mutate"]
+            assert _names(r["job"]) == []
+        assert r0["codec"] == r1["codec"]  # the same bytes: same sizes and checksums on both ranks
+        assert r0["stats"]["shared_owned_bytes"] == r0["stats"]["shared_bytes"] and r1["stats"]["shared_owned_bytes"] == 0
+        assert r1["mapping_modes"] == {"r--s"} and r0["mapping_modes"] == {"rw-s"}
+    for rank in range(WORLD):
+        refused = done[rank]["mismatch_True"]
+        assert isinstance(refused, str) and refused.startswith("OffloadStateError: fastoffload: cannot share the host "
+                                                               "copy"), refused
+        assert ("rank 1 asked for compress='auto' (format 1, max_ratio 0.9, min_bytes 4096) but the owner for "
+                "compress=True (format 1, max_ratio 0.9, min_bytes 4096); pass the same compress= on every rank"
+                in refused), refused
+        assert done[rank]["mismatch_auto"] == {"shared": False, "exact": True}
+        assert done[rank]["mismatch_True_own_weights"] and done[rank]["mismatch_auto_own_weights"]
 
 
 def test_mismatch_and_attach_failure_fail_every_rank_and_leave_nothing(tmp_path: Path) -> None:
@@ -745,5 +846,59 @@ def test_owner_takes_its_packed_copy_back_into_private_memory() -> None:
         assert torch.equal(params[0], values[0]) and params[0].stride() == values[0].stride()
         engine.release(handle)
         engine.materialize(handle)  # a private block may be mutated again
+    finally:
+        _C.unlink_shared_segment(name)
+
+
+def test_core_compressed_segment_is_checked_before_another_rank_uses_it() -> None:
+    """The owner encodes into the segment; another engine maps it only with the owner's size and checksum and
+    with compression on, and decodes the same values; the owner can take the compressed copy back."""
+    from fastoffload_ext import _C
+
+    def params(fill: bool) -> list[nn.Parameter]:
+        gen = torch.Generator().manual_seed(3)
+        values = [(torch.randn(64, 96, generator=gen) * 0.02).to(torch.bfloat16), torch.randn(7, generator=gen)]
+        return [nn.Parameter(v if fill else torch.zeros_like(v), requires_grad=False) for v in values]
+
+    def engine(mode: str) -> Any:
+        e = _C.OffloadEngine(torch.device("cpu"), 2, _C.PinnedPool(-1, "pageable", 0, False, 0))
+        e.set_compression(mode)
+        return e
+
+    name = f"/fastoffload-{os.getpid()}-c0dec-0"
+    owner_params = params(True)
+    values = [p.detach().clone() for p in owner_params]
+    owner = engine("on")
+    try:
+        handle = owner.add_block_shared(["w", "b"], owner_params, name, True)
+        info = owner.codec_info(handle)
+        assert info["mode"] == "compressed" and info["host_bytes"] == info["compressed_bytes"] < info["raw_bytes"]
+        assert owner.pool.stats()["shared_owned_bytes"] == (info["compressed_bytes"] + 255) // 256 * 256
+        assert list(owner.block_digests(handle)) == list(_C.tensor_digests(["w", "b"], values))
+        size, checksum = info["compressed_bytes"], info["checksum"]
+        with pytest.raises(RuntimeError, match=r"holds compressed bytes with checksum \d+ but the owner encoded "
+                                               r"\d+: the segment changed after the owner wrote it"):
+            engine("on").add_block_shared(["w", "b"], params(False), name, False, size, checksum + 1)
+        with pytest.raises(RuntimeError, match="compressed block 0 but this rank has compression off; pass the same "
+                                               "compress= on every rank"):
+            engine("off").add_block_shared(["w", "b"], params(False), name, False, size, checksum)
+        wider = [nn.Parameter(torch.zeros(64, 128, dtype=torch.bfloat16), requires_grad=False),
+                 nn.Parameter(torch.zeros(7), requires_grad=False)]
+        with pytest.raises(RuntimeError, match="decodes to 12544 bytes but this rank's block packs to 16640 bytes: the "
+                                               "ranks of this host built different parameters"):
+            engine("on").add_block_shared(["w", "b"], wider, name, False, size, checksum)
+        other_params = params(False)
+        other = engine("auto")
+        other_handle = other.add_block_shared(["w", "b"], other_params, name, False, size, checksum)
+        assert other.codec_info(other_handle) == info and other.pool.stats()["shared_owned_bytes"] == 0
+        other.acquire(other_handle)
+        assert all(torch.equal(p, v) for p, v in zip(other_params, values))
+        other.release(other_handle)
+        owner.make_private(handle)  # the ranks fell back after the owner encoded
+        assert not owner.is_shared(handle) and owner.pool.stats()["shared_bytes"] == 0
+        owner.acquire(handle)
+        assert all(torch.equal(p, v) for p, v in zip(owner_params, values))
+        owner.release(handle)
+        assert owner.codec_info(handle)["mode"] == "compressed"
     finally:
         _C.unlink_shared_segment(name)

@@ -7,7 +7,7 @@ See docs/DESIGN.md, "Compressed host copies".
 """
 from __future__ import annotations
 
-from fastoffload_ext.codec.options import VERIFY_ENV, configure_engine, resolve_compress
+from fastoffload_ext.codec.options import VERIFY_ENV, codec_settings, configure_engine, resolve_compress
 from fastoffload_ext.codec.stats import block_stats, summarize
 
-__all__ = ["VERIFY_ENV", "block_stats", "configure_engine", "resolve_compress", "summarize"]
+__all__ = ["VERIFY_ENV", "block_stats", "codec_settings", "configure_engine", "resolve_compress", "summarize"]

@@ -14,12 +14,14 @@ logger = logging.getLogger(__name__)
 VERIFY_ENV = "FASTOFFLOAD_VERIFY_CODEC"
 
 
-def resolve_compress(compress: bool | str, backend: str, sharing: bool | None) -> str:
-    """The engine's mode for ``compress``: "off", "on" or "auto".
+# The encoder's settings (csrc/codec.h, EncodeOptions): set explicitly so that the ranks sharing one host
+# copy can check that they agree on them (engine/sharing.py).
+MAX_RATIO = 0.9
+MIN_BYTES = 4096
 
-    ``sharing``: whether the ranks of this host share one host copy (None: not decided yet, which
-    only "auto" leaves open). A shared copy is one set of bytes for every rank, so it stays raw.
-    """
+
+def resolve_compress(compress: bool | str, backend: str) -> str:
+    """The engine's mode for ``compress``: "off", "on" or "auto"."""
     if compress is False:
         return "off"
     if compress is not True and compress != "auto":
@@ -30,15 +32,20 @@ def resolve_compress(compress: bool | str, backend: str, sharing: bool | None) -
                                      f"{backend!r} backend was chosen; build the extension or pass compress=False")
         logger.info("compress='auto' has no effect with the %r backend: blocks travel raw", backend)
         return "off"
-    if sharing is not False and compress is True:
-        raise OffloadConfigError("fastoffload: compress=True cannot be combined with a host copy shared across the "
-                                 "ranks of this host (share_host_copy=True): pass share_host_copy=False to compress "
-                                 "each rank's copy, or compress='auto' (shared blocks then travel raw)")
-    if sharing:
-        return "off"
     return "on" if compress is True else "auto"
+
+
+def codec_settings(mode: str) -> tuple[str, int, float, int]:
+    """What the compressed bytes depend on besides the weights: mode, format version and encoder settings.
+
+    A host copy shared across ranks is encoded once, by the owner: every rank must have asked for the
+    same settings, so the ranks compare these before sharing.
+    """
+    from fastoffload_ext import _backend
+
+    return (mode, int(_backend.require_ext().CODEC_VERSION), MAX_RATIO, MIN_BYTES)
 
 
 def configure_engine(engine: Any, mode: str) -> None:
     verify = os.environ.get(VERIFY_ENV, "").strip() not in ("", "0")
-    engine.set_compression(mode, verify=verify)
+    engine.set_compression(mode, verify=verify, max_ratio=MAX_RATIO, min_bytes=MIN_BYTES)

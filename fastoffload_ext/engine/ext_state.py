@@ -44,6 +44,8 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.shared_segment: str | None = None
         self.shared_owner = False
         self.shared_by = 0
+        # Another rank's block whose segment the owner filled compressed: (compressed bytes, checksum).
+        self.shared_encoded: tuple[int, int] = (0, 0)
 
     def _attached(self) -> bool:
         return self.handle is not None and not self.engine.is_removed(self.handle)
@@ -55,7 +57,9 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.param_names = [name for name, _ in named]
         params = [p for _, p in named]
         if self.shared_segment is not None:
-            self.handle = self.engine.add_block_shared(self.param_names, params, self.shared_segment, self.shared_owner)
+            packed_bytes, checksum = (0, 0) if self.shared_owner else self.shared_encoded
+            self.handle = self.engine.add_block_shared(self.param_names, params, self.shared_segment, self.shared_owner,
+                                                       packed_bytes, checksum)
         else:
             self.handle = self.engine.add_block(self.param_names, params)
 

@@ -122,7 +122,8 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
             collective: every rank makes it with the same model, and an error on one rank is raised on
             all (docs/DESIGN.md, "Sharing the host copy between ranks").
         compress: ext only: lossless compressed host copies, decoded on the GPU: True, "auto" (only
-            when the step is transfer-bound) or False (docs/DESIGN.md, "Compressed host copies").
+            when the step is transfer-bound) or False; a shared copy is encoded once by its owner, and with
+            weights= the disk tier reads coded blocks from a spill file (docs/DESIGN.md, "Compressed host copies").
         device_budget, host_budget, activation_reserve: device bytes this offload may hold, pinned host
             bytes its blocks may take, device bytes for activations ("20GiB", bytes or "auto"); the planner
             fills what resident_blocks/prefetch_depth leave open (docs/DESIGN.md, "Residency planner and budgets").
@@ -180,6 +181,7 @@ def _build_group(model: nn.Module, options: OffloadOptions, arguments: dict[str,
     group.plan = options.plan
     if checkpoint is not None and engine is not None:
         checkpoint.open_files(engine)
+        checkpoint.open_spill(engine, options.compress)
         group.checkpoint = checkpoint
     group.enable_kwargs = {**(options.settings or {}), "arguments": arguments}
     group.list_names = [name for name, _ in options.lists] or [options.list_name]
@@ -192,7 +194,7 @@ def _negotiate_sharing(group: LayerwiseOffloadGroup, options: OffloadOptions,
     # The index only names blocks in a mismatch message; with a scattered resident set, the first offloaded.
     first = options.offloaded_indices[0] if options.offloaded_indices else 0
     group.share = rendezvous.negotiate(options.share_host_copy, options.backend, options.offloaded,
-                                       options.list_name, first, group.engine)
+                                       options.list_name, first, group.engine, options.compress)
 
 
 def _check_model(model: nn.Module, options: OffloadOptions) -> None:
@@ -259,6 +261,7 @@ def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -
         state.shared_segment = share.segment_name(len(group.states))
         state.shared_owner = share.owner
         state.shared_by = share.shared_by
+        state.shared_encoded = share.encoded_form(len(group.states))
     return state
 
 

@@ -205,14 +205,9 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
-    if compress is True and share_host_copy == "auto":
-        share_host_copy = False  # an explicit compress=True wins over sharing by default
     share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
-    sharing_now = sharing.resolve(share_host_copy, chosen, process_group)
-    compress_mode = codec.resolve_compress(compress, chosen, sharing_now)
-    if weights is not None and compress_mode != "off":
-        raise OffloadConfigError("fastoffload: weights= cannot be combined with compress yet: blocks built from a "
-                                 "checkpoint are read raw (and the disk tier streams raw bytes); pass compress=False")
+    sharing.resolve(share_host_copy, chosen, process_group)  # refuses share_host_copy=True without a group
+    compress_mode = codec.resolve_compress(compress, chosen)
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,

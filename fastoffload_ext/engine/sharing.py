@@ -43,6 +43,11 @@ handler, and in the C++ segment's destructor. An owner killed before it unlinked
 the next owner's sweep removes them, and only them: the names of a job whose lock is free (its owner is
 dead, whatever its PID namespace) and that belong to this user.
 
+Compression (``compress=True`` or "auto"): the owner encodes each block and its segment holds the
+compressed bytes; every rank sends its codec settings in step 1 (a difference is a mismatch like a
+layout's), the owner sends each block's compressed size and checksum in step 2, and the other ranks
+check the segment against them (and the checksum against the bytes) before they decode from it.
+
 Contract and limits:
 - Every rank of the group must call ``enable_layerwise_offload`` then, in the same order, with the same
   model (same parameter names, dtypes, shapes, strides and values). With NCCL the object collectives use
@@ -67,6 +72,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.codec import codec_settings
 from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
@@ -148,6 +154,20 @@ def _first_difference(mine: list[Any], owners: list[Any], list_name: str, first_
                 return (f"parameter '{prefix}{name}' is {dtype} of shape {list(shape)}, stride {list(stride)} on rank "
                         f"{rank} but {o_dtype} of shape {list(o_shape)}, stride {list(o_stride)} on the owner")
     return None
+
+
+def _codec_difference(mine: Any, owners: Any, rank: int) -> str | None:
+    """How the codec settings of ``rank`` differ from the owner's (the owner encodes for all); None if equal."""
+    if mine is None or owners is None or tuple(mine) == tuple(owners):
+        return None
+    words = {"off": "False", "on": "True", "auto": "'auto'"}
+
+    def describe(settings: Any) -> str:
+        mode, version, max_ratio, min_bytes = settings
+        return f"compress={words.get(mode, mode)} (format {version}, max_ratio {max_ratio}, min_bytes {min_bytes})"
+
+    return (f"rank {rank} asked for {describe(mine)} but the owner for {describe(owners)}; pass the same compress= "
+            "on every rank")
 
 
 def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: list[Any], list_name: str,
@@ -249,9 +269,9 @@ class Rendezvous:
                                     "group did, so every rank raised; give every rank the same device (or none)")
 
     def negotiate(self, share_host_copy: bool | str, backend: str, blocks: list[nn.Module], list_name: str,
-                  first_index: int, engine: Any) -> HostShare | None:
+                  first_index: int, engine: Any, compress: str = "off") -> HostShare | None:
         """Step 1 (see the module docstring); None when the ranks do not share. ``share_host_copy`` is the
-        validated value (compression may have turned the default off)."""
+        validated value; ``compress`` the engine's codec mode, which every rank must share too."""
         if not self.collective:
             self.done = True
             return None
@@ -264,7 +284,8 @@ class Rendezvous:
                     "can_share": engine is not None and bool(blocks) and decided is not False,
                     "job": secrets.token_hex(TOKEN_BYTES), "names": [secrets.token_hex(TOKEN_BYTES) for _ in blocks],
                     "blocks": [block_layout(block) for block in blocks], "shm_free": _shm_free_bytes(),
-                    "needed": _packed_bytes_bound(blocks)}
+                    "needed": _packed_bytes_bound(blocks),
+                    "codec": codec_settings(compress) if engine is not None else None}
         except BaseException as error:
             self.fail(error)
             raise
@@ -280,6 +301,12 @@ class Rendezvous:
         if share is not None:
             share.engine = engine
         return share
+
+
+def _encoded(engine: Any, handle: int) -> tuple[int, int]:
+    """(compressed bytes, checksum) of a shared block as the owner stored it; (0, 0) when it is raw."""
+    info = engine.codec_info(handle)
+    return (int(info["compressed_bytes"]), int(info["checksum"])) if info["mode"] == "compressed" else (0, 0)
 
 
 def _raise_failures(everyone: list[dict[str, Any]], rank: int) -> None:
@@ -302,7 +329,8 @@ def _verdict(group: Any, everyone: list[dict[str, Any]], mine: dict[str, Any], d
     for info in everyone:
         owner = owners[info["host"]]
         if info is not owner:
-            difference = _first_difference(info["blocks"], owner["blocks"], list_name, first_index, info["rank"])
+            difference = (_first_difference(info["blocks"], owner["blocks"], list_name, first_index, info["rank"])
+                          or _codec_difference(info["codec"], owner["codec"], info["rank"]))
             if difference is not None:
                 differences[info["rank"]] = (difference, owner["rank"])
     # /dev/shm must hold the whole host copy (a Docker default is 64 MiB): judged on each host's owner.
@@ -362,6 +390,8 @@ class HostShare:
         self.engine: Any = None
         self.active = True                  # False once the ranks fell back to one copy each
         self._packed: bool | None = None    # step 2 done: did it succeed everywhere?
+        # From the owner in step 2: (compressed bytes, checksum) of each block's segment, (0, 0) for a raw one.
+        self.encoded: list[tuple[int, int]] = []
         self._attached: bool | None = None  # step 3 done
         self._fallback: str | None = None   # why this owner could not create the host copy ("auto")
         self._lock: Any = None
@@ -379,6 +409,10 @@ class HostShare:
     def pool(self) -> Any:
         return self.engine.pool
 
+    def encoded_form(self, index: int) -> tuple[int, int]:
+        """(compressed bytes, checksum) the owner wrote into block ``index``'s segment; (0, 0): raw bytes."""
+        return self.encoded[index] if index < len(self.encoded) else (0, 0)
+
     def segment_name(self, index: int) -> str | None:
         """Block ``index``'s segment; None once the ranks fell back to one copy each."""
         from fastoffload_ext import _backend
@@ -392,7 +426,7 @@ class HostShare:
             self._prepare_segments(blocks)
             return
         digests = [block_digests(block) for block in blocks]
-        self._step_two(None, digests)
+        self._step_two(None, digests, None)
 
     def _prepare_segments(self, blocks: list[nn.Module]) -> None:
         from fastoffload_ext import _backend
@@ -417,11 +451,13 @@ class HostShare:
             self._unlink()
             self.active = False
 
-    def _step_two(self, error: BaseException | None, digests: list[list[int]] | None) -> None:
-        """Step 2: every rank's status and digests; raises, falls back (``active`` False) or goes on."""
+    def _step_two(self, error: BaseException | None, digests: list[list[int]] | None,
+                  encoded: list[tuple[int, int]] | None) -> None:
+        """Step 2: every rank's status and digests (the owner's: also what it encoded); raises, falls back
+        (``active`` False) or goes on."""
         status = None if error is None else _describe(self.rank, error)
         everyone = _gather(self.group, {"error": status, "fallback": self._fallback, "digests": digests,
-                                        "rank": self.rank})
+                                        "encoded": encoded, "rank": self.rank})
         self._packed = False
         failures = [info["error"] for info in everyone if info["error"] is not None]
         if error is not None:
@@ -432,6 +468,8 @@ class HostShare:
                                     + "; ".join(failures))
         reasons = [info["fallback"] for info in everyone if info["fallback"] is not None]
         by_rank = {info["rank"]: info["digests"] for info in everyone}
+        self.encoded = [tuple(e) for e in next(info["encoded"] for info in everyone
+                                               if info["rank"] == self.owner_rank) or []]
         for info in everyone:
             owner_rank = self.host_owner_ranks[info["rank"]]
             if owner_rank != info["rank"] and by_rank[owner_rank] is not None:
@@ -452,7 +490,8 @@ class HostShare:
         """Owner: step 2. All still sharing: step 3; the owner unlinks. Returns whether the copy is shared."""
         if self.owner:
             digests = ([list(self.engine.block_digests(state.handle)) for state in states] if self.active else None)
-            self._step_two(None, digests)
+            encoded = [_encoded(self.engine, state.handle) for state in states] if self.active else None
+            self._step_two(None, digests, encoded)
             if not self.active:
                 self._take_back(states)
                 return False
@@ -479,7 +518,7 @@ class HostShare:
         """This rank failed during enable: tell the others (so nobody waits forever), then unlink."""
         try:
             if self._packed is None:
-                self._step_two(error, None)
+                self._step_two(error, None, None)
             elif self._packed and self.active and self._attached is None:
                 self._attached = False
                 _gather(self.group, _describe(self.rank, error))

@@ -1,6 +1,7 @@
 """Knobs of the disk reader and the disk tier, validated once."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +28,20 @@ class DiskOptions:
     chunk_bytes: the largest single read request.
     read_mode: "auto" (O_DIRECT where the file system accepts it, else buffered), "direct" (O_DIRECT or
         an error) or "buffered" (through the page cache).
+    spill_dir: with compression on, the directory of the spill file that holds the disk tier's
+        compressed blocks (None: the checkpoint's directory). Created at enable, removed at detach.
     """
 
     staging_buffers: int = 2
     read_threads: int = 4
     chunk_bytes: int = 8 << 20
     read_mode: str = "auto"
+    spill_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
+            raise OffloadConfigError(f"fastoffload: DiskOptions.spill_dir must be a directory path or None, got "
+                                     f"{type(self.spill_dir).__name__}")
         _positive_int("staging_buffers", self.staging_buffers, 1, 64)
         _positive_int("read_threads", self.read_threads, 1, 256)
         _positive_int("chunk_bytes", self.chunk_bytes, 4096, 1 << 30)

@@ -15,8 +15,10 @@ file. A failure later (a short read, Ctrl-C) undoes what was loaded, so the mode
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,6 +81,10 @@ class CheckpointSource:
         self.file_index: dict[str, int] = {}
         self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
         self._next_block = 0
+        # For promotions (next_block): each block's packed bytes, the budget, the engine's codec mode.
+        self.block_bytes: list[int] = []
+        self.host_budget: int | None = None
+        self.compress = "off"
 
     # Before anything changes.
     @classmethod
@@ -92,7 +98,9 @@ class CheckpointSource:
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
-        return cls(checkpoint, sources, resident, tiers, options)
+        source = cls(checkpoint, sources, resident, tiers, options)
+        source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
+        return source
 
     @staticmethod
     def _host_use(blocks: nn.ModuleList, offloaded: list[int], resident: dict[str, TensorEntry],
@@ -170,13 +178,40 @@ class CheckpointSource:
             self.file_index[path] = self.reader.open(path)
         engine.set_reader(self.reader)
 
+    def open_spill(self, engine: Any, compress: str) -> None:
+        """With compression and a disk tier: the spill file the disk-tier blocks are encoded into."""
+        self.compress = compress
+        if compress == "off" or not self.tiers.disk:
+            return
+        opts = self.options
+        first = min(entry.path for block in self.blocks for entry in block.entries)
+        folder = os.fspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
+        # A name of this process alone; the engine creates it exclusively and removes it at detach.
+        engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
+
     def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
         return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
 
-    def next_block(self) -> BlockSource:
-        block = self.blocks[self._next_block]
+    def next_block(self, engine: Any = None) -> BlockSource:
+        """The next block to attach (the blocks before it are in the engine already)."""
+        index = self._next_block
         self._next_block += 1
-        return block
+        if self._promotes(index, engine):
+            self.blocks[index] = replace(self.blocks[index], on_disk=False)
+            logger.info("Disk tier: block %d moves to the host tier (the compressed host blocks left room)", index)
+        return self.blocks[index]
+
+    def _promotes(self, index: int, engine: Any) -> bool:
+        """Whether a disk-tier block fits in host memory after all: the tier plan counts raw bytes, but with
+        compression the host blocks before it hold fewer. Counted conservatively: what the pool holds now,
+        this block's raw region (it exists while it is encoded), the raw regions of every later host block,
+        and the staging ring."""
+        block = self.blocks[index]
+        if not block.on_disk or self.compress == "off" or engine is None or self.host_budget is None:
+            return False
+        later = sum(self.block_bytes[i] for i in range(index + 1, len(self.blocks)) if not self.blocks[i].on_disk)
+        held = int(engine.pool.stats()["in_use_bytes"])
+        return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
 
     def load_resident(self, model: nn.Module, device: torch.device) -> None:
         """Every non-offloaded parameter and every buffer, read from the checkpoint onto ``device``."""
@@ -212,7 +247,7 @@ class CheckpointSource:
         The blocks' reads were only queued while the blocks were attached; with a disk tier, its staging
         ring is allocated and pinned while they still run, and the engine waits for them after that.
         """
-        if self.tiers.disk:
+        if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
             engine.start_disk_tier(self.tiers.staging_buffers)
         else:
             engine.finish_loading()

@@ -36,7 +36,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
     def __init__(self, engine: Any, device: torch.device, source: CheckpointSource) -> None:
         super().__init__(engine, device)
         self.source = source
-        self.block: BlockSource = source.next_block()
+        self.block: BlockSource = source.next_block(engine)
         self._originals: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     @property

@@ -1,0 +1,181 @@
+"""Compression with weights=: the host tier holds compressed bytes, the disk tier a compressed spill file."""
+from __future__ import annotations
+
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.storage import DiskOptions
+from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+from tests._models import OFFLOAD_DEVICES, params_equal
+
+N_BLOCKS = 8
+
+
+def _spills(folder: Path) -> list[Path]:
+    return sorted(folder.glob(".fastoffload-spill-*"))
+
+
+def _run_exact(model, reference, device: str, steps: int = 4) -> bool:
+    x = inputs().to(device)
+    with torch.no_grad():
+        expected = reference.to(device)(x)
+        return all(torch.equal(model(x), expected) for _ in range(steps))
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("compress", [True, "auto"])
+def test_host_tier_from_a_checkpoint_holds_the_compressed_bytes(tmp_path: Path, device: str, compress) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(N_BLOCKS)
+    group = enable_layerwise_offload(model, device=device, weights=path, compress=compress)
+    assert not any(s.on_disk for s in group.states) and _spills(tmp_path) == []
+    raw = sum(b["raw_bytes"] for b in group.stats()["codec"])
+    if compress == "auto":
+        # Both copies while measuring, then the engine decides for every block.
+        assert [b["mode"] for b in group.stats()["codec"]] == ["measuring"] * N_BLOCKS
+    assert _run_exact(model, reference, device)
+    stats = group.stats()
+    modes = {b["mode"] for b in stats["codec"]}
+    assert modes <= {"compressed", "raw"} and len(modes) == 1, modes
+    if compress is True:
+        compressed = sum(b["compressed_bytes"] for b in stats["codec"])
+        assert modes == {"compressed"} and stats["host_bytes"] == compressed < 0.85 * raw, (compressed, raw)
+        # What stays allocated in the pool is the compressed regions (raw copies freed once encoded).
+        assert group.engine.pool.stats()["in_use_bytes"] < 0.9 * raw
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("compress", [True, "auto"])
+def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(tmp_path: Path, device: str,
+                                                                               compress) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    model = meta_stack(N_BLOCKS)
+    group = enable_layerwise_offload(model, device=device, weights=path, host_budget=budget, compress=compress)
+    disk = [s for s in group.states if s.on_disk]
+    assert len(disk) >= N_BLOCKS // 2
+    spills = _spills(tmp_path)
+    assert [str(p) for p in spills] == [group.engine.spill_path]
+    infos = [group.engine.codec_info(s.handle) for s in disk]
+    # A disk read costs far more than a decode: disk blocks travel compressed under "auto" too.
+    assert [i["mode"] for i in infos] == ["compressed"] * len(disk) and all(i == infos[0] for i in infos)
+    info = infos[0]
+    assert info["compressed_bytes"] < 0.85 * info["raw_bytes"] and info["host_bytes"] == 0
+    # The spill file holds the disk blocks' compressed regions, each padded to 4 KiB for O_DIRECT.
+    padded = -(-info["compressed_bytes"] // 4096) * 4096
+    assert spills[0].stat().st_size == group.engine.spill_bytes == len(disk) * padded
+    if compress is True:
+        # Host tier blocks hold their compressed bytes; disk blocks none. The pool holds those and the
+        # staging ring, nothing more.
+        host_tier = (N_BLOCKS - len(disk)) * info["compressed_bytes"]
+        assert group.stats()["host_bytes"] == host_tier
+        staging = group.engine.disk_stats()["staging_count"] * group.engine.disk_stats()["staging_bytes"]
+        assert group.engine.pool.stats()["in_use_bytes"] <= host_tier + staging + 256 * N_BLOCKS <= budget
+    before = group.engine.reader.stats()["bytes_read"]
+    assert _run_exact(model, reference, device)
+    read = group.engine.reader.stats()["bytes_read"] - before
+    # Each step reads the compressed bytes of every disk block (not the checkpoint's raw tensors).
+    assert read >= 4 * len(disk) * info["compressed_bytes"] and read % info["compressed_bytes"] == 0
+    assert group.engine.disk_stats()["reads"] >= 4 * len(disk)
+    disable_layerwise_offload(model, device="cpu")
+    assert _spills(tmp_path) == []
+    assert params_equal(model, reference.cpu())
+
+
+def test_compressed_host_blocks_leave_room_for_more_blocks_in_the_host_budget(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    raw = block_bytes(reference)
+    budget = 5 * raw + 4096  # raw: about 4 host blocks beside one staging buffer, the rest on disk
+    options = DiskOptions(staging_buffers=1)
+    on_disk = {}
+    for compress in (False, True):
+        model = meta_stack(N_BLOCKS)
+        group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=compress,
+                                         disk_options=options)
+        on_disk[compress] = sum(s.on_disk for s in group.states)
+        assert group.engine.pool.stats()["in_use_bytes"] <= budget
+        assert _run_exact(model, reference, "cpu", steps=3)
+        disable_layerwise_offload(model, device="cpu")
+        assert params_equal(model, reference.cpu()) and _spills(tmp_path) == []
+    assert on_disk[False] >= 4 and 0 < on_disk[True] < on_disk[False], on_disk
+
+
+def test_spill_dir_holds_the_spill_file_and_a_missing_one_is_refused(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    elsewhere = tmp_path / "spill"
+    elsewhere.mkdir()
+    model = meta_stack(N_BLOCKS)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True,
+                             disk_options=DiskOptions(spill_dir=elsewhere))
+    assert len(_spills(elsewhere)) == 1 and _spills(tmp_path) == []
+    assert _run_exact(model, reference, "cpu", steps=2)
+    disable_layerwise_offload(model, device="cpu")
+    assert _spills(elsewhere) == []
+    model = meta_stack(N_BLOCKS)
+    with pytest.raises(RuntimeError, match=r"fastoffload: cannot create the spill file '.*/missing/\.fastoffload-spill-"
+                                           r".*' of the compressed disk tier: No such file or directory; pass "
+                                           r"DiskOptions\(spill_dir=\.\.\.\) a writable directory"):
+        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True,
+                                 disk_options=DiskOptions(spill_dir=tmp_path / "missing"))
+    assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
+
+
+def test_a_full_disk_while_spilling_fails_cleanly(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    model = meta_stack(N_BLOCKS)
+    # A file-size limit makes the spill's second block fail as a full disk would (EFBIG instead of ENOSPC).
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, limits[1]))
+    try:
+        with pytest.raises(RuntimeError, match=r"fastoffload: writing \d+ bytes to the spill file '.*' of the compressed "
+                                               r"disk tier failed: File too large \(the disk is full or a limit was "
+                                               r"reached\); free space there, or pass DiskOptions\(spill_dir=\.\.\.\)"):
+            enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert _spills(tmp_path) == []
+    assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
+
+
+def test_a_spill_file_changed_after_enable_is_refused_and_nothing_is_lost(tmp_path: Path) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    model = meta_stack(N_BLOCKS)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True)
+    spill = Path(group.engine.spill_path)
+    assert _run_exact(model, reference, "cpu", steps=1)
+    data = bytearray(spill.read_bytes())
+    data[100] ^= 0xFF
+    spill.write_bytes(bytes(data))
+    x = inputs()
+    with pytest.raises(RuntimeError, match=r"fastoffload: checkpoint file .*\.fastoffload-spill-.* changed after offload "
+                                           r"was enabled"):
+        with torch.no_grad():
+            for _ in range(2):  # the read-ahead of the first step may already hold the old bytes
+                model(x)
+    disable_layerwise_offload(model, device="cpu")
+    assert _spills(tmp_path) == [] and params_equal(model, reference.cpu())
+
+
+def test_bad_spill_dir_is_refused() -> None:
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: DiskOptions.spill_dir must be a directory path or "
+                                                 r"None, got int$"):
+        DiskOptions(spill_dir=3)
