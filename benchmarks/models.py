@@ -115,12 +115,12 @@ def _wan_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> di
     # tokens = frames x (height / 2) x (width / 2) with Wan's (1, 2, 2) patches; 480x832 video: 1560 a frame.
     per_frame, height, width = (1560, 60, 104) if config["num_layers"] > 4 else (16, 8, 8)
     frames = max(1, tokens // per_frame)
-    generator = torch.Generator().manual_seed(tokens)
+    generator = torch.Generator("cpu").manual_seed(tokens)
     text = 512 if config["text_dim"] == 4096 else 8
     return _place(dict(
-        hidden_states=torch.randn(1, config["in_channels"], frames, height, width, generator=generator),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=torch.randn(1, text, config["text_dim"], generator=generator),
+        hidden_states=torch.randn(1, config["in_channels"], frames, height, width, generator=generator, device="cpu"),
+        timestep=torch.tensor([500], device="cpu"),
+        encoder_hidden_states=torch.randn(1, text, config["text_dim"], generator=generator, device="cpu"),
     ), device)
 
 
@@ -133,18 +133,18 @@ def _place(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, t
 
 
 def _flux_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(tokens)
+    generator = torch.Generator("cpu").manual_seed(tokens)
     text = 512 if config["joint_attention_dim"] == 4096 else 8
     inputs = dict(
-        hidden_states=torch.randn(1, tokens, config["in_channels"], generator=generator),
-        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=generator),
-        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=generator),
-        timestep=torch.tensor([0.5]),
-        img_ids=torch.randn(tokens, 3, generator=generator),
-        txt_ids=torch.zeros(text, 3),
+        hidden_states=torch.randn(1, tokens, config["in_channels"], generator=generator, device="cpu"),
+        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=generator, device="cpu"),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=generator, device="cpu"),
+        timestep=torch.tensor([0.5], device="cpu"),
+        img_ids=torch.randn(tokens, 3, generator=generator, device="cpu"),
+        txt_ids=torch.zeros(text, 3, device="cpu"),
     )
     if config.get("guidance_embeds"):
-        inputs["guidance"] = torch.tensor([3.5])
+        inputs["guidance"] = torch.tensor([3.5], device="cpu")
     return _place(inputs, device)
 
 

@@ -46,6 +46,8 @@ def numerics_settings() -> dict[str, Any]:
         "flash_sdp": cuda.flash_sdp_enabled(), "mem_efficient_sdp": cuda.mem_efficient_sdp_enabled(),
         "math_sdp": cuda.math_sdp_enabled(), "cudnn_sdp": cuda.cudnn_sdp_enabled(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        # Not numerics, but a peer that leaves them set moves every later model's tensors.
+        "default_device": str(torch.get_default_device()), "default_dtype": torch.get_default_dtype(),
     }
 
 
@@ -67,6 +69,8 @@ def restore_settings(settings: dict[str, Any]) -> None:
     cuda.enable_math_sdp(settings["math_sdp"])
     cuda.enable_cudnn_sdp(settings["cudnn_sdp"])
     torch.use_deterministic_algorithms(settings["deterministic_algorithms"])
+    torch.set_default_device(settings["default_device"])
+    torch.set_default_dtype(settings["default_dtype"])
 
 
 def alignment(tensor: torch.Tensor) -> int:

@@ -238,7 +238,7 @@ def test_ties_go_to_the_evenly_spread_resident_set() -> None:
 
 @pytest.mark.cuda
 def test_cuda_compressed_plan_counts_the_staging_and_stays_within_the_budget() -> None:
-    model, reference, _ = make_pair(12, torch.bfloat16, d=D)
+    model, reference = make_pair(12, torch.bfloat16, d=D)
     reference.to("cuda")
     place_outside_blocks(model, "cuda")
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
