@@ -270,8 +270,17 @@ class SectionRunner:
                     break
                 time.sleep(0.2)
         except KeyboardInterrupt:
+            # Ctrl-C or SIGTERM (a `timeout` around the run): what the sections wrote so far is kept, and
+            # the outputs are still written, so a run cut short shows every row it measured.
             _kill(process)
-            raise
+            for name in [name for name in sections if name not in done]:
+                status = {"status": "interrupted: the rows measured before it are kept" if name == current
+                          else "not run: the run was interrupted"}
+                if name == current:
+                    status["wall_s"] = round(time.time() - started, 2)
+                self.statuses[name] = status
+                self.on_section_done(name, status)
+            return []
         code = process.returncode
         if current is not None:  # died inside a section
             reason = (f"crashed ({signal.Signals(-code).name})" if code is not None and code < 0
@@ -418,6 +427,10 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the run the way Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -436,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
                                "sections": {}}
     texts: list[str] = []
     run_started = time.perf_counter()
-    _run_sections(args, out_dir, journal_dir, results, texts)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _run_sections(args, out_dir, journal_dir, results, texts)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     results["wall_s"] = round(time.perf_counter() - run_started, 2)
     _summarize_targets(results, texts)
     _write_outputs(args, out_dir, results, texts)
