@@ -41,7 +41,7 @@ from torch import nn
 from benchmarks.dit_workloads import dit_workloads
 from benchmarks.interleave import run_interleaved
 from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory
-from benchmarks.workloads import Workload, move_non_block_modules, stack_workload
+from benchmarks.workloads import Workload, move_all_but, move_non_block_modules, stack_workload
 
 TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -122,16 +122,7 @@ def _rest_to_device(model: nn.Module, workload: Workload, device: torch.device) 
     if not workload.info.get("block_lists"):
         move_non_block_modules(model, device)
         return
-    lists = set(_lists(workload, model))
-    for name, child in model.named_children():
-        if name not in lists:
-            child.to(device)
-    for param in model._parameters.values():
-        if param is not None:
-            param.data = param.data.to(device)
-    for key, buffer in list(model._buffers.items()):
-        if buffer is not None:
-            model._buffers[key] = buffer.to(device)
+    move_all_but(model, device, [getattr(model, name) for name in _lists(workload, model)])
 
 
 class Config:
