@@ -234,7 +234,9 @@ def run(ctx: Context) -> None:
 
 def _measure(ctx: Context, spec: Any, path: Path) -> None:
     fs = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()
-    ctx.note(f"checkpoint {path} ({path.stat().st_size / GiB:.2f} GiB, file system {fs or 'unknown'}); "
+    # Relative where it can be: the results go into docs, which name nothing outside the repository.
+    shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else path.name
+    ctx.note(f"checkpoint {shown} ({path.stat().st_size / GiB:.2f} GiB, file system {fs or 'unknown'}); "
              "page cache evicted before every measurement")
     bandwidth = _read_rows(ctx, path)
     if not bandwidth:
