@@ -28,6 +28,13 @@ def _run_exact(model, reference, device: str, steps: int = 4) -> bool:
         return all(torch.equal(model(x), expected) for _ in range(steps))
 
 
+def _half_in_host_memory(tmp_path: Path) -> tuple[torch.nn.Module, Path, int]:
+    """The reference model, its checkpoint, and a host budget that holds about half of its blocks."""
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    return reference, path, N_BLOCKS * block_bytes(reference) // 2 + 4096
+
+
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("compress", [True, "auto"])
 def test_host_tier_from_a_checkpoint_holds_the_compressed_bytes(tmp_path: Path, device: str, compress) -> None:
@@ -57,9 +64,7 @@ def test_host_tier_from_a_checkpoint_holds_the_compressed_bytes(tmp_path: Path, 
 @pytest.mark.parametrize("compress", [True, "auto"])
 def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(tmp_path: Path, device: str,
                                                                                compress) -> None:
-    reference = reference_stack(N_BLOCKS)
-    path = write_single(reference, tmp_path / "model.safetensors")
-    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    reference, path, budget = _half_in_host_memory(tmp_path)
     model = meta_stack(N_BLOCKS)
     group = enable_layerwise_offload(model, device=device, weights=path, host_budget=budget, compress=compress)
     disk = [s for s in group.states if s.on_disk]
@@ -112,9 +117,7 @@ def test_compressed_host_blocks_leave_room_for_more_blocks_in_the_host_budget(tm
 
 
 def test_spill_dir_holds_the_spill_file_and_a_missing_one_is_refused(tmp_path: Path) -> None:
-    reference = reference_stack(N_BLOCKS)
-    path = write_single(reference, tmp_path / "model.safetensors")
-    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    reference, path, budget = _half_in_host_memory(tmp_path)
     elsewhere = tmp_path / "spill"
     elsewhere.mkdir()
     model = meta_stack(N_BLOCKS)
@@ -134,9 +137,7 @@ def test_spill_dir_holds_the_spill_file_and_a_missing_one_is_refused(tmp_path: P
 
 
 def test_a_full_disk_while_spilling_fails_cleanly(tmp_path: Path) -> None:
-    reference = reference_stack(N_BLOCKS)
-    path = write_single(reference, tmp_path / "model.safetensors")
-    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    reference, path, budget = _half_in_host_memory(tmp_path)
     model = meta_stack(N_BLOCKS)
     # A file-size limit makes the spill's second block fail as a full disk would (EFBIG instead of ENOSPC).
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -155,9 +156,7 @@ def test_a_full_disk_while_spilling_fails_cleanly(tmp_path: Path) -> None:
 
 
 def test_a_spill_file_changed_after_enable_is_refused_and_nothing_is_lost(tmp_path: Path) -> None:
-    reference = reference_stack(N_BLOCKS)
-    path = write_single(reference, tmp_path / "model.safetensors")
-    budget = N_BLOCKS * block_bytes(reference) // 2 + 4096
+    reference, path, budget = _half_in_host_memory(tmp_path)
     model = meta_stack(N_BLOCKS)
     group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True)
     spill = Path(group.engine.spill_path)
