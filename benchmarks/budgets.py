@@ -23,6 +23,28 @@ count and Flux with both block lists in one ring, ``benchmarks/dit_workloads.py`
 3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
    beyond 2 %.
 
+Compressed copies (W1 and W4 at 50 %): the raw plan, the plan with ``compress=True`` (coded bytes and the
+decode's two device staging buffers counted in the budget) and the plan ``compress="auto"`` picks (the
+faster predicted of the two) in the same interleaved rounds.
+
+``BENCHMARK_BUDGETS_WORKLOADS`` (comma-separated, case-insensitive: ``W1,W2,W3,W4,wan-1.3b,flux``) runs
+only those workloads, so the full section fits two GPU commands of about 450 s each (W1-W4, then the
+diffusers models); unknown names are noted and ignored. Each row is in the journal as soon as it is
+done (a SIGTERM to ``python -m benchmarks`` keeps every row so far), and a note after each workload
+gives its wall time.
+
+Time (full section, estimated from the quick run's rows on the H200: rounds x configurations x
+(warm-up + iterations) x step, plus about 1.2 s to build each configuration per 3 GiB): W1 ~70 s, W2
+~100 s (a 100 ms step), W3 ~40 s, W4 ~65 s; Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240); Flux ~80 s
+(1024 tokens) + ~115 s (9216). Hence five rounds of five iterations outside ``--quick``.
+
+Flux stays cut to 4 double-stream + 8 single-stream blocks (``benchmarks/dit_workloads.py``): the full
+19 + 38 blocks are 24 GB, so every grid configuration's own pinned host copy, the host master and the
+copies being built do not fit 128 GB of host memory, and at 0.44 s a step moved at the PCIe floor the
+section's rounds alone (six budgets x up to five configurations x 30 forwards) would take the whole
+command. The cut keeps both block kinds, their sizes and the balanced token count, which is what the
+planner's choice depends on.
+
 ``--quick``: W1 and W4 at budgets 0, 50 and 100 % and "auto"; the diffusers models at 0 and 50 % and
 "auto", Flux at its transfer-bound token count only, the depth sweep once per architecture; four rounds.
 Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
@@ -32,6 +54,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +78,13 @@ TARGET_X_IDEAL = 1.05
 TARGET_X_FLOOR = 0.55  # at 50 % on W1 and W4
 TARGET_DEPTH = 1.02
 FLOOR_WORKLOADS = ("W1", "W4")
+ENV_WORKLOADS = "BENCHMARK_BUDGETS_WORKLOADS"
+STACK_KEYS = ("W1", "W2", "W3", "W4")
+QUICK_STACK_KEYS = ("W1", "W4")
+DIT_KEYS = ("wan-1.3b", "flux")
+# (full, quick): five rounds of five iterations keep the full section within two ~450 s commands.
+ROUNDS = (5, 4)
+ITERS = (5, 5)
 
 TABLES = {
     "budgets": Table(
@@ -93,13 +124,36 @@ TABLES = {
 }
 
 
+def selected_keys(ctx: Context, wanted: str | None) -> list[str]:
+    """The workload keys to run: ``wanted`` (the environment selector) or the section's default."""
+    if not wanted or not wanted.strip():
+        return list(QUICK_STACK_KEYS if ctx.quick else STACK_KEYS) + list(DIT_KEYS)
+    known = {key.lower(): key for key in STACK_KEYS + DIT_KEYS}
+    names = [name.strip().lower() for name in wanted.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        ctx.note(f"{ENV_WORKLOADS}: unknown workload(s) {', '.join(unknown)} ignored; known: "
+                 f"{', '.join(STACK_KEYS + DIT_KEYS)}")
+    return [known[name] for name in dict.fromkeys(names) if name in known]
+
+
 def _workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
-    keys = ("W1", "W4") if ctx.quick else ("W1", "W2", "W3", "W4")
+    keys = selected_keys(ctx, os.environ.get(ENV_WORKLOADS))
     items: list[tuple[str, Workload | None, str]] = []
     for key in keys:
-        workload = stack_workload(key, cpu=not ctx.cuda)
-        items.append((workload.name, workload, ""))
-    return items + dit_workloads(ctx)
+        if key in STACK_KEYS:
+            workload = stack_workload(key, cpu=not ctx.cuda)
+            items.append((workload.name, workload, ""))
+    dits = [key for key in keys if key in DIT_KEYS]
+    return items + (dit_workloads(ctx, dits) if dits else [])
+
+
+def _rounds(ctx: Context) -> int:
+    return ROUNDS[1] if ctx.quick else ROUNDS[0]
+
+
+def _iters(ctx: Context) -> int:
+    return ctx.iters(ITERS[0], quick=ITERS[1])
 
 
 def _lists(workload: Workload, model: nn.Module) -> list[str]:
@@ -270,10 +324,10 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
         for name, kwargs in grid(costs, budget).items():
             if _key(_resident_of(kwargs), kwargs["prefetch_depth"], plan.blocks) != mine:
                 live[name] = Config(ctx, master, workload, inputs, kwargs)
-        iters = ctx.iters(6, quick=5)
+        iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
-        rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved(timers, rounds=_rounds(ctx))
         best = min(live, key=rounds.median_ms)
         result.update(budget_mib=budget / MiB, plan=f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
                       resident=list(plan.resident), predicted_ms=plan.predicted_step_ms, ms=rounds.median_ms("plan"),
@@ -346,8 +400,7 @@ def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tup
     try:
         for k in DEPTHS:
             live[f"d{k}"] = Config(ctx, master, workload, inputs, {"prefetch_depth": k})
-        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
-                                 rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved({name: c.timer(_iters(ctx)) for name, c in live.items()}, rounds=_rounds(ctx))
     except Exception as error:  # the sweep's rows say why instead of taking the section down
         for k in DEPTHS:
             ctx.skip("depth", {"workload": workload.name, "depth": k}, f"sweep failed: {type(error).__name__}: {error}")
@@ -399,10 +452,10 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
                                                                "compress": True})
         worst = _peak_of(ctx, live["coded"])
         live["raw"] = Config(ctx, master, workload, inputs, {"plan": raw_plan, "device_budget": budget})
-        iters = ctx.iters(6, quick=5)
+        iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
-        rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved(timers, rounds=_rounds(ctx))
         applied = live["coded"].group.plan
         row = dict(budget_mib=budget / MiB,
                    raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
@@ -506,7 +559,12 @@ def run(ctx: Context) -> None:
         # Under --quick one token count per architecture sweeps the depth (the sweep is per architecture).
         sweep = not ctx.quick or name not in swept
         swept.add(name)
+        started = time.perf_counter()
         _run_workload(ctx, workload, peak, sweep)
+        # Per workload, so that the next run's split into commands is sized from measured times.
+        elapsed = time.perf_counter() - started
+        ctx.note(f"{workload.name}: {elapsed:.1f} s (set-up, budget rows, compressed row, depth sweep)")
+        ctx.meta(f"elapsed_s {workload.name}", round(elapsed, 1))
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
