@@ -101,16 +101,18 @@ TABLES = {
         ],
     ),
     "compressed": Table(
-        title="Compressed copies (compress=True) planned with the bytes that move, vs the raw plan at the same budget "
-              "(interleaved rounds), median ms",
+        title="Compressed copies at one budget: the raw plan, compress=True (coded bytes and the decode's staging "
+              "counted) and what compress='auto' picks (interleaved rounds), median ms",
         columns=[
             Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
             Column("raw_plan", "raw plan"), Column("plan", "coded plan"),
-            Column("raw_moved_mib", "raw moved MiB", ".0f"),
-            Column("moved_mib", "coded moved MiB", ".0f"), Column("predicted_ms", "pred ms", ".2f"),
-            Column("ms", "ms", ".2f"), Column("raw_ms", "raw ms", ".2f"), Column("x_raw", "x raw plan", ".3f"),
-            Column("x_floor", "x floor", ".3f"), Column("peak_mib", "peak MiB", ".0f"),
-            Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"), Column("pass", "pass"),
+            Column("raw_moved_mib", "raw moved MiB", ".0f"), Column("moved_mib", "coded moved MiB", ".0f"),
+            Column("staging_mib", "staging MiB", ".0f"), Column("raw_predicted_ms", "raw pred", ".2f"),
+            Column("predicted_ms", "coded pred", ".2f"), Column("raw_ms", "raw ms", ".2f"),
+            Column("ms", "coded ms", ".2f"), Column("x_raw", "coded x raw", ".3f"), Column("auto_plan", "auto picks"),
+            Column("x_auto_raw", "auto x raw", ".3f"), Column("x_floor_auto", "auto x floor", ".3f"),
+            Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
+            Column("pass", "pass"),
         ],
     ),
     "depth": Table(
@@ -430,54 +432,90 @@ def _peak_of(ctx: Context, config: Config) -> int | None:
     return worst
 
 
-def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], costs: Any,
-                    budget: int, shared: dict[str, Any]) -> dict[str, Any]:
-    """The raw plan and the plan with compressed copies at one budget, with the resident model, interleaved.
+def _coded_plans(ctx: Context, master: nn.Module, workload: Workload, costs: Any, budget: int) -> dict[str, Any]:
+    """The raw plan, the plan with ``compress=True`` and the one ``compress="auto"`` picks, at one budget.
 
-    The coded plan is made as a user's would be: the calibrated table with the sampled compressed sizes
-    (``planning.compressed``); enable then re-checks it with the engine's real sizes, and the row
-    reports the re-checked plan.
+    The coded plans are made as a user's would be: the calibrated table with the sampled compressed
+    sizes (``planning.compressed``) and the decode's staging counted; enable then re-checks a coded plan
+    with the engine's real sizes, and the row reports the re-checked plan.
     """
-    from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning import choose_codec_plan, plan_offload
     from fastoffload_ext.planning.calibration import measure_host_decode_gbps
     from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 
     coded_costs = dataclasses.replace(costs, transfer_bytes=tuple(estimate_transfer_bytes(_ring(workload, master))))
     if not ctx.cuda:  # the host decoder is what a coded copy costs there, far below the GPU kernel's rate
         coded_costs = dataclasses.replace(coded_costs, decode_gbps=measure_host_decode_gbps())
-    raw_plan, coded_plan = plan_offload(costs, budget), plan_offload(coded_costs, budget)
+    return {"raw": plan_offload(costs, budget), "coded": plan_offload(coded_costs, budget),
+            "auto": choose_codec_plan(costs, coded_costs, budget)}
+
+
+def _layout_name(plan: Any) -> str:
+    return f"{'coded' if plan.compressed else 'raw'} {len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}"
+
+
+def _auto_config(plans: dict[str, Any]) -> str | None:
+    """The configuration the "auto" plan runs the same as (None: it needs its own)."""
+    auto = plans["auto"]
+    for name in ("coded", "raw"):
+        if auto.same_layout(plans[name]) and auto.compressed == plans[name].compressed:
+            return name
+    return None
+
+
+def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], costs: Any,
+                    budget: int, shared: dict[str, Any]) -> dict[str, Any]:
+    """Raw plan, ``compress=True`` plan, the ``"auto"`` choice and the resident model, in interleaved rounds."""
+    plans = _coded_plans(ctx, master, workload, costs, budget)
+    alias = _auto_config(plans)
     live: dict[str, Config] = {}
     try:
-        live["coded"] = Config(ctx, master, workload, inputs, {"plan": coded_plan, "device_budget": budget,
+        live["coded"] = Config(ctx, master, workload, inputs, {"plan": plans["coded"], "device_budget": budget,
                                                                "compress": True})
         worst = _peak_of(ctx, live["coded"])
-        live["raw"] = Config(ctx, master, workload, inputs, {"plan": raw_plan, "device_budget": budget})
+        if alias is None:
+            live["auto"] = Config(ctx, master, workload, inputs, {"plan": plans["auto"], "device_budget": budget,
+                                                                  "compress": "auto"})
+            auto_peak = _peak_of(ctx, live["auto"])
+            worst = None if worst is None or auto_peak is None else max(worst, auto_peak)
+        live["raw"] = Config(ctx, master, workload, inputs, {"plan": plans["raw"], "device_budget": budget})
         iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
         rounds = run_interleaved(timers, rounds=_rounds(ctx))
+        auto = alias or "auto"
         applied = live["coded"].group.plan
-        row = dict(budget_mib=budget / MiB,
-                   raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
-                   plan=f"{len(applied.resident)}/{applied.blocks} d{applied.prefetch_depth}",
-                   raw_moved_mib=raw_plan.host_bytes / MiB, moved_mib=applied.host_bytes / MiB,
-                   compressed_blocks=applied.compressed_blocks, predicted_ms=applied.predicted_step_ms,
-                   ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"), x_raw=rounds.ratio("coded", "raw"),
-                   x_raw_range=rounds.ratio_spread("coded", "raw"), resident_ms=rounds.median_ms(RESIDENT),
-                   rounds=rounds.as_dict(), why=applied.why, bit_equal=live["coded"].bit_equal(shared["reference"]))
-        checks = [row["bit_equal"], row["x_raw"] <= 1.0]
-        if worst is not None:
-            row.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
-            checks.append(row["mem_ok"])
-        peak_gbps = shared.get("peak_gbps")
-        if ctx.cuda and peak_gbps:
-            row["x_floor"] = row["ms"] / max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
-        row["pass"] = all(checks) if ctx.cuda else None
-        return row
+        row = dict(budget_mib=budget / MiB, raw_plan=_layout_name(plans["raw"]), plan=_layout_name(applied),
+                   auto_plan=_layout_name(live[auto].group.plan), raw_moved_mib=plans["raw"].host_bytes / MiB,
+                   moved_mib=applied.host_bytes / MiB, compressed_blocks=applied.compressed_blocks,
+                   staging_mib=applied.staging_bytes / MiB, raw_predicted_ms=plans["raw"].predicted_step_ms,
+                   predicted_ms=applied.predicted_step_ms, ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"),
+                   x_raw=rounds.ratio("coded", "raw"), x_raw_range=rounds.ratio_spread("coded", "raw"),
+                   auto_ms=rounds.median_ms(auto), x_auto_raw=rounds.ratio(auto, "raw"),
+                   x_auto_coded=rounds.ratio(auto, "coded"), resident_ms=rounds.median_ms(RESIDENT),
+                   rounds=rounds.as_dict(), why=applied.why, auto_why=plans["auto"].why,
+                   bit_equal=live["coded"].bit_equal(shared["reference"])
+                   and (alias is not None or live["auto"].bit_equal(shared["reference"])))
+        return _judge_compressed(ctx, row, worst, budget, shared)
     finally:
         for config in live.values():
             config.close()
         free_memory()
+
+
+def _judge_compressed(ctx: Context, row: dict[str, Any], worst: int | None, budget: int,
+                      shared: dict[str, Any]) -> dict[str, Any]:
+    """The "auto" choice must be as fast as the faster of raw and coded (beyond noise), within the budget."""
+    checks = [row["bit_equal"], row["x_auto_raw"] <= TARGET_DEPTH, row["x_auto_coded"] <= TARGET_DEPTH]
+    if worst is not None:
+        row.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
+        checks.append(row["mem_ok"])
+    peak_gbps = shared.get("peak_gbps")
+    if ctx.cuda and peak_gbps:
+        floor = max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
+        row.update(x_floor=row["ms"] / floor, x_floor_auto=row["auto_ms"] / floor)
+    row["pass"] = all(checks) if ctx.cuda else None
+    return row
 
 
 def _budgets(ctx: Context, workload: Workload, costs: Any) -> list[tuple[str, int | str]]:
@@ -577,9 +615,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                          + (f", pass {row['pass']}" if row.get("pass") is not None else "")
                          + (f" ({row['note']})" if row.get("note") else ""))
         elif row.get("x_raw") is not None:
-            lines.append(f"{row['workload']} {row['budget']} compressed: plan {row['plan']} {row['ms']:.2f} ms = "
-                         f"{row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
+            lines.append(f"{row['workload']} {row['budget']} compressed: compress=True {row['plan']} {row['ms']:.2f} ms "
+                         f"= {row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
                          + (f", {row['x_floor']:.3f}x floor" if row.get("x_floor") else "")
+                         + (f"; 'auto' picks {row['auto_plan']} = {row['x_auto_raw']:.3f}x raw, "
+                            f"{row['x_auto_coded']:.3f}x coded" if row.get("x_auto_raw") is not None else "")
                          + (f", pass {row['pass']}" if row.get("pass") is not None else ""))
         elif row.get("depth") in DEPTHS[1:] and row.get("x_depth1") is not None:
             lines.append(f"{row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1 "
