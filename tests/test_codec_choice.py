@@ -139,3 +139,36 @@ def test_auto_under_a_budget_runs_the_mode_its_plan_chose_bit_exactly_and_after_
     fo.disable_layerwise_offload(model, "cpu")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, blocks_of_budget, mode", [(12, 6, "on"), (6, 5, "off")])
+def test_cuda_auto_under_a_budget_stays_within_it_in_the_mode_it_chose(n: int, blocks_of_budget: int,
+                                                                        mode: str) -> None:
+    model, reference = make_pair(n, torch.bfloat16, d=D)
+    reference.to("cuda")
+    place_outside_blocks(model, "cuda")
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    block = module_packed_bytes(model.blocks[0])
+    reserve = 256 * 1024  # activations of a 2x5x128 input and the allocator's rounding of each tensor
+    budget = blocks_of_budget * block + reserve
+    with torch.inference_mode():
+        want = reference(x)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    group = fo.enable_layerwise_offload(model, device="cuda", backend="ext", compress="auto", device_budget=budget,
+                                        activation_reserve=reserve)
+    # Bytes only: of 12 blocks the coded copies move fewer bytes than the raw ones; of 6, more.
+    assert group.compress_mode == mode and group.plan.compressed is (mode == "on")
+    assert group.plan.device_bytes <= budget
+    coded_blocks = [b for b in group.stats()["codec"] if b["mode"] == "compressed"]
+    assert (len(coded_blocks) == len(group.plan.offloaded)) if mode == "on" else not coded_blocks
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    fo.disable_layerwise_offload(model, "cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q.to(p.device)), name
