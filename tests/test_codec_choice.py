@@ -110,6 +110,18 @@ def test_the_layout_names_the_codec_mode_its_plan_was_made_for(n: int, mode: str
     assert fixed.compress is None and fixed.plan is not None and fixed.plan.compressed
 
 
+def test_blocks_without_values_plan_raw_copies_and_leave_auto_to_the_engine() -> None:
+    from fastoffload_ext.planning.compressed import tensor_ratio
+
+    blocks = [nn.Linear(256, 256, device="meta", dtype=torch.bfloat16) for _ in range(6)]
+    assert tensor_ratio(blocks[0].weight) == 1.0  # nothing to sample on the meta device
+    block = module_packed_bytes(blocks[0])
+    layout = resolve_layout(blocks, torch.device("cpu"), "blocks", resident_blocks=None, prefetch_depth=None,
+                            device_budget=4 * block, host_budget=None, activation_reserve=0, compress="auto")
+    assert layout.compress is None and layout.plan is not None and not layout.plan.compressed
+    assert len(layout.resident) == 2
+
+
 # --- with the engine (ext backend, the host as the device) --------------------------------------------------
 
 D = 128

@@ -45,8 +45,10 @@ def tensor_ratio(tensor: torch.Tensor) -> float:
     from fastoffload_ext import _backend
 
     nbytes = tensor.numel() * tensor.element_size()
-    # Without the compiled core nothing is compressed (enable refuses compress=True there itself).
-    if tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES or not _backend.ext_available():
+    # Without the compiled core nothing is compressed (enable refuses compress=True there itself); a meta
+    # tensor (weights= builds from a checkpoint) has no values to sample: it counts raw until the encode.
+    if (tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES or not _backend.ext_available()
+            or tensor.device.type == "meta"):
         return 1.0
     core = _backend.require_ext()
     raw = _sample(tensor)

@@ -163,16 +163,25 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
     table = table.with_activation_bytes(reserve)
-    coded = table if table.compressed or compress == "off" else dataclasses.replace(
-        table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
-    if compress == "auto":
+    # Blocks on the meta device (weights= builds from a checkpoint) have no values to estimate coded sizes
+    # from: "auto" then plans raw copies and leaves the choice to the engine's per-step chooser.
+    chooses = compress == "auto" and not _on_meta(blocks)
+    if compress == "on" or chooses:
+        coded = table if table.compressed else dataclasses.replace(
+            table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
+    if chooses:
         chosen = choose_codec_plan(table, coded, budget, host_budget=host, resident=fixed_resident,
                                    prefetch_depth=fixed_depth, cyclic=cyclic)
     else:
-        chosen = plan_offload(coded, budget, host_budget=host, resident=fixed_resident, prefetch_depth=fixed_depth,
-                              cyclic=cyclic)
+        chosen = plan_offload(coded if compress == "on" else table, budget, host_budget=host,
+                              resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=cyclic)
     logger.info("%s", chosen)
-    return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings, _planned_mode(chosen, compress))
+    return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings,
+                  _planned_mode(chosen, compress) if chooses else None)
+
+
+def _on_meta(blocks: Sequence[nn.Module]) -> bool:
+    return any(p.device.type == "meta" for block in blocks for p in block.parameters())
 
 
 def _planned_mode(plan: OffloadPlan, compress: str) -> str | None:
