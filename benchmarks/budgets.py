@@ -28,8 +28,8 @@ decode's two device staging buffers counted in the budget) and the plan ``compre
 faster predicted of the two) in the same interleaved rounds.
 
 ``BENCHMARK_BUDGETS_WORKLOADS`` (comma-separated, case-insensitive: ``W1,W2,W3,W4,wan-1.3b,flux``) runs
-only those workloads, so the full section fits two GPU commands of about 450 s each (W1-W4, then the
-diffusers models); unknown names are noted and ignored. Each row is in the journal as soon as it is
+only those workloads, in that order, so the full section fits two GPU commands of about 450 s each
+(W1-W4, then the diffusers models); unknown names are noted and ignored. Each row is in the journal as soon as it is
 done (a SIGTERM to ``python -m benchmarks`` keeps every row so far), and a note after each workload
 gives its wall time.
 
@@ -140,14 +140,14 @@ def selected_keys(ctx: Context, wanted: str | None) -> list[str]:
 
 
 def _workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
-    keys = selected_keys(ctx, os.environ.get(ENV_WORKLOADS))
     items: list[tuple[str, Workload | None, str]] = []
-    for key in keys:
+    for key in selected_keys(ctx, os.environ.get(ENV_WORKLOADS)):  # in the selector's order
         if key in STACK_KEYS:
             workload = stack_workload(key, cpu=not ctx.cuda)
             items.append((workload.name, workload, ""))
-    dits = [key for key in keys if key in DIT_KEYS]
-    return items + (dit_workloads(ctx, dits) if dits else [])
+        else:
+            items.extend(dit_workloads(ctx, (key,)))
+    return items
 
 
 def _rounds(ctx: Context) -> int:

@@ -49,25 +49,27 @@ def _workload(ctx: Context, spec: Any, name: str, label: str, tokens: int) -> Wo
                     build_host=build, make_inputs=make_inputs, output=lambda out: out[0], target=None, info=info)
 
 
+NAMES = {"wan-1.3b": "Wan-1.3B", "flux": "Flux-4+8"}
+
+
 def dit_workloads(ctx: Context, keys: Sequence[str] = ("wan-1.3b", "flux")) -> list[tuple[str, Workload | None, str]]:
-    """(name, workload or None, why not) per DiT row group of the budgets section, for the ``keys`` asked for."""
+    """(name, workload or None, why not) per DiT row group of the budgets section, for ``keys`` in their order."""
     diffusers, reason = try_import("diffusers")
     if diffusers is None:
-        return [(name, None, reason) for key, name in (("wan-1.3b", "Wan-1.3B"), ("flux", "Flux-4+8")) if key in keys]
+        return [(NAMES[key], None, reason) for key in keys]
     from benchmarks import models
 
-    wan = models.MODELS["wan-1.3b"]
     flux_full = models.MODELS["flux"]
-    flux = dataclasses.replace(flux_full, config={**flux_full.config, **FLUX_CUT})
+    specs = {"wan-1.3b": (models.MODELS["wan-1.3b"], WAN_TOKENS),
+             "flux": (dataclasses.replace(flux_full, config={**flux_full.config, **FLUX_CUT}), FLUX_TOKENS)}
     items: list[tuple[str, Workload | None, str]] = []
-    wan_tokens = WAN_TOKENS if ctx.cuda else dict(zip(WAN_TOKENS, wan.cpu_tokens.values()))
-    for label, tokens in wan_tokens.items() if "wan-1.3b" in keys else ():
-        items.append(("Wan-1.3B", _workload(ctx, wan, "Wan-1.3B", label, tokens), ""))
-    flux_tokens = FLUX_TOKENS if ctx.cuda else dict(zip(FLUX_TOKENS, flux.cpu_tokens.values()))
-    for label, tokens in flux_tokens.items() if "flux" in keys else ():
-        if ctx.quick and label not in QUICK_FLUX_TOKENS:
-            continue
-        items.append(("Flux-4+8", _workload(ctx, flux, "Flux-4+8", label, tokens), ""))
+    for key in keys:
+        spec, gpu_tokens = specs[key]
+        token_counts = gpu_tokens if ctx.cuda else dict(zip(gpu_tokens, spec.cpu_tokens.values()))
+        for label, tokens in token_counts.items():
+            if key == "flux" and ctx.quick and label not in QUICK_FLUX_TOKENS:
+                continue
+            items.append((NAMES[key], _workload(ctx, spec, NAMES[key], label, tokens), ""))
     return items
 
 
