@@ -122,6 +122,21 @@ def test_blocks_without_values_plan_raw_copies_and_leave_auto_to_the_engine() ->
     assert len(layout.resident) == 2
 
 
+def test_a_raw_plan_applied_with_compress_true_is_checked_with_the_staging() -> None:
+    blocks = [nn.Linear(256, 256, dtype=torch.bfloat16) for _ in range(6)]
+    block = module_packed_bytes(blocks[0])
+    table = BlockCosts([0.1] * 6, [block] * 6, GBPS)  # a GPU's table: the decoder needs staging there
+    kwargs = dict(resident_blocks=None, prefetch_depth=None, host_budget=None, activation_reserve=0)
+    roomy = plan_offload(table, 6 * block, resident=(0, 1), prefetch_depth=1)
+    layout = resolve_layout(blocks, torch.device("cpu"), "blocks", plan=roomy, compress="on", **kwargs)
+    assert layout.plan is not None and layout.plan.compressed and layout.plan.staging_bytes > 0
+    assert layout.resident == (0, 1) and layout.plan.device_bytes <= 6 * block
+    tight = plan_offload(table, 4 * block)  # 2 resident + 2 slots: no room for the staging
+    with pytest.raises(OffloadConfigError, match=re.escape("is too small for 2 resident blocks")
+                       + ".*" + re.escape("staging for compressed copies + 0 B activation reserve")):
+        resolve_layout(blocks, torch.device("cpu"), "blocks", plan=tight, compress="on", **kwargs)
+
+
 # --- with the engine (ext backend, the host as the device) --------------------------------------------------
 
 D = 128

@@ -146,7 +146,8 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
                 "host_budget": parse_size(host_budget, "host_budget"),
                 "activation_reserve": parse_size(activation_reserve, "activation_reserve", allow_auto=False)}
     if plan is not None:
-        return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs, compress)
+        return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs, compress,
+                          cyclic)
     planned = settings["device_budget"] is not None or resident == AUTO or depth == AUTO
     if not planned:
         fixed = resident if isinstance(resident, tuple) else ()
@@ -193,7 +194,7 @@ def _planned_mode(plan: OffloadPlan, compress: str) -> str | None:
 
 def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
                settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
-               costs: BlockCosts | None, compress: str = "off") -> Layout:
+               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True) -> Layout:
     if not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
                                  f"{type(plan).__name__}")
@@ -203,6 +204,12 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     if resident_blocks is not None or prefetch_depth is not None:
         raise OffloadConfigError("fastoffload: pass either plan= or resident_blocks/prefetch_depth, not both: the "
                                  f"plan already sets resident {list(plan.resident)} and depth {plan.prefetch_depth}")
+    if compress == "on" and not plan.costs.compressed:
+        # A plan made for raw copies, applied with compress=True: the copies move coded bytes and the decoder
+        # keeps its staging on the device, so the same layout is scored (and checked) again with both.
+        coded = dataclasses.replace(plan.costs, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
+        plan = plan_offload(coded, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
     budget, host, _ = _budgets(settings, blocks, device, costs)
     if budget is not None and plan.device_bytes > budget:
         raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "

@@ -150,11 +150,13 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
     reserve = format_bytes(costs.activation_bytes)
     if fixed is not None:
         resident_bytes, slot, device, host = _memory(costs, fixed, depth)
+        staging = costs.staging_bytes([b for b in range(costs.blocks) if b not in fixed])
         if device_budget is not None and device > device_budget:
             return OffloadConfigError(
                 f"fastoffload: device_budget {format_bytes(device_budget)} is too small for {len(fixed)} resident "
-                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + {reserve} "
-                f"activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
+                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + "
+                + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
+                + f"{reserve} activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
                 "resident_blocks='auto', or raise device_budget")
         return OffloadConfigError(
             f"fastoffload: host_budget {format_bytes(host_budget)} cannot hold the {format_bytes(host)} of pinned host "
