@@ -615,8 +615,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                          + (f", pass {row['pass']}" if row.get("pass") is not None else "")
                          + (f" ({row['note']})" if row.get("note") else ""))
         elif row.get("x_raw") is not None:
-            lines.append(f"{row['workload']} {row['budget']} compressed: compress=True {row['plan']} {row['ms']:.2f} ms "
-                         f"= {row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
+            lines.append(f"{row['workload']} {row['budget']} compressed: compress=True {row['plan']} "
+                         f"{row['ms']:.2f} ms = {row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
                          + (f", {row['x_floor']:.3f}x floor" if row.get("x_floor") else "")
                          + (f"; 'auto' picks {row['auto_plan']} = {row['x_auto_raw']:.3f}x raw, "
                             f"{row['x_auto_coded']:.3f}x coded" if row.get("x_auto_raw") is not None else "")

@@ -69,11 +69,11 @@ def choose_codec_plan(raw: BlockCosts, coded: BlockCosts, device_budget: int | N
     coded_ms, raw_ms = coded_plan.predicted_step_ms, raw_plan.predicted_step_ms
     if coded_ms < raw_ms * (1.0 - margin):
         return _noted(coded_plan, f"coded copies predicted {coded_ms:.3f} ms against {raw_ms:.3f} ms raw "
-                                  f"({len(raw_plan.resident)} resident)")
+                                  f"(with {len(raw_plan.resident)} resident)")
     staging = (f": the decode's staging takes {format_bytes(coded_plan.staging_bytes)} of the budget"
                if coded_plan.staging_bytes else "")
     return _noted(raw_plan, f"raw copies predicted {raw_ms:.3f} ms against {coded_ms:.3f} ms coded "
-                            f"({len(coded_plan.resident)} resident{staging})")
+                            f"(with {len(coded_plan.resident)} resident{staging})")
 
 
 _NOTE = "; compress='auto': "
