@@ -28,15 +28,16 @@ decode's two device staging buffers counted in the budget) and the plan ``compre
 faster predicted of the two) in the same interleaved rounds.
 
 ``BENCHMARK_BUDGETS_WORKLOADS`` (comma-separated, case-insensitive: ``W1,W2,W3,W4,wan-1.3b,flux``) runs
-only those workloads, in that order, so the full section fits two GPU commands of about 450 s each
-(W1-W4, then the diffusers models); unknown names are noted and ignored. Each row is in the journal as soon as it is
-done (a SIGTERM to ``python -m benchmarks`` keeps every row so far), and a note after each workload
-gives its wall time.
+only those workloads, in that order, so the full section fits two GPU commands of about 450 s each:
+``W1,W2,W3,W4``, then ``flux,wan-1.3b`` (Flux first: its balanced rows are the ones no earlier run has).
+Unknown names are noted and ignored. Each row is in the journal as soon as it is done (a SIGTERM to
+``python -m benchmarks`` keeps every row so far), and a note after each workload gives its wall time.
 
 Time (full section, estimated from the quick run's rows on the H200: rounds x configurations x
-(warm-up + iterations) x step, plus about 1.2 s to build each configuration per 3 GiB): W1 ~70 s, W2
-~100 s (a 100 ms step), W3 ~40 s, W4 ~65 s; Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240); Flux ~80 s
-(1024 tokens) + ~115 s (9216). Hence five rounds of five iterations outside ``--quick``.
+(warm-up + iterations) x step, plus 1-3 s to build each configuration): W1 ~75 s, W2 ~120 s (a 100 ms
+step), W3 ~40 s, W4 ~70 s, about 320 s with start-up; Flux ~100 s (1024 tokens) + ~135 s (9216),
+Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240), about 400 s. With the six rounds of six iterations used
+before, the second command would run ~480 s: hence five rounds of five iterations outside ``--quick``.
 
 Flux stays cut to 4 double-stream + 8 single-stream blocks (``benchmarks/dit_workloads.py``): the full
 19 + 38 blocks are 24 GB, so every grid configuration's own pinned host copy, the host master and the
