@@ -67,6 +67,12 @@ def test_notes_name_each_missed_target_and_its_reason() -> None:
     assert notes[0].startswith("x best 1.070: spread15/d1 ran 40.00 ms") and "round spread 12%" in notes[0]
     assert notes[1].startswith("x ideal 1.090: transfer-bound")
     assert notes[2] == "peak 101.5 MiB over the 100.0 MiB budget"
+    mixed = _row(x_ideal=1.19, x_ideal_hooks=1.18, copy_ms=88.0, resident_ms=84.0, predicted_ms=107.0,
+                 plan_ideal_ms=88.0, mem_ok=True)
+    assert _misses(mixed, "0%", w1) == [
+        "x ideal 1.190: the per-block schedule; the plan was predicted 107.00 ms = 1.216x its ideal: copy-bound "
+        "blocks expose their copies and compute-bound ones leave the copy stream idle, and the budget keeps too few "
+        "copy-bound blocks resident to even that out"]
 
 
 class _Ctx:
