@@ -376,30 +376,41 @@ void OffloadEngine::finish_add(size_t index) {
   views_stale_ = true;
 }
 
-void OffloadEngine::ensure_staging() {
-  if (copy_.is_host()) return;
+bool OffloadEngine::ensure_staging() {
+  if (copy_.is_host()) return false;
   const size_t needed = store_.max_packed_bytes();
-  if (needed == 0 || (staging_[0].defined() && static_cast<size_t>(staging_[0].numel()) >= needed)) return;
+  if (needed == 0 || (staging_[0].defined() && static_cast<size_t>(staging_[0].numel()) >= needed)) return false;
   // The decoder may still be reading the old buffers.
   copy_.synchronize_copies();
   for (auto& buffer : staging_) buffer = at::Tensor();
   for (auto& buffer : staging_)
     buffer = at::empty({static_cast<int64_t>(needed)}, at::TensorOptions().dtype(at::kByte).device(device_));
+  return true;
 }
 
 void OffloadEngine::ensure_slots() {
   finish_loading();
   if (!views_stale_ && ring_.slot_bytes() >= store_.max_block_bytes()) return;
   // Packed sizes change only where views go stale too (a block added or repacked).
-  ensure_staging();
+  bool allocated = ensure_staging();
   if (!ring_.allocated() || ring_.slot_bytes() < store_.max_block_bytes()) {
     // The copy stream may still be writing into the old slots.
     copy_.synchronize_copies();
     ring_.allocate(store_.max_block_bytes());
+    allocated = true;
   }
+  if (allocated) order_copies_after_current();
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b]) binder_.build_views(b, store_.block(b), ring_);
   views_stale_ = false;
+}
+
+void OffloadEngine::order_copies_after_current() {
+  // The caching allocator hands out memory by the current stream's order: a new slot or staging buffer
+  // may be memory that kernels still queued on this stream read or write (a resident block's
+  // activations, freed by Python but not yet computed). The copy stream writes into it only after
+  // everything queued here so far: each slot's first copy waits for its "free" event, recorded now.
+  for (size_t i = 0; i < ring_.size(); ++i) copy_.record_on_current(*ring_.slot(i).free);
 }
 
 void OffloadEngine::check_grad(size_t block) const {

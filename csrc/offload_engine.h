@@ -212,7 +212,9 @@ class OffloadEngine {
   // Spill-file blocks are given to the disk tier once the file is complete (start_disk_tier).
   void register_deferred_disk_blocks();
   void decide_travel();
-  void ensure_staging();
+  // Returns whether the buffers were (re)allocated.
+  bool ensure_staging();
+  void order_copies_after_current();
 
   at::Device device_;
   LayerStore store_;

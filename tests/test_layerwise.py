@@ -427,6 +427,34 @@ def test_ext_peak_gpu_memory_is_bounded_by_slots() -> None:
     assert torch.equal(out, reference(x))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("resident", [4, (0, 2, 4, 6), (1, 5)], ids=["first4", "even", "odd2"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_first_forward_exact_when_resident_blocks_run_ahead(backend: str, resident, depth: int) -> None:
+    # Resident blocks before the first offloaded one free large activations whose kernels are still
+    # queued (a GPU delay keeps the host far ahead); the slots the first acquire allocates may be that
+    # memory, so the first copy into them must wait for the work already queued on the stream.
+    model, reference, _ = _setup(8, "cuda", d=256)
+    x = torch.randn(1, 65536, 256, generator=torch.Generator().manual_seed(3)).to("cuda")
+    with torch.no_grad():
+        want = reference(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    fo.enable_layerwise_offload(model, backend=backend, resident_blocks=resident, prefetch_depth=depth)
+    delay = model.blocks[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(100_000_000))
+    try:
+        with torch.no_grad():
+            first = model(x)
+            second = model(x)
+    finally:
+        delay.remove()
+    assert torch.equal(first, want)
+    assert torch.equal(second, want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 def test_transformers_decoder_layers_offload_bit_exact() -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is installed by scripts/setup_env.sh")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
