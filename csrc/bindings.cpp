@@ -196,6 +196,10 @@ py::dict reader_stats(const DiskReader& reader) {
   d["direct_bytes"] = s.direct_bytes;
   d["buffered_bytes"] = s.buffered_bytes;
   d["busy_seconds"] = s.busy_seconds;
+  d["read_seconds"] = s.read_seconds;
+  d["idle_seconds"] = s.idle_seconds;
+  d["wall_seconds"] = s.wall_seconds;
+  d["max_in_flight"] = s.max_in_flight;
   d["threads"] = reader.threads();
   d["chunk_bytes"] = reader.chunk_bytes();
   return d;
@@ -208,6 +212,8 @@ py::dict disk_stats(const OffloadEngine& engine) {
   d["waits"] = s.waits;
   d["wait_seconds"] = s.wait_seconds;
   d["out_of_order"] = s.out_of_order;
+  d["handoffs"] = s.handoffs;
+  d["copy_wait_seconds"] = s.copy_wait_seconds;
   d["staging_count"] = s.staging_count;
   d["staging_bytes"] = s.staging_bytes;
   return d;
