@@ -211,6 +211,7 @@ py::dict disk_stats(const OffloadEngine& engine) {
   d["reads"] = s.reads;
   d["waits"] = s.waits;
   d["wait_seconds"] = s.wait_seconds;
+  d["idle_in_waits_seconds"] = s.idle_in_waits_seconds;
   d["out_of_order"] = s.out_of_order;
   d["handoffs"] = s.handoffs;
   d["copy_wait_seconds"] = s.copy_wait_seconds;

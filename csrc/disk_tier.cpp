@@ -186,6 +186,7 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
   Lock lock(mutex_);
   TORCH_CHECK(!staging_.empty(), "fastoffload: internal error: the disk tier was not started");
   const auto start = std::chrono::steady_clock::now();
+  const double idle_before = wait ? reader_->stats().idle_seconds : 0.0;
   bool waited = false;
   for (;;) {
     int64_t k = staged_index(block);
@@ -219,6 +220,7 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
     if (waited) {
       stats_.waits += 1;
       stats_.wait_seconds += seconds_since(start);
+      stats_.idle_in_waits_seconds += reader_->stats().idle_seconds - idle_before;
     }
     if (staging.job->failed()) {
       if (!wait) return nullptr;  // the block's own acquire raises it

@@ -32,6 +32,9 @@ struct DiskTierStats {
   uint64_t reads = 0;          // block reads submitted
   uint64_t waits = 0;          // takes that had to wait for their read
   double wait_seconds = 0.0;   // host time spent in those waits
+  // Of those waits, the time the reader had no read request in flight at all: the pipeline's own
+  // fault (a buffer freed late, a read queued late), since the disk could have been reading.
+  double idle_in_waits_seconds = 0.0;
   uint64_t out_of_order = 0;   // takes of a block that was not staged (read on demand)
   uint64_t handoffs = 0;       // buffers handed to the tier's thread once their block's copy was issued
   double copy_wait_seconds = 0.0;  // the tier's thread waiting for those copies before it could read
