@@ -106,6 +106,7 @@ py::dict engine_stats(const OffloadEngine& engine) {
   d["slot_bytes"] = engine.slot_bytes();
   d["packed_bytes"] = engine.total_bytes();
   d["decodes"] = s.decodes;
+  d["pipelined_encodes"] = s.pipelined_encodes;
   return d;
 }
 

@@ -326,6 +326,7 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
   } else {
     std::lock_guard<std::mutex> lock(pending_mutex_);
     PendingLoad load;
+    load.block = blocks_.size();
     if (!pins) {
       load.read = reader->submit(block.ranges, dest);
     } else if (pending_.empty()) {
@@ -373,24 +374,46 @@ std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes)
   return memory;
 }
 
+std::exception_ptr LayerStore::wait_load(const PendingLoad& load) {
+  try {
+    std::shared_ptr<ReadJob> read = load.read;
+    if (load.pin.valid()) {
+      std::shared_ptr<ReadJob> after = load.pin.get();
+      if (after != nullptr) read = after;
+    }
+    if (read != nullptr) DiskReader::wait(*read);
+  } catch (...) {
+    // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
+    // unattempted.
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 void LayerStore::finish_pins() const {
   std::lock_guard<std::mutex> lock(pending_mutex_);
   std::vector<PendingLoad> pending;
   pending.swap(pending_);
   std::exception_ptr first;
   for (auto& load : pending) {
-    try {
-      std::shared_ptr<ReadJob> read = load.read;
-      if (load.pin.valid()) {
-        std::shared_ptr<ReadJob> after = load.pin.get();
-        if (after != nullptr) read = after;
-      }
-      if (read != nullptr) DiskReader::wait(*read);
-    } catch (...) {
-      // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
-      // unattempted: every other load is still waited for.
-      if (!first) first = std::current_exception();
+    std::exception_ptr failed = wait_load(load);  // every other load is still waited for
+    if (failed && !first) first = failed;
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void LayerStore::finish_load(size_t index) const {
+  std::lock_guard<std::mutex> lock(pending_mutex_);
+  std::exception_ptr first;
+  for (size_t k = 0; k < pending_.size();) {
+    if (pending_[k].block != index) {
+      ++k;
+      continue;
     }
+    const PendingLoad load = pending_[k];
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(k));
+    std::exception_ptr failed = wait_load(load);
+    if (failed && !first) first = failed;
   }
   if (first) std::rethrow_exception(first);
 }

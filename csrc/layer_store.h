@@ -128,6 +128,9 @@ class LayerStore {
   // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
   // copied or freed. Safe from several threads: a caller returns only once every load has finished.
   void finish_pins() const;
+  // Waits for the load of block `index` alone (its read, and its pin) and throws its failure; the other
+  // loads keep running. A block with no load still running returns at once.
+  void finish_load(size_t index) const;
   // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
   // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
   // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
@@ -195,6 +198,7 @@ class LayerStore {
   // A load still running: the read submitted at once (or null), and the pin, which returns the read
   // it submitted once it had pinned (or null).
   struct PendingLoad {
+    size_t block = SIZE_MAX;  // the block it fills (SIZE_MAX: a staging buffer's pin)
     std::shared_ptr<ReadJob> read;
     std::shared_future<std::shared_ptr<ReadJob>> pin;
   };
@@ -203,6 +207,8 @@ class LayerStore {
   std::vector<StoredBlock> blocks_;
   mutable std::mutex pending_mutex_;  // held while waiting, so that no caller returns before the loads end
   mutable std::vector<PendingLoad> pending_;
+  // Waits for `load`, returning its failure instead of throwing it.
+  static std::exception_ptr wait_load(const PendingLoad& load);
   std::shared_future<std::shared_ptr<ReadJob>> last_pin_;  // the tail of the pin queue
 };
 

@@ -13,6 +13,10 @@
 namespace fastoffload {
 namespace {
 
+// Reads queued ahead of the encoder when a compressed host tier is built from a checkpoint: enough that
+// the disk has the next blocks to read while one is encoded; each holds a raw region until encoded.
+constexpr size_t kEncodeLookahead = 3;
+
 int device_index_of(const at::Device& device) {
   if (device.is_cpu()) return -1;
   TORCH_CHECK(device.is_cuda(), "fastoffload: the offload device must be 'cuda', 'cuda:N' or 'cpu', got '",
@@ -189,7 +193,7 @@ size_t OffloadEngine::weight_bytes(size_t block) const {
 at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
   auto lock = gate_.enter_read();
   check_block(block);
-  finish_loading();
+  store_.finish_pins();
   at::Tensor bytes = store_.raw_bytes(block, verify_);
   // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
   return store_.block(block).shared ? bytes.clone() : bytes;
@@ -231,16 +235,44 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
-  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded.
+  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded. The
+  // encoder reads a region only once the reader has filled it; meanwhile the reads after it run on.
   const bool compress = compress_mode_ != CompressMode::kOff;
+  if (compress) encode_loaded(kEncodeLookahead - 1);
   const size_t index = store_.add_from_file(names, params, shapes, spans, reader_, /*pin=*/!compress);
   travel_.push_back(Travel::kRaw);
-  if (compress) {
-    store_.finish_pins();  // the encoder reads the region the reader is filling
-    encode_new(index);
-  }
+  if (compress) pending_encode_.push_back(index);
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::encode_loaded(size_t keep) {
+  while (pending_encode_.size() > keep) {
+    const size_t block = pending_encode_.front();
+    try {
+      store_.finish_load(block);
+      encode_new(block);
+    } catch (...) {
+      pending_encode_.clear();
+      throw;
+    }
+    pending_encode_.pop_front();
+    if (!pending_encode_.empty()) stats_.pipelined_encodes += 1;
+  }
+}
+
+void OffloadEngine::finish_loading() {
+  try {
+    encode_loaded(0);
+  } catch (...) {
+    try {
+      store_.finish_pins();  // nothing may still be read into a region once the caller sees the failure
+    } catch (...) {
+      // The first failure is the one to report.
+    }
+    throw;
+  }
+  store_.finish_pins();
 }
 
 size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
@@ -754,7 +786,7 @@ bool OffloadEngine::is_shared(size_t block) const {
 
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   auto lock = gate_.enter_read();
-  finish_loading();
+  store_.finish_pins();
   if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
   at::Tensor view = store_.host_view(block, j);
   if (!store_.block(block).shared) return view;
@@ -763,7 +795,7 @@ at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
 
 std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   auto lock = gate_.enter_read();
-  finish_loading();
+  store_.finish_pins();
   const StoredBlock& stored = store_.block(block);
   if (stored.on_disk) {
     const at::Tensor bytes = store_.read_block(block, *reader_);
