@@ -68,7 +68,7 @@ def _startup(config: dict[str, Any]) -> dict[str, Any]:
     reader = group.engine.reader.stats()
     disk = group.engine.disk_stats()
     staging = disk["staging_count"] * disk["staging_bytes"]
-    bounce = reader["threads"] * reader["chunk_bytes"]
+    bounce = reader["bounce_bytes"]  # the workers' O_DIRECT buffers, as allocated
     host_tier = pool["in_use_bytes"] - staging
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     on_host = outside if device.type == "cpu" else 0

@@ -201,7 +201,9 @@ py::dict reader_stats(const DiskReader& reader) {
   d["idle_seconds"] = s.idle_seconds;
   d["wall_seconds"] = s.wall_seconds;
   d["max_in_flight"] = s.max_in_flight;
+  d["bounce_bytes"] = s.bounce_bytes;
   d["threads"] = reader.threads();
+  d["workers"] = reader.workers();
   d["chunk_bytes"] = reader.chunk_bytes();
   return d;
 }

@@ -79,11 +79,11 @@ std::string ReadJob::error() const {
 
 DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
     : chunk_bytes_(static_cast<size_t>(align_up(std::max<size_t>(chunk_bytes, kDirectAlignment)))), mode_(mode),
-      made_(std::chrono::steady_clock::now()), idle_since_(made_) {
+      read_slots_(threads), free_slots_(threads), made_(std::chrono::steady_clock::now()), idle_since_(made_) {
   TORCH_CHECK(threads >= 1 && threads <= 256, "fastoffload: read_threads must be between 1 and 256, got ",
               std::to_string(threads));
-  workers_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  workers_.reserve(2 * threads);
+  for (size_t i = 0; i < 2 * threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 DiskReader::~DiskReader() {
@@ -241,8 +241,8 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     std::lock_guard<std::mutex> lock(queue_mutex_);
     queued = queue_.size();
   }
-  const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
-  const size_t limit = queued >= workers_.size()
+  const size_t even = static_cast<size_t>(align_up(total / (2 * read_slots_) + 1));
+  const size_t limit = queued >= read_slots_
                            ? chunk_bytes_
                            : std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
   std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
@@ -380,6 +380,8 @@ void DiskReader::run_chunk(const Chunk& chunk, uint8_t*& bounce) {
       bounce = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlignment, chunk_bytes_ + 2 * kDirectAlignment));
       TORCH_CHECK(bounce != nullptr, "fastoffload: cannot allocate a ", std::to_string(chunk_bytes_),
                   "-byte read buffer");
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.bounce_bytes += chunk_bytes_ + 2 * kDirectAlignment;
     }
     direct = read_direct(file, chunk, bounce);
     if (!direct) file.direct_refused = true;  // benign race: every worker reaches the same answer
@@ -417,6 +419,11 @@ bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
 }
 
 ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t offset) {
+  {
+    std::unique_lock<std::mutex> lock(slot_mutex_);
+    slot_cv_.wait(lock, [&] { return free_slots_ > 0; });
+    free_slots_ -= 1;
+  }
   const auto start = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
@@ -433,6 +440,12 @@ ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t o
     if (in_flight_ == 0) idle_since_ = end;
     stats_.read_seconds += std::chrono::duration<double>(end - start).count();
   }
+  {
+    // Given back only once counted out, so that in_flight_ never exceeds the slots.
+    std::lock_guard<std::mutex> lock(slot_mutex_);
+    free_slots_ += 1;
+  }
+  slot_cv_.notify_one();
   errno = saved;
   return n;
 }

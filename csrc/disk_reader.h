@@ -79,13 +79,17 @@ struct ReaderStats {
   double idle_seconds = 0.0;    // wall time with no read system call in flight
   double wall_seconds = 0.0;    // wall time since the reader was made
   uint64_t max_in_flight = 0;   // most read system calls in flight at once
+  uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers, allocated on first use
 };
 
 class ReadJob;
 
 class DiskReader {
  public:
-  // threads: worker count (>= 1). chunk_bytes: largest single read (rounded up to the block size).
+  // threads: read requests in flight at once (>= 1). Twice as many workers share them, so that while
+  // one worker copies a finished request out of its bounce buffer another has the request slot: the
+  // disk is never left with fewer requests than `threads` for want of a worker. chunk_bytes: largest
+  // single read (rounded up to the block size).
   DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode);
   ~DiskReader();
   DiskReader(const DiskReader&) = delete;
@@ -117,7 +121,8 @@ class DiskReader {
   void set_delay_us(uint64_t micros);
 
   ReaderStats stats() const;
-  size_t threads() const { return workers_.size(); }
+  size_t threads() const { return read_slots_; }
+  size_t workers() const { return workers_.size(); }
   size_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
@@ -154,6 +159,12 @@ class DiskReader {
   std::deque<std::function<void(uint8_t*&)>> queue_;  // a task gets its worker's bounce buffer
   bool stopping_ = false;
   std::vector<std::thread> workers_;
+
+  // The read request slots (a counting semaphore): a worker holds one only inside a read system call.
+  size_t read_slots_;
+  std::mutex slot_mutex_;
+  std::condition_variable slot_cv_;
+  size_t free_slots_;
 
   mutable std::mutex stats_mutex_;
   ReaderStats stats_;
