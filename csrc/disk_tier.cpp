@@ -218,9 +218,10 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
       lock.lock();
     }
     if (waited) {
+      // The idle time first: its window then lies inside the wait's, so it never exceeds it.
+      stats_.idle_in_waits_seconds += reader_->stats().idle_seconds - idle_before;
       stats_.waits += 1;
       stats_.wait_seconds += seconds_since(start);
-      stats_.idle_in_waits_seconds += reader_->stats().idle_seconds - idle_before;
     }
     if (staging.job->failed()) {
       if (!wait) return nullptr;  // the block's own acquire raises it
