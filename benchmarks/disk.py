@@ -20,7 +20,8 @@ Tables:
   Each budget runs STARTUP_REPEATS children; each is judged against the mean of the reader's sequential
   reads (of the checkpoint's first BRACKET_BYTES) right before and right after it, since a shared
   disk's speed drifts between minutes; the row is the median run ("x bound" = enable / bound), with the
-  range of the runs.
+  range of the runs. "reader idle s" is the wall time from the reader's creation (early in enable) to
+  the end with no read request in flight, "reads in flight" their mean over that time (worst-RSS run).
 - stream: a model at twice its host budget, step time against max(compute, H2D of every offloaded block,
   disk-tier bytes / read bandwidth) (target <= 1.05 x), the disk-tier stream rate against the read
   bandwidth (target >= 0.90 when the step is disk-bound) and bit-exactness against the resident model.
@@ -59,7 +60,8 @@ TABLES = {
                  Column("read_bound_s", "1.2 x read/bw s", ".3f"), Column("x_read_bound", "x bound", ".3f"),
                  Column("time_ok", "time ok"),
                  Column("rss_over_base_gib", "peak RSS-base GiB", ".3f"), Column("rss_bound_gib", "bound GiB", ".3f"),
-                 Column("rss_ok", "RSS ok"), Column("direct_share", "O_DIRECT share", ".2f")],
+                 Column("rss_ok", "RSS ok"), Column("direct_share", "O_DIRECT share", ".2f"),
+                 Column("reader_idle_s", "reader idle s", ".3f"), Column("in_flight", "reads in flight", ".2f")],
     ),
     "stream": Table(
         title="disk tier at twice the host budget",

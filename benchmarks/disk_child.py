@@ -83,6 +83,9 @@ def _startup(config: dict[str, Any]) -> dict[str, Any]:
               "staging_read_ahead_bytes": staging if disk["staging_count"] else 0,
               "reader_bytes_at_return": reader["bytes_read"],
               "direct_share": reader["direct_bytes"] / max(reader["bytes_read"], 1),
+              # Since the reader was made (early in enable): whether the disk was kept busy.
+              "reader_idle_s": reader["idle_seconds"], "in_flight": reader["read_seconds"] / reader["wall_seconds"],
+              "reader_wall_s": reader["wall_seconds"],
               "disk_blocks": sum(1 for s in group.states if s.on_disk)}
     return result  # the parent judges the time against the bandwidth it measures around this child
 
