@@ -107,6 +107,7 @@ py::dict engine_stats(const OffloadEngine& engine) {
   d["packed_bytes"] = engine.total_bytes();
   d["decodes"] = s.decodes;
   d["pipelined_encodes"] = s.pipelined_encodes;
+  d["pipelined_spills"] = s.pipelined_spills;
   return d;
 }
 

@@ -427,12 +427,31 @@ size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std:
   return blocks_.size() - 1;
 }
 
-bool LayerStore::spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options) {
+LayerStore::SpillRead LayerStore::start_spill(size_t index, DiskReader& reader) const {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed && blocks_[index].on_disk,
               "fastoffload: internal error: block ", std::to_string(index), " is not in the disk tier");
-  const at::Tensor raw = read_block(index, reader);
-  StoredBlock& stored = blocks_[index];
-  const auto* data = raw.data_ptr<uint8_t>();
+  const StoredBlock& stored = blocks_[index];
+  SpillRead read;
+  read.index = index;
+  // Zeroed: the padding between tensors is encoded too, and must not be whatever the heap held.
+  read.raw = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  read.job = reader.submit(stored.ranges, read.raw.data_ptr<uint8_t>());
+  return read;
+}
+
+void LayerStore::wait_spill_read(const SpillRead& read) {
+  if (read.job == nullptr) return;
+  try {
+    DiskReader::wait(*read.job);
+  } catch (const c10::Error&) {
+  }
+}
+
+bool LayerStore::finish_spill(const SpillRead& read, SpillFile& spill, const codec::EncodeOptions& options) {
+  DiskReader::wait(*read.job);
+  StoredBlock& stored = blocks_.at(read.index);
+  const auto* data = read.raw.data_ptr<uint8_t>();
   const codec::Plan plan = codec::plan_block(data, stored.bytes, codec_spans(stored.layout), options);
   if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) return false;
   std::vector<uint8_t> out(plan.total_bytes);

@@ -45,7 +45,7 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
-  // A disk-tier block stored compressed in the spill file (LayerStore::spill): its region is
+  // A disk-tier block stored compressed in the spill file (LayerStore::finish_spill): its region is
   // `packed_bytes` at `spill_offset` there, and `packed` stays null (no host copy at all).
   bool spilled = false;
   uint64_t spill_offset = 0;
@@ -131,10 +131,21 @@ class LayerStore {
   // Waits for the load of block `index` alone (its read, and its pin) and throws its failure; the other
   // loads keep running. A block with no load still running returns at once.
   void finish_load(size_t index) const;
-  // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
-  // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
-  // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
-  bool spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options);
+  // Compressed disk tier, in two halves so that the next block's read runs while this one is encoded
+  // and written: start_spill queues the read of on-disk block `index` into a new CPU buffer;
+  // finish_spill waits for it (throwing its failure), encodes it and appends the compressed region to
+  // `spill` (the block then reads those bytes every step instead), or returns false, changing nothing,
+  // when no tensor of the block pays for coding (it keeps reading its raw tensors). A SpillRead must
+  // not be dropped before its read is done (wait_spill_read): the reader writes into its buffer.
+  struct SpillRead {
+    size_t index = 0;
+    at::Tensor raw;
+    std::shared_ptr<ReadJob> job;
+  };
+  SpillRead start_spill(size_t index, DiskReader& reader) const;
+  bool finish_spill(const SpillRead& read, SpillFile& spill, const codec::EncodeOptions& options);
+  // Waits for the read of `read`, ignoring its failure (nobody will use those bytes).
+  static void wait_spill_read(const SpillRead& read);
   // The packed bytes of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_block(size_t index, DiskReader& reader) const;
   // Tensor j of an on-disk block, read now into a new CPU tensor.

@@ -16,6 +16,9 @@ namespace {
 // Reads queued ahead of the encoder when a compressed host tier is built from a checkpoint: enough that
 // the disk has the next blocks to read while one is encoded; each holds a raw region until encoded.
 constexpr size_t kEncodeLookahead = 3;
+// Disk-tier blocks read ahead of the spill file's encoder: one read runs while the block before it is
+// encoded and written. Their raw bytes are pageable host memory, outside the host budget: kept to two.
+constexpr size_t kSpillLookahead = 2;
 
 int device_index_of(const at::Device& device) {
   if (device.is_cpu()) return -1;
@@ -71,6 +74,7 @@ OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_pt
 }
 
 OffloadEngine::~OffloadEngine() {
+  drop_pending_spills();  // their buffers are freed with this engine: no read may still write there
   try {
     store_.finish_pins();
   } catch (...) {
@@ -281,14 +285,15 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_on_disk needs set_reader() first");
   TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
+  // The spill file's blocks before this one, beyond the look-ahead, are encoded and written first: a
+  // failure there leaves this block unadded.
+  if (spill_ != nullptr) spill_loaded(kSpillLookahead - 1);
   const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
   if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
   travel_.push_back(Travel::kRaw);
   if (spill_ != nullptr) {
-    // A disk read costs far more than a decode, so a disk-tier block travels compressed whenever its
-    // coding pays, "auto" included: there is no compute-bound case to protect.
     try {
-      if (store_.spill(index, *reader_, *spill_, codec_options_)) travel_[index] = Travel::kCompressed;
+      pending_spill_.push_back(store_.start_spill(index, *reader_));
     } catch (...) {
       // Nothing half-added: the engine's per-block lists must stay as long as the store's.
       travel_.pop_back();
@@ -301,6 +306,27 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   }
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::spill_loaded(size_t keep) {
+  while (pending_spill_.size() > keep) {
+    const LayerStore::SpillRead& read = pending_spill_.front();
+    try {
+      // A disk read costs far more than a decode, so a disk-tier block travels compressed whenever its
+      // coding pays, "auto" included: there is no compute-bound case to protect.
+      if (store_.finish_spill(read, *spill_, codec_options_)) travel_[read.index] = Travel::kCompressed;
+    } catch (...) {
+      drop_pending_spills();
+      throw;
+    }
+    pending_spill_.pop_front();
+    if (!pending_spill_.empty()) stats_.pipelined_spills += 1;
+  }
+}
+
+void OffloadEngine::drop_pending_spills() {
+  for (const auto& read : pending_spill_) LayerStore::wait_spill_read(read);
+  pending_spill_.clear();
 }
 
 void OffloadEngine::set_spill_file(const std::string& path) {
@@ -323,6 +349,7 @@ uint64_t OffloadEngine::spill_bytes() const {
 
 void OffloadEngine::register_deferred_disk_blocks() {
   if (deferred_disk_.empty()) return;
+  spill_loaded(0);
   spill_->finish();
   const size_t file = reader_->open(spill_->path());
   for (size_t b : deferred_disk_) {
@@ -698,6 +725,7 @@ void OffloadEngine::close() {
   } catch (const c10::Error&) {
   }
   copy_.synchronize_copies();
+  drop_pending_spills();
   if (disk_ != nullptr) disk_->drain();
   if (spill_ != nullptr) spill_->remove();  // the reader may keep it open: the name goes now, the pages with it
   for (size_t b = 0; b < store_.size(); ++b) {

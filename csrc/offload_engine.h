@@ -57,6 +57,8 @@ struct EngineStats {
   // Blocks read from a checkpoint with compression on, encoded while the reads of later blocks were
   // still queued (the start-up pipeline: the disk reads on while the host encodes).
   uint64_t pipelined_encodes = 0;
+  // Disk-tier blocks encoded into the spill file while the next one's read ran.
+  uint64_t pipelined_spills = 0;
 };
 
 // A block's host copy as the codec left it, for stats().
@@ -101,6 +103,9 @@ class OffloadEngine {
   size_t add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
   // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
+  // With a spill file, its read for the spill is queued and the block before it is encoded and written
+  // meanwhile (start_disk_tier finishes the last one); a failure of that earlier block is thrown
+  // before this one is added.
   size_t add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                            const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
   // Compressed disk tier: the disk-tier blocks added from now on are encoded and written to a new spill
@@ -221,6 +226,10 @@ class OffloadEngine {
   // Encodes the oldest blocks of pending_encode_ (each once its read is done) until at most `keep` are
   // left; on a failure, the rest are dropped from the list (they stay raw) and it is rethrown.
   void encode_loaded(size_t keep);
+  // Spills the oldest pending_spill_ blocks until at most `keep` are left; on a failure, waits for the
+  // other reads, drops them (those blocks read their raw tensors) and rethrows.
+  void spill_loaded(size_t keep);
+  void drop_pending_spills();
   // Spill-file blocks are given to the disk tier once the file is complete (start_disk_tier).
   void register_deferred_disk_blocks();
   void decide_travel();
@@ -250,6 +259,7 @@ class OffloadEngine {
   std::unique_ptr<SpillFile> spill_;
   std::vector<size_t> deferred_disk_;  // disk-tier blocks, in order, not yet given to disk_
   std::deque<size_t> pending_encode_;  // blocks added from a file, read queued, to encode (compression on)
+  std::deque<LayerStore::SpillRead> pending_spill_;  // disk-tier blocks read for the spill file, to encode
 };
 
 }  // namespace fastoffload

@@ -131,6 +131,8 @@ def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(
     assert len(disk) >= N_BLOCKS // 2
     spills = _spills(tmp_path)
     assert [str(p) for p in spills] == [group.engine.spill_path]
+    # Every disk block but the last was encoded and written while the next one was being read.
+    assert group.engine.stats()["pipelined_spills"] == len(disk) - 1
     infos = [group.engine.codec_info(s.handle) for s in disk]
     # A disk read costs far more than a decode: disk blocks travel compressed under "auto" too.
     assert [i["mode"] for i in infos] == ["compressed"] * len(disk) and all(i == infos[0] for i in infos)
