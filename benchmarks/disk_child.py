@@ -133,7 +133,7 @@ def _h2d_bytes_per_s(torch: Any, device: Any) -> float:
 ROUNDS = 3
 
 
-def _wait_reader_idle(reader: Any, quiet_s: float = 0.05, timeout_s: float = 30.0) -> None:
+def _wait_reader_idle(reader: Any, quiet_s: float = 0.05, timeout_s: float = 10.0) -> None:
     """Returns once ``reader`` has had no read in flight for ``quiet_s`` (the staging ring's read-ahead
     is done), so that a bracketing read has the disk to itself."""
     deadline = time.perf_counter() + timeout_s
