@@ -167,7 +167,8 @@ std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std
     // One extent: ranges of one file with gaps of at most kMergeGap (read and dropped).
     size_t last = first + 1;
     uint64_t extent_end = order[first]->offset + order[first]->nbytes;
-    while (last < order.size() && order[last]->file == order[first]->file && order[last]->offset <= extent_end + kMergeGap) {
+    while (last < order.size() && order[last]->file == order[first]->file &&
+           order[last]->offset <= extent_end + kMergeGap) {
       extent_end = std::max<uint64_t>(extent_end, order[last]->offset + order[last]->nbytes);
       ++last;
     }
@@ -204,7 +205,8 @@ void DiskReader::append_extent_chunks(const std::vector<const FileRange*>& order
     for (size_t w = window; w < chunks.size() && chunks[w].begin < r_end; ++w) {
       const uint64_t from = std::max<uint64_t>(r->offset, chunks[w].begin);
       const uint64_t to = std::min<uint64_t>(r_end, chunks[w].end);
-      chunks[w].pieces.push_back({from, static_cast<size_t>(to - from), dest + r->dest_offset + (from - r->offset), &r->name});
+      uint8_t* target = dest + r->dest_offset + (from - r->offset);
+      chunks[w].pieces.push_back({from, static_cast<size_t>(to - from), target, &r->name});
     }
   }
   // A window over a gap alone has nothing to read; the others shrink to the bytes their pieces need.
