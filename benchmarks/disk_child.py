@@ -3,8 +3,10 @@
 ``python -m benchmarks.disk --child '{json}'`` runs one of:
 - startup: a meta model filled by ``enable_layerwise_offload(weights=...)``, with every block in host
   memory (budget "all") or half of them (budget "half");
-- stream: the model at half its block bytes of host budget, steps timed against the resident model's
-  forward, the H2D of every offloaded block and the disk tier's bytes at the measured read bandwidth.
+- stream: the model at half its block bytes of host budget, steps timed in rounds against the resident
+  model's forward, the H2D of every offloaded block and the disk tier's bytes at the read bandwidth
+  measured around each round, with the reader's counters over the timed steps (idle share, mean reads
+  in flight, host waits for reads and the reader's idle time inside them).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def _startup(config: dict[str, Any]) -> dict[str, Any]:
     reader = group.engine.reader.stats()
     disk = group.engine.disk_stats()
     staging = disk["staging_count"] * disk["staging_bytes"]
-    bounce = reader["threads"] * reader["chunk_bytes"]
+    bounce = reader["bounce_bytes"]  # the workers' O_DIRECT buffers, as allocated
     host_tier = pool["in_use_bytes"] - staging
     outside = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     on_host = outside if device.type == "cpu" else 0
@@ -81,6 +83,9 @@ def _startup(config: dict[str, Any]) -> dict[str, Any]:
               "staging_read_ahead_bytes": staging if disk["staging_count"] else 0,
               "reader_bytes_at_return": reader["bytes_read"],
               "direct_share": reader["direct_bytes"] / max(reader["bytes_read"], 1),
+              # Since the reader was made (early in enable): whether the disk was kept busy.
+              "reader_idle_s": reader["idle_seconds"], "in_flight": reader["read_seconds"] / reader["wall_seconds"],
+              "reader_wall_s": reader["wall_seconds"],
               "disk_blocks": sum(1 for s in group.states if s.on_disk)}
     return result  # the parent judges the time against the bandwidth it measures around this child
 
@@ -98,15 +103,13 @@ def enable_read_bytes(source: Any) -> dict[str, int]:
     return {"host_tier_read_bytes": host_tier, "resident_read_bytes": resident, "header_bytes": headers}
 
 
-def _time_steps(torch: Any, device: Any, fn: Any, iters: int, before: Any = None) -> float:
-    """Median milliseconds of ``fn`` (synchronised), after two warm-up calls; ``before`` runs untimed."""
+def _time_steps(torch: Any, device: Any, fn: Any, iters: int) -> float:
+    """Median milliseconds of ``fn`` (synchronised), after two warm-up calls."""
     from benchmarks.utils import median
     for _ in range(2):
         fn()
     times = []
     for _ in range(iters):
-        if before is not None:
-            before()
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -125,10 +128,68 @@ def _h2d_bytes_per_s(torch: Any, device: Any) -> float:
     return size / (ms / 1e3)
 
 
-def _stream(config: dict[str, Any]) -> dict[str, Any]:
+# The stream row's rounds: each is one untimed step (the staging ring, full after the bracketing read,
+# would flatter the next step) and then the timed ones; every round is bracketed by sequential reads.
+ROUNDS = 3
+
+
+def _wait_reader_idle(reader: Any, quiet_s: float = 0.05, timeout_s: float = 10.0) -> None:
+    """Returns once ``reader`` has had no read in flight for ``quiet_s`` (the staging ring's read-ahead
+    is done), so that a bracketing read has the disk to itself."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        before = reader.stats()["idle_seconds"]
+        time.sleep(quiet_s)
+        if reader.stats()["idle_seconds"] - before >= 0.9 * quiet_s:
+            return
+
+
+def _counters(group: Any) -> dict[str, float]:
+    reader, disk = group.engine.reader.stats(), group.engine.disk_stats()
+    return {"bytes": reader["bytes_read"], "wall": reader["wall_seconds"], "idle": reader["idle_seconds"],
+            "read": reader["read_seconds"], "waits": disk["waits"], "wait_s": disk["wait_seconds"],
+            "idle_waits_s": disk["idle_in_waits_seconds"], "out_of_order": disk["out_of_order"],
+            "copy_wait_s": disk["copy_wait_seconds"]}
+
+
+def _rounds(torch: Any, device: Any, group: Any, step: Any, path: Path, rounds: int,
+            timed: int) -> tuple[list[float], list[float], dict[str, float]]:
+    """(median step ms per round, bracketed read bandwidth per round, counters summed over the timed
+    steps). A round's bandwidth is the mean of the sequential reads right before and right after it."""
+    from benchmarks.disk import BRACKET_BYTES, sequential_read
+    from benchmarks.utils import median
+
+    def bracket() -> float:
+        _wait_reader_idle(group.engine.reader)
+        seconds, _ = sequential_read(path, limit=BRACKET_BYTES)
+        return min(BRACKET_BYTES, path.stat().st_size) / seconds
+
+    totals: dict[str, float] = {}
+    reads, steps = [bracket()], []
+    for _ in range(rounds):
+        step()  # untimed: the ring was full after the bracketing read
+        times = []
+        for _ in range(timed):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            before, started = _counters(group), time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - started) * 1e3)
+            after = _counters(group)
+            for key in after:
+                totals[key] = totals.get(key, 0.0) + after[key] - before[key]
+        steps.append(median(times))
+        reads.append(bracket())
+    bandwidths = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
+    return steps, bandwidths, totals
+
+
+def _stream_setup(config: dict[str, Any]) -> dict[str, Any]:
+    """The resident reference (output and compute time), the H2D rate, and the offloaded model."""
     from safetensors.torch import load_file
 
-    from benchmarks.disk import evict
     from benchmarks.workloads import DTYPE
     from fastoffload_ext import enable_layerwise_offload
     from fastoffload_ext.storage import DiskOptions
@@ -138,48 +199,81 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
     resident.load_state_dict(load_file(str(path), device=str(device)), assign=True)
     torch.manual_seed(0)
     x = torch.randn(1, spec.tokens, spec.d, dtype=DTYPE, device=device)
-    iters = 5 if config["quick"] else 10
     with torch.no_grad():
         expected = resident(x)
-        compute_ms = _time_steps(torch, device, lambda: resident(x), iters)
+        compute_ms = _time_steps(torch, device, lambda: resident(x), 5 if config["quick"] else 10)
     del resident
     gc.collect()
     h2d = _h2d_bytes_per_s(torch, device)
     model = _meta_model(spec)
     blocks_bytes = _block_bytes(model) * spec.blocks
-    compress = config.get("compress", False)
     group = enable_layerwise_offload(model, device=device, weights=path, host_budget=blocks_bytes // 2,
-                                     disk_options=DiskOptions(staging_buffers=3), compress=compress)
+                                     disk_options=DiskOptions(staging_buffers=3), compress=config.get("compress", False))
+    return {"torch": torch, "device": device, "path": path, "x": x, "expected": expected, "compute_ms": compute_ms,
+            "h2d": h2d, "model": model, "group": group, "blocks_bytes": blocks_bytes}
+
+
+def _stream(config: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.disk import evict
+    from benchmarks.utils import median
+    run = _stream_setup(config)
+    torch, device, path, group, model, x = (run[k] for k in ("torch", "device", "path", "group", "model", "x"))
     disk_states = [s for s in group.states if s.on_disk]
     # Compressed: the disk tier reads each block's compressed region from the spill file instead.
     disk_bytes = sum(group.engine.codec_info(s.handle)["compressed_bytes"] or s.weight_bytes() for s in disk_states)
     files = [path] + ([Path(group.engine.spill_path)] if group.engine.spill_path else [])
-    with torch.no_grad():
-        exact = bool(torch.equal(model(x), expected))
-        buffered = group.engine.reader.stats()["buffered_bytes"] > 0
-        # Reads through the page cache (O_DIRECT refused) would hit the cache from the second step on.
-        evict_first = (lambda: [evict(f) for f in files]) if buffered else None
-        before = group.engine.reader.stats()["bytes_read"]
-        step_ms = _time_steps(torch, device, lambda: model(x), iters, before=evict_first)
-        read = group.engine.reader.stats()["bytes_read"] - before
-    bandwidth = config["bandwidth"]
-    h2d_ms = blocks_bytes / h2d * 1e3
-    result: dict[str, Any] = {"disk_blocks": len(disk_states), "step_ms": step_ms, "compute_ms": compute_ms,
-                              "h2d_ms": h2d_ms, "exact": exact, "disk_bytes_per_step": disk_bytes,
-                              "bytes_read_timed": read, "h2d_gb_s": h2d / 1e9,
-                              "disk_waits": group.engine.disk_stats()["waits"], "evicted_each_step": buffered,
-                              "spill_bytes": group.engine.spill_bytes}
-    if compress:
+    try:
+        with torch.no_grad():
+            exact = bool(torch.equal(model(x), run["expected"]))
+            # Reads through the page cache (O_DIRECT refused) would hit the cache from the second step on.
+            buffered = group.engine.reader.stats()["buffered_bytes"] > 0
+
+            def step() -> None:
+                if buffered:
+                    for f in files:
+                        evict(f)
+                model(x)
+            timed = 1 if config["quick"] else 3
+            steps, bandwidths, totals = _rounds(torch, device, group, step, path, ROUNDS, timed)
+    finally:
+        if group.engine.spill_path:  # the child ends with os._exit, which removes nothing
+            Path(group.engine.spill_path).unlink(missing_ok=True)
+    h2d_ms = run["blocks_bytes"] / run["h2d"] * 1e3
+    n_timed = ROUNDS * timed
+    result: dict[str, Any] = {
+        "disk_blocks": len(disk_states), "step_ms": median(steps), "step_ms_rounds": steps,
+        "compute_ms": run["compute_ms"], "h2d_ms": h2d_ms, "exact": exact, "disk_bytes_per_step": disk_bytes,
+        "bytes_read_timed": totals["bytes"], "h2d_gb_s": run["h2d"] / 1e9, "evicted_each_step": buffered,
+        "spill_bytes": group.engine.spill_bytes, "bw_gb_s": median(bandwidths) / 1e9,
+        "bw_gb_s_rounds": [b / 1e9 for b in bandwidths],
+        # Whether the disk was kept busy while the steps ran, and what the host thread waited for.
+        "reader_idle": totals["idle"] / totals["wall"], "in_flight": totals["read"] / totals["wall"],
+        "wait_ms": totals["wait_s"] * 1e3 / n_timed, "idle_in_waits_ms": totals["idle_waits_s"] * 1e3 / n_timed,
+        "waits_per_step": totals["waits"] / n_timed, "out_of_order": totals["out_of_order"],
+        "copy_wait_ms": totals["copy_wait_s"] * 1e3 / n_timed}
+    if config.get("compress"):
         result["note"] = (f"compress=True: disk blocks read {disk_bytes / 2**30:.3f} GiB/step from a "
                           f"{group.engine.spill_bytes / 2**30:.3f} GiB spill file")
-    if bandwidth:
-        disk_ms = disk_bytes / bandwidth * 1e3
-        bound = max(compute_ms, h2d_ms, disk_ms)
-        result.update(disk_ms=disk_ms, x_bound=step_ms / bound, step_ok=step_ms <= 1.05 * bound,
-                      stream_ratio=disk_ms / step_ms)
-        # The stream target applies when the disk is what sets the pace.
-        result["stream_ok"] = result["stream_ratio"] >= 0.90 if disk_ms >= max(compute_ms, h2d_ms) else None
+    result.update(_judge_stream(steps, bandwidths, disk_bytes, run["compute_ms"], h2d_ms))
     return result
+
+
+def _judge_stream(steps: list[float], bandwidths: list[float], disk_bytes: int, compute_ms: float,
+                  h2d_ms: float) -> dict[str, Any]:
+    """Each round against the bandwidth measured around it; the median round, and the spread over rounds."""
+    from benchmarks.utils import median
+    disk_ms = [disk_bytes / bw * 1e3 for bw in bandwidths]
+    x_bound = [step / max(compute_ms, h2d_ms, d) for step, d in zip(steps, disk_ms)]
+    ratios = [d / step for step, d in zip(steps, disk_ms)]
+    result = {"disk_ms": median(disk_ms), "x_bound": median(x_bound), "x_bound_range": _range(x_bound),
+              "step_ok": median(x_bound) <= 1.05, "stream_ratio": median(ratios), "stream_range": _range(ratios)}
+    # The stream target applies when the disk is what sets the pace.
+    result["stream_ok"] = result["stream_ratio"] >= 0.90 if median(disk_ms) >= max(compute_ms, h2d_ms) else None
+    return result
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
 
 
 def main_child(argv: list[str]) -> int:

@@ -106,6 +106,8 @@ py::dict engine_stats(const OffloadEngine& engine) {
   d["slot_bytes"] = engine.slot_bytes();
   d["packed_bytes"] = engine.total_bytes();
   d["decodes"] = s.decodes;
+  d["pipelined_encodes"] = s.pipelined_encodes;
+  d["pipelined_spills"] = s.pipelined_spills;
   return d;
 }
 
@@ -196,7 +198,13 @@ py::dict reader_stats(const DiskReader& reader) {
   d["direct_bytes"] = s.direct_bytes;
   d["buffered_bytes"] = s.buffered_bytes;
   d["busy_seconds"] = s.busy_seconds;
+  d["read_seconds"] = s.read_seconds;
+  d["idle_seconds"] = s.idle_seconds;
+  d["wall_seconds"] = s.wall_seconds;
+  d["max_in_flight"] = s.max_in_flight;
+  d["bounce_bytes"] = s.bounce_bytes;
   d["threads"] = reader.threads();
+  d["workers"] = reader.workers();
   d["chunk_bytes"] = reader.chunk_bytes();
   return d;
 }
@@ -207,7 +215,10 @@ py::dict disk_stats(const OffloadEngine& engine) {
   d["reads"] = s.reads;
   d["waits"] = s.waits;
   d["wait_seconds"] = s.wait_seconds;
+  d["idle_in_waits_seconds"] = s.idle_in_waits_seconds;
   d["out_of_order"] = s.out_of_order;
+  d["handoffs"] = s.handoffs;
+  d["copy_wait_seconds"] = s.copy_wait_seconds;
   d["staging_count"] = s.staging_count;
   d["staging_bytes"] = s.staging_bytes;
   return d;

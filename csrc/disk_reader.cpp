@@ -78,11 +78,12 @@ std::string ReadJob::error() const {
 }
 
 DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
-    : chunk_bytes_(static_cast<size_t>(align_up(std::max<size_t>(chunk_bytes, kDirectAlignment)))), mode_(mode) {
+    : chunk_bytes_(static_cast<size_t>(align_up(std::max<size_t>(chunk_bytes, kDirectAlignment)))), mode_(mode),
+      read_slots_(threads), free_slots_(threads), made_(std::chrono::steady_clock::now()), idle_since_(made_) {
   TORCH_CHECK(threads >= 1 && threads <= 256, "fastoffload: read_threads must be between 1 and 256, got ",
               std::to_string(threads));
-  workers_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  workers_.reserve(2 * threads);
+  for (size_t i = 0; i < 2 * threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 DiskReader::~DiskReader() {
@@ -150,38 +151,76 @@ void DiskReader::check_unchanged(size_t index) const {
 std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std::vector<FileRange>>& owned,
                                                        uint8_t* dest, const std::shared_ptr<ReadJob>& job,
                                                        size_t limit) const {
-  // Sorted by file position, so neighbouring tensors merge into one request.
+  // Sorted by file position: neighbouring tensors share requests.
   std::vector<const FileRange*> order;
   for (const auto& r : *owned)
     if (r.nbytes > 0) order.push_back(&r);
   std::sort(order.begin(), order.end(), [](const FileRange* a, const FileRange* b) {
     return a->file != b->file ? a->file < b->file : a->offset < b->offset;
   });
-  std::vector<Chunk> chunks;
-  for (const FileRange* r : order) {
+  for (const FileRange* r : order)
     FASTOFFLOAD_READ_CHECK(r->offset + r->nbytes <= file_at(r->file).size, "fastoffload: tensor '", r->name,
                            "' ends at byte ", std::to_string(r->offset + r->nbytes), " but ", file_at(r->file).path,
                            " has only ", std::to_string(file_at(r->file).size), " bytes: the file is truncated");
-    for (size_t done = 0; done < r->nbytes;) {
-      const size_t piece = std::min(r->nbytes - done, limit);
-      const uint64_t at = r->offset + done;
-      Chunk* current = chunks.empty() ? nullptr : &chunks.back();
-      const bool fits = current != nullptr && current->file == r->file && at >= current->end &&
-                        at - current->end <= kMergeGap && at + piece - current->begin <= limit;
-      if (!fits) {
-        chunks.emplace_back();
-        current = &chunks.back();
-        current->file = r->file;
-        current->begin = at;
-        current->job = job;
-        current->ranges = owned;
-      }
-      current->pieces.push_back({at, piece, dest + r->dest_offset + done, &r->name});
-      current->end = at + piece;
-      done += piece;
+  std::vector<Chunk> chunks;
+  for (size_t first = 0; first < order.size();) {
+    // One extent: ranges of one file with gaps of at most kMergeGap (read and dropped).
+    size_t last = first + 1;
+    uint64_t extent_end = order[first]->offset + order[first]->nbytes;
+    while (last < order.size() && order[last]->file == order[first]->file &&
+           order[last]->offset <= extent_end + kMergeGap) {
+      extent_end = std::max<uint64_t>(extent_end, order[last]->offset + order[last]->nbytes);
+      ++last;
     }
+    append_extent_chunks(order, first, last, extent_end, dest, job, owned, limit, chunks);
+    first = last;
   }
   return chunks;
+}
+
+void DiskReader::append_extent_chunks(const std::vector<const FileRange*>& order, size_t first, size_t last,
+                                      uint64_t extent_end, uint8_t* dest, const std::shared_ptr<ReadJob>& job,
+                                      const std::shared_ptr<std::vector<FileRange>>& owned, size_t limit,
+                                      std::vector<Chunk>& chunks) const {
+  // Requests end at block-aligned file offsets whatever the tensor boundaries, so that no request is a
+  // small tail of a tensor and no block of the file is read by two requests.
+  const size_t base = chunks.size();
+  for (uint64_t at = order[first]->offset; at < extent_end;) {
+    uint64_t end = align_down(at + limit);
+    if (end <= at) end = at + limit;
+    Chunk chunk;
+    chunk.file = order[first]->file;
+    chunk.begin = at;
+    chunk.end = std::min<uint64_t>(end, extent_end);
+    chunk.job = job;
+    chunk.ranges = owned;
+    chunks.push_back(std::move(chunk));
+    at = chunks.back().end;
+  }
+  size_t window = base;
+  for (size_t i = first; i < last; ++i) {
+    const FileRange* r = order[i];
+    const uint64_t r_end = r->offset + r->nbytes;
+    while (chunks[window].end <= r->offset) ++window;  // ranges are sorted: windows only move forward
+    for (size_t w = window; w < chunks.size() && chunks[w].begin < r_end; ++w) {
+      const uint64_t from = std::max<uint64_t>(r->offset, chunks[w].begin);
+      const uint64_t to = std::min<uint64_t>(r_end, chunks[w].end);
+      uint8_t* target = dest + r->dest_offset + (from - r->offset);
+      chunks[w].pieces.push_back({from, static_cast<size_t>(to - from), target, &r->name});
+    }
+  }
+  // A window over a gap alone has nothing to read; the others shrink to the bytes their pieces need.
+  auto empty = [](const Chunk& c) { return c.pieces.empty(); };
+  chunks.erase(std::remove_if(chunks.begin() + static_cast<std::ptrdiff_t>(base), chunks.end(), empty), chunks.end());
+  for (size_t w = base; w < chunks.size(); ++w) {
+    Chunk& c = chunks[w];
+    c.begin = c.pieces.front().offset;
+    c.end = c.begin;
+    for (const auto& piece : c.pieces) {
+      c.begin = std::min(c.begin, piece.offset);
+      c.end = std::max<uint64_t>(c.end, piece.offset + piece.nbytes);
+    }
+  }
 }
 
 std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8_t* dest,
@@ -204,8 +243,8 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     std::lock_guard<std::mutex> lock(queue_mutex_);
     queued = queue_.size();
   }
-  const size_t even = static_cast<size_t>(align_up(total / (2 * workers_.size()) + 1));
-  const size_t limit = queued >= workers_.size()
+  const size_t even = static_cast<size_t>(align_up(total / (2 * read_slots_) + 1));
+  const size_t limit = queued >= read_slots_
                            ? chunk_bytes_
                            : std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
   std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
@@ -343,6 +382,8 @@ void DiskReader::run_chunk(const Chunk& chunk, uint8_t*& bounce) {
       bounce = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlignment, chunk_bytes_ + 2 * kDirectAlignment));
       TORCH_CHECK(bounce != nullptr, "fastoffload: cannot allocate a ", std::to_string(chunk_bytes_),
                   "-byte read buffer");
+      std::lock_guard<std::mutex> lock(stats_mutex_);
+      stats_.bounce_bytes += chunk_bytes_ + 2 * kDirectAlignment;
     }
     direct = read_direct(file, chunk, bounce);
     if (!direct) file.direct_refused = true;  // benign race: every worker reaches the same answer
@@ -363,7 +404,7 @@ bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
   const uint64_t length = align_up(chunk.end) - first;
   uint64_t got = 0;
   while (got < length) {
-    const ssize_t n = ::pread(file.direct_fd, bounce + got, length - got, static_cast<off_t>(first + got));
+    const ssize_t n = timed_pread(file.direct_fd, bounce + got, length - got, first + got);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EINVAL && got == 0) return false;  // refused at read time (alignment rules differ)
     FASTOFFLOAD_READ_CHECK(n >= 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
@@ -379,11 +420,43 @@ bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
   return true;
 }
 
+ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t offset) {
+  {
+    std::unique_lock<std::mutex> lock(slot_mutex_);
+    slot_cv_.wait(lock, [&] { return free_slots_ > 0; });
+    free_slots_ -= 1;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    if (in_flight_ == 0) stats_.idle_seconds += std::chrono::duration<double>(start - idle_since_).count();
+    in_flight_ += 1;
+    stats_.max_in_flight = std::max(stats_.max_in_flight, in_flight_);
+  }
+  const ssize_t n = ::pread(fd, dest, nbytes, static_cast<off_t>(offset));
+  const int saved = errno;
+  const auto end = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    in_flight_ -= 1;
+    if (in_flight_ == 0) idle_since_ = end;
+    stats_.read_seconds += std::chrono::duration<double>(end - start).count();
+  }
+  {
+    // Given back only once counted out, so that in_flight_ never exceeds the slots.
+    std::lock_guard<std::mutex> lock(slot_mutex_);
+    free_slots_ += 1;
+  }
+  slot_cv_.notify_one();
+  errno = saved;
+  return n;
+}
+
 void DiskReader::read_buffered(File& file, const Chunk& chunk) {
   for (const auto& piece : chunk.pieces) {
     size_t got = 0;
     while (got < piece.nbytes) {
-      const ssize_t n = ::pread(file.fd, piece.dest + got, piece.nbytes - got, static_cast<off_t>(piece.offset + got));
+      const ssize_t n = timed_pread(file.fd, piece.dest + got, piece.nbytes - got, piece.offset + got);
       if (n < 0 && errno == EINTR) continue;
       FASTOFFLOAD_READ_CHECK(n >= 0, "fastoffload: reading tensor '", *piece.name, "' (bytes ", std::to_string(piece.offset),
                   "..", std::to_string(piece.offset + piece.nbytes), " of ", file.path, ") failed: ", error_text(errno));
@@ -408,8 +481,13 @@ void DiskReader::set_delay_us(uint64_t micros) {
 }
 
 ReaderStats DiskReader::stats() const {
+  const auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(stats_mutex_);
-  return stats_;
+  ReaderStats s = stats_;
+  // The idle stretch still running counts up to now.
+  if (in_flight_ == 0) s.idle_seconds += std::chrono::duration<double>(now - idle_since_).count();
+  s.wall_seconds = std::chrono::duration<double>(now - made_).count();
+  return s;
 }
 
 }  // namespace fastoffload

@@ -1,9 +1,10 @@
 // DiskReader: reads byte ranges of checkpoint files into host memory on threads of its own.
 //
 // A read job is a list of file ranges (one per tensor) and a destination region; each range lands at
-// its own offset in the region. The job is cut into chunks (adjacent ranges of one file merged, at most
-// chunk_bytes each) which the worker threads read in parallel, so several large requests are in flight
-// at once. With O_DIRECT (the default wherever the file system accepts it) a chunk is read at
+// its own offset in the region. The file extents the job covers (neighbouring ranges of one file
+// merged) are cut into requests of at most chunk_bytes that end at block-aligned file offsets, whatever
+// the tensor boundaries (a small tensor shares its neighbour's request instead of costing one of its
+// own), and the worker threads read them in parallel, so several large requests are in flight at once. With O_DIRECT (the default wherever the file system accepts it) a chunk is read at
 // block-aligned offsets into the worker's aligned bounce buffer, bypassing the page cache, and its
 // pieces are copied into place; where O_DIRECT is refused (tmpfs, some network file systems) the file
 // falls back to buffered pread straight into the destination. No caller ever holds the GIL while
@@ -21,6 +22,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -70,13 +72,24 @@ struct ReaderStats {
   uint64_t direct_bytes = 0;    // of which read with O_DIRECT
   uint64_t buffered_bytes = 0;  // of which read through the page cache
   double busy_seconds = 0.0;    // summed over workers: time inside read calls and copies
+  // Whether the disk was kept busy: read_seconds / wall_seconds is the mean number of read requests in
+  // flight, idle_seconds the wall time with none in flight (both since the reader was made; take
+  // differences over a window to judge that window).
+  double read_seconds = 0.0;    // summed over workers: time inside read system calls alone
+  double idle_seconds = 0.0;    // wall time with no read system call in flight
+  double wall_seconds = 0.0;    // wall time since the reader was made
+  uint64_t max_in_flight = 0;   // most read system calls in flight at once
+  uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers, allocated on first use
 };
 
 class ReadJob;
 
 class DiskReader {
  public:
-  // threads: worker count (>= 1). chunk_bytes: largest single read (rounded up to the block size).
+  // threads: read requests in flight at once (>= 1). Twice as many workers share them, so that while
+  // one worker copies a finished request out of its bounce buffer another has the request slot: the
+  // disk is never left with fewer requests than `threads` for want of a worker. chunk_bytes: largest
+  // single read (rounded up to the block size).
   DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode);
   ~DiskReader();
   DiskReader(const DiskReader&) = delete;
@@ -108,7 +121,8 @@ class DiskReader {
   void set_delay_us(uint64_t micros);
 
   ReaderStats stats() const;
-  size_t threads() const { return workers_.size(); }
+  size_t threads() const { return read_slots_; }
+  size_t workers() const { return workers_.size(); }
   size_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
@@ -122,11 +136,18 @@ class DiskReader {
   bool read_direct(File& file, const Chunk& chunk, uint8_t* bounce);
   void read_buffered(File& file, const Chunk& chunk);
   void maybe_fail(const File& file, const Chunk& chunk);
+  // pread with the in-flight accounting of ReaderStats around it.
+  ssize_t timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t offset);
   File& file_at(size_t index) const;
   void push(std::function<void(uint8_t*&)> task);
   // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
   std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
                                  const std::shared_ptr<ReadJob>& job, size_t limit) const;
+  // The requests of one extent (order[first, last), one file, extent_end its last byte + 1), appended.
+  void append_extent_chunks(const std::vector<const FileRange*>& order, size_t first, size_t last,
+                            uint64_t extent_end, uint8_t* dest, const std::shared_ptr<ReadJob>& job,
+                            const std::shared_ptr<std::vector<FileRange>>& owned, size_t limit,
+                            std::vector<Chunk>& chunks) const;
 
   size_t chunk_bytes_;
   ReadMode mode_;
@@ -139,8 +160,17 @@ class DiskReader {
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 
+  // The read request slots (a counting semaphore): a worker holds one only inside a read system call.
+  size_t read_slots_;
+  std::mutex slot_mutex_;
+  std::condition_variable slot_cv_;
+  size_t free_slots_;
+
   mutable std::mutex stats_mutex_;
   ReaderStats stats_;
+  std::chrono::steady_clock::time_point made_;        // when the reader was made
+  std::chrono::steady_clock::time_point idle_since_;  // when the last read call in flight ended
+  uint64_t in_flight_ = 0;                            // read system calls in flight now
   uint64_t fail_after_ = 0;
   uint64_t fail_count_ = 0;
   int fail_errno_ = 0;

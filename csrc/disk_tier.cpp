@@ -6,13 +6,37 @@
 
 namespace fastoffload {
 
-DiskTier::DiskTier(std::shared_ptr<DiskReader> reader, CopyEngine& copy) : reader_(std::move(reader)), copy_(copy) {
-  TORCH_CHECK(reader_ != nullptr, "fastoffload: the disk tier needs a DiskReader");
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-DiskTier::~DiskTier() { drain(); }
+}  // namespace
+
+DiskTier::DiskTier(std::shared_ptr<DiskReader> reader, CopyEngine& copy) : reader_(std::move(reader)), copy_(copy) {
+  TORCH_CHECK(reader_ != nullptr, "fastoffload: the disk tier needs a DiskReader");
+  stager_ = std::thread([this] { stager_loop(); });
+}
+
+DiskTier::~DiskTier() {
+  stop_stager();
+  Lock lock(mutex_);
+  handed_.clear();  // never submitted: nothing reads into those buffers
+  drain_locked(lock);
+}
+
+void DiskTier::stop_stager() {
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    stopping_ = true;
+  }
+  handed_cv_.notify_all();
+  if (stager_.joinable()) stager_.join();
+}
 
 void DiskTier::add_block(size_t block, std::vector<FileRange> ranges) {
+  std::lock_guard<std::mutex> guard(mutex_);
   TORCH_CHECK(!has(block), "fastoffload: internal error: block ", std::to_string(block), " is already in the disk tier");
   position_[block] = order_.size();
   order_.push_back(block);
@@ -22,7 +46,9 @@ void DiskTier::add_block(size_t block, std::vector<FileRange> ranges) {
 void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_t bytes) {
   const size_t count = buffers.size();
   TORCH_CHECK(count >= 1, "fastoffload: the disk tier needs at least one staging buffer, got ", std::to_string(count));
-  drain();
+  Lock lock(mutex_);
+  drain_locked(lock);
+  handed_.clear();
   staging_.clear();
   staging_.reserve(count);
   for (auto& memory : buffers) {
@@ -43,9 +69,9 @@ int64_t DiskTier::staged_index(size_t block) const {
   return -1;
 }
 
-void DiskTier::submit(Staging& staging, size_t block) {
+void DiskTier::submit(Staging& staging, size_t block, bool wait_for_copy) {
   std::function<void()> prepare;
-  if (!copy_.is_host()) {
+  if (wait_for_copy && !copy_.is_host()) {
     // The copy out of this buffer's previous block may still be running on the copy stream.
     Event* copied = staging.copied.get();
     CopyEngine* copy = &copy_;
@@ -59,27 +85,73 @@ void DiskTier::submit(Staging& staging, size_t block) {
 
 void DiskTier::refill() {
   if (order_.empty()) return;
-  for (auto& staging : staging_) {
+  bool handed = false;
+  for (size_t k = 0; k < staging_.size(); ++k) {
+    Staging& staging = staging_[k];
     if (staging.block >= 0) continue;
-    for (size_t tries = 0; tries < order_.size(); ++tries) {
+    bool assigned = false;
+    for (size_t tries = 0; tries < order_.size() && !assigned; ++tries) {
       const size_t candidate = order_[next_];
       next_ = (next_ + 1) % order_.size();
-      if (staged_index(candidate) < 0) {
-        try {
-          submit(staging, candidate);
-        } catch (const c10::Error&) {
-          // (A checkpoint file that changed.) Not this caller's error: the buffer stays free, and the
-          // acquire of `candidate` reads it on demand and raises it there.
-          return;
-        }
-        break;
-      }
+      if (staged_index(candidate) >= 0) continue;
+      staging.block = static_cast<int64_t>(candidate);
+      staging.job.reset();
+      staging.ticket += 1;
+      handed_.emplace_back(k, staging.ticket);
+      stats_.handoffs += 1;
+      assigned = handed = true;
     }
-    if (staging.block < 0) return;  // every disk block is staged already
+    if (!assigned) break;  // every disk block is staged already
   }
+  if (handed) handed_cv_.notify_one();
 }
 
-DiskTier::Staging& DiskTier::evict_for(size_t block) {
+void DiskTier::stager_loop() {
+  Lock lock(mutex_);
+  for (;;) {
+    handed_cv_.wait(lock, [&] { return stopping_ || !handed_.empty(); });
+    if (stopping_) break;
+    const auto [k, ticket] = handed_.front();
+    handed_.pop_front();
+    stager_busy_ = true;
+    Event* copied = staging_[k].copied.get();
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    bool copy_failed = false;
+    try {
+      copy_.host_wait(*copied);
+    } catch (const c10::Error&) {
+      copy_failed = true;  // the on-demand read waits for the same copy, and raises its error there
+    }
+    const double waited = seconds_since(start);
+    lock.lock();
+    stats_.copy_wait_seconds += waited;
+    Staging& staging = staging_[k];
+    if (staging.ticket == ticket && staging.block >= 0 && !staging.job) {
+      bool submitted = false;
+      if (!copy_failed) {
+        try {
+          submit(staging, static_cast<size_t>(staging.block), /*wait_for_copy=*/false);
+          submitted = true;
+        } catch (const c10::Error&) {
+          // (A checkpoint file that changed.) Not this thread's error to raise: see below.
+        }
+      }
+      if (!submitted) {
+        // The buffer is free again, and the acquire of its block reads it on demand and raises the
+        // error there, on the thread that can report it.
+        staging.block = -1;
+        staging.ticket += 1;
+      }
+    }
+    stager_busy_ = false;
+    submitted_cv_.notify_all();
+  }
+  stager_busy_ = false;
+  submitted_cv_.notify_all();
+}
+
+DiskTier::Staging& DiskTier::evict_for(size_t block, Lock& lock) {
   for (auto& staging : staging_)
     if (staging.block < 0) return staging;
   const size_t m = order_.size();
@@ -93,71 +165,117 @@ DiskTier::Staging& DiskTier::evict_for(size_t block) {
       furthest = &staging;
     }
   }
-  try {
-    DiskReader::wait(*furthest->job);  // a read cannot be cancelled; its bytes are simply not used
-  } catch (const c10::Error&) {
+  if (furthest->job) {
+    // A read cannot be cancelled; its bytes are simply not used. The tier's thread leaves a buffer
+    // with a read alone, so it stays as it is while unlocked.
+    const std::shared_ptr<ReadJob> job = furthest->job;
+    lock.unlock();
+    try {
+      DiskReader::wait(*job);
+    } catch (const c10::Error&) {
+    }
+    lock.lock();
   }
   furthest->block = -1;
   furthest->job.reset();
+  furthest->ticket += 1;  // a hand-off still queued for it is stale now
   return *furthest;
 }
 
 const uint8_t* DiskTier::take(size_t block, bool wait) {
-  TORCH_CHECK(started(), "fastoffload: internal error: the disk tier was not started");
-  int64_t k = staged_index(block);
-  if (k < 0) {
-    if (!wait) return nullptr;
-    stats_.out_of_order += 1;
-    Staging& staging = evict_for(block);
-    submit(staging, block);
-    next_ = (position_.at(block) + 1) % order_.size();
-    k = staged_index(block);
-  }
-  Staging& staging = staging_[static_cast<size_t>(k)];
-  if (!DiskReader::done(*staging.job)) {
-    if (!wait) return nullptr;
-    stats_.waits += 1;
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      DiskReader::wait(*staging.job);
-    } catch (const c10::Error&) {
+  Lock lock(mutex_);
+  TORCH_CHECK(!staging_.empty(), "fastoffload: internal error: the disk tier was not started");
+  const auto start = std::chrono::steady_clock::now();
+  const double idle_before = wait ? reader_->stats().idle_seconds : 0.0;
+  bool waited = false;
+  for (;;) {
+    int64_t k = staged_index(block);
+    if (k < 0) {
+      if (!wait) return nullptr;
+      stats_.out_of_order += 1;
+      Staging& staging = evict_for(block, lock);
+      submit(staging, block, /*wait_for_copy=*/true);
+      next_ = (position_.at(block) + 1) % order_.size();
+      k = staged_index(block);
     }
-    stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    Staging& staging = staging_[static_cast<size_t>(k)];
+    if (!staging.job) {
+      // Handed off: its read starts once the copy out of the buffer's previous block has finished.
+      if (!wait) return nullptr;
+      waited = true;
+      submitted_cv_.wait(lock, [&] { return staging.job != nullptr || staging.block != static_cast<int64_t>(block); });
+      if (!staging.job) continue;  // its submit failed: read on demand, which raises the failure here
+    }
+    if (!DiskReader::done(*staging.job)) {
+      if (!wait) return nullptr;
+      waited = true;
+      const std::shared_ptr<ReadJob> job = staging.job;
+      lock.unlock();  // the tier's thread leaves a buffer with a read alone
+      try {
+        DiskReader::wait(*job);
+      } catch (const c10::Error&) {
+      }
+      lock.lock();
+    }
+    if (waited) {
+      // The idle time first: its window then lies inside the wait's, so it never exceeds it.
+      stats_.idle_in_waits_seconds += reader_->stats().idle_seconds - idle_before;
+      stats_.waits += 1;
+      stats_.wait_seconds += seconds_since(start);
+    }
+    if (staging.job->failed()) {
+      if (!wait) return nullptr;  // the block's own acquire raises it
+      const std::shared_ptr<ReadJob> failed = std::move(staging.job);
+      staging.block = -1;  // free again; the block is read anew when it is next needed
+      staging.ticket += 1;
+      DiskReader::wait(*failed);  // done: throws its error, with its type (a read failure or not)
+    }
+    return static_cast<const uint8_t*>(staging.memory->data());
   }
-  if (staging.job->failed()) {
-    if (!wait) return nullptr;  // the block's own acquire raises it
-    const std::shared_ptr<ReadJob> failed = std::move(staging.job);
-    staging.block = -1;  // free again; the block is read anew when it is next needed
-    DiskReader::wait(*failed);  // done: throws its error, with its type (a read failure or not)
-  }
-  return static_cast<const uint8_t*>(staging.memory->data());
 }
 
 bool DiskTier::ready(size_t block) const {
+  std::lock_guard<std::mutex> guard(mutex_);
   const int64_t k = staged_index(block);
-  return k >= 0 && DiskReader::done(*staging_[static_cast<size_t>(k)].job);
+  if (k < 0) return false;
+  const Staging& staging = staging_[static_cast<size_t>(k)];
+  return staging.job != nullptr && DiskReader::done(*staging.job);
 }
 
 void DiskTier::consumed(size_t block) {
+  std::lock_guard<std::mutex> guard(mutex_);
   const int64_t k = staged_index(block);
   if (k < 0) return;
   Staging& staging = staging_[static_cast<size_t>(k)];
   copy_.record_on_copy(*staging.copied);
   staging.block = -1;
   staging.job.reset();
+  staging.ticket += 1;
   refill();
 }
 
 void DiskTier::drain() {
+  Lock lock(mutex_);
+  drain_locked(lock);
+}
+
+void DiskTier::drain_locked(Lock& lock) {
+  submitted_cv_.wait(lock, [&] { return (handed_.empty() || stopping_) && !stager_busy_; });
   for (auto& staging : staging_) {
     if (!staging.job) continue;
+    const std::shared_ptr<ReadJob> job = staging.job;
+    lock.unlock();
     try {
-      DiskReader::wait(*staging.job);
+      DiskReader::wait(*job);
     } catch (const c10::Error&) {
     }
+    lock.lock();
   }
 }
 
-DiskTierStats DiskTier::stats() const { return stats_; }
+DiskTierStats DiskTier::stats() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return stats_;
+}
 
 }  // namespace fastoffload

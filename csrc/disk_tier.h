@@ -3,17 +3,22 @@
 //
 // The ring runs ahead of the forward in the order the blocks were registered (the forward order,
 // wrapping around like the slot prefetch): as soon as the copy out of a staging buffer has been
-// issued, the buffer is handed to the reader for the next disk block not yet staged. The reader's
-// worker first waits (on its own thread) for the event recorded after that copy, so a buffer is never
-// overwritten while the copy engine still reads it; the thread that enqueues compute never waits for
-// the device. It waits for the disk only when a block it must run now has not been read yet, which is
-// when the device would have to wait for that read anyway, and so a read error is raised before any
-// kernel can use the bytes.
+// issued, the buffer is assigned the next disk block not yet staged and handed to the tier's own
+// thread, which waits for the event recorded after that copy and submits the read the moment the copy
+// has finished. So a buffer is never overwritten while the copy engine still reads it, no reader
+// worker ever sits waiting for the device (every worker is reading), and the thread that enqueues
+// compute never waits for the device either. It waits for the disk only when a block it must run now
+// has not been read yet, which is when the device would have to wait for that read anyway, and so a
+// read error is raised before any kernel can use the bytes.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -27,7 +32,12 @@ struct DiskTierStats {
   uint64_t reads = 0;          // block reads submitted
   uint64_t waits = 0;          // takes that had to wait for their read
   double wait_seconds = 0.0;   // host time spent in those waits
+  // Of those waits, the time the reader had no read request in flight at all: the pipeline's own
+  // fault (a buffer freed late, a read queued late), since the disk could have been reading.
+  double idle_in_waits_seconds = 0.0;
   uint64_t out_of_order = 0;   // takes of a block that was not staged (read on demand)
+  uint64_t handoffs = 0;       // buffers handed to the tier's thread once their block's copy was issued
+  double copy_wait_seconds = 0.0;  // the tier's thread waiting for those copies before it could read
   size_t staging_count = 0;
   size_t staging_bytes = 0;    // each
 };
@@ -68,14 +78,23 @@ class DiskTier {
     std::shared_ptr<PoolAllocation> memory;
     std::unique_ptr<Event> copied;  // recorded on the copy stream after the copy out of this buffer
     int64_t block = -1;             // the block being read into it or held by it; -1: free
-    std::shared_ptr<ReadJob> job;
+    std::shared_ptr<ReadJob> job;   // null while the block waits for the copy out of the buffer's last one
+    uint64_t ticket = 0;            // bumped whenever the buffer changes hands (a hand-off may be stale)
   };
+  using Lock = std::unique_lock<std::mutex>;
 
   int64_t staged_index(size_t block) const;
-  void submit(Staging& staging, size_t block);
+  // prepare: the read first waits for the buffer's last copy on a reader worker (on-demand reads only).
+  void submit(Staging& staging, size_t block, bool wait_for_copy);
+  // Assigns the next unstaged blocks to the free buffers and hands them to the tier's thread.
   void refill();
   // A buffer for an on-demand read: a free one, else the one holding the block furthest ahead.
-  Staging& evict_for(size_t block);
+  Staging& evict_for(size_t block, Lock& lock);
+  // The tier's thread: waits for each handed-off buffer's copy, then submits its read.
+  void stager_loop();
+  void stop_stager();
+  // Waits until the tier's thread has nothing handed off; then for every read in flight.
+  void drain_locked(Lock& lock);
 
   std::shared_ptr<DiskReader> reader_;
   CopyEngine& copy_;
@@ -85,6 +104,15 @@ class DiskTier {
   std::vector<Staging> staging_;
   size_t next_ = 0;  // index in order_ of the next block to stage
   DiskTierStats stats_;
+
+  // Guards staging_, next_ and stats_ between the engine's thread and the tier's thread.
+  mutable std::mutex mutex_;
+  std::condition_variable handed_cv_;     // the tier's thread: a buffer was handed off, or stop
+  std::condition_variable submitted_cv_;  // the engine's thread: a handed-off buffer's read was submitted
+  std::deque<std::pair<size_t, uint64_t>> handed_;  // (buffer, its ticket then)
+  bool stager_busy_ = false;
+  bool stopping_ = false;
+  std::thread stager_;
 };
 
 }  // namespace fastoffload

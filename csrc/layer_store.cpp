@@ -326,6 +326,7 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
   } else {
     std::lock_guard<std::mutex> lock(pending_mutex_);
     PendingLoad load;
+    load.block = blocks_.size();
     if (!pins) {
       load.read = reader->submit(block.ranges, dest);
     } else if (pending_.empty()) {
@@ -373,24 +374,46 @@ std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes)
   return memory;
 }
 
+std::exception_ptr LayerStore::wait_load(const PendingLoad& load) {
+  try {
+    std::shared_ptr<ReadJob> read = load.read;
+    if (load.pin.valid()) {
+      std::shared_ptr<ReadJob> after = load.pin.get();
+      if (after != nullptr) read = after;
+    }
+    if (read != nullptr) DiskReader::wait(*read);
+  } catch (...) {
+    // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
+    // unattempted.
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
 void LayerStore::finish_pins() const {
   std::lock_guard<std::mutex> lock(pending_mutex_);
   std::vector<PendingLoad> pending;
   pending.swap(pending_);
   std::exception_ptr first;
   for (auto& load : pending) {
-    try {
-      std::shared_ptr<ReadJob> read = load.read;
-      if (load.pin.valid()) {
-        std::shared_ptr<ReadJob> after = load.pin.get();
-        if (after != nullptr) read = after;
-      }
-      if (read != nullptr) DiskReader::wait(*read);
-    } catch (...) {
-      // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
-      // unattempted: every other load is still waited for.
-      if (!first) first = std::current_exception();
+    std::exception_ptr failed = wait_load(load);  // every other load is still waited for
+    if (failed && !first) first = failed;
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void LayerStore::finish_load(size_t index) const {
+  std::lock_guard<std::mutex> lock(pending_mutex_);
+  std::exception_ptr first;
+  for (size_t k = 0; k < pending_.size();) {
+    if (pending_[k].block != index) {
+      ++k;
+      continue;
     }
+    const PendingLoad load = pending_[k];
+    pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(k));
+    std::exception_ptr failed = wait_load(load);
+    if (failed && !first) first = failed;
   }
   if (first) std::rethrow_exception(first);
 }
@@ -404,12 +427,31 @@ size_t LayerStore::add_on_disk(const std::vector<std::string>& names, const std:
   return blocks_.size() - 1;
 }
 
-bool LayerStore::spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options) {
+LayerStore::SpillRead LayerStore::start_spill(size_t index, DiskReader& reader) const {
   TORCH_CHECK(index < blocks_.size() && !blocks_[index].removed && blocks_[index].on_disk,
               "fastoffload: internal error: block ", std::to_string(index), " is not in the disk tier");
-  const at::Tensor raw = read_block(index, reader);
-  StoredBlock& stored = blocks_[index];
-  const auto* data = raw.data_ptr<uint8_t>();
+  const StoredBlock& stored = blocks_[index];
+  SpillRead read;
+  read.index = index;
+  // Zeroed: the padding between tensors is encoded too, and must not be whatever the heap held.
+  read.raw = at::zeros({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
+                       at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  read.job = reader.submit(stored.ranges, read.raw.data_ptr<uint8_t>());
+  return read;
+}
+
+void LayerStore::wait_spill_read(const SpillRead& read) {
+  if (read.job == nullptr) return;
+  try {
+    DiskReader::wait(*read.job);
+  } catch (const c10::Error&) {
+  }
+}
+
+bool LayerStore::finish_spill(const SpillRead& read, SpillFile& spill, const codec::EncodeOptions& options) {
+  DiskReader::wait(*read.job);
+  StoredBlock& stored = blocks_.at(read.index);
+  const auto* data = read.raw.data_ptr<uint8_t>();
   const codec::Plan plan = codec::plan_block(data, stored.bytes, codec_spans(stored.layout), options);
   if (plan.coded_segments == 0 || plan.total_bytes >= stored.bytes) return false;
   std::vector<uint8_t> out(plan.total_bytes);

@@ -45,7 +45,7 @@ struct StoredBlock {
   bool shared_owner = false;  // ...which this process created and filled
   bool on_disk = false;       // disk tier: no host copy; `ranges` say where each tensor lives in the checkpoint
   std::vector<FileRange> ranges;  // blocks built from a checkpoint: one per tensor, dest_offset = layout offset
-  // A disk-tier block stored compressed in the spill file (LayerStore::spill): its region is
+  // A disk-tier block stored compressed in the spill file (LayerStore::finish_spill): its region is
   // `packed_bytes` at `spill_offset` there, and `packed` stays null (no host copy at all).
   bool spilled = false;
   uint64_t spill_offset = 0;
@@ -128,10 +128,24 @@ class LayerStore {
   // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
   // copied or freed. Safe from several threads: a caller returns only once every load has finished.
   void finish_pins() const;
-  // Compressed disk tier: reads on-disk block `index` from the checkpoint, encodes it and appends the
-  // compressed region to `spill` (the block then reads those bytes every step instead). Returns false,
-  // changing nothing, when no tensor of the block pays for coding (it keeps reading its raw tensors).
-  bool spill(size_t index, DiskReader& reader, SpillFile& spill, const codec::EncodeOptions& options);
+  // Waits for the load of block `index` alone (its read, and its pin) and throws its failure; the other
+  // loads keep running. A block with no load still running returns at once.
+  void finish_load(size_t index) const;
+  // Compressed disk tier, in two halves so that the next block's read runs while this one is encoded
+  // and written: start_spill queues the read of on-disk block `index` into a new CPU buffer;
+  // finish_spill waits for it (throwing its failure), encodes it and appends the compressed region to
+  // `spill` (the block then reads those bytes every step instead), or returns false, changing nothing,
+  // when no tensor of the block pays for coding (it keeps reading its raw tensors). A SpillRead must
+  // not be dropped before its read is done (wait_spill_read): the reader writes into its buffer.
+  struct SpillRead {
+    size_t index = 0;
+    at::Tensor raw;
+    std::shared_ptr<ReadJob> job;
+  };
+  SpillRead start_spill(size_t index, DiskReader& reader) const;
+  bool finish_spill(const SpillRead& read, SpillFile& spill, const codec::EncodeOptions& options);
+  // Waits for the read of `read`, ignoring its failure (nobody will use those bytes).
+  static void wait_spill_read(const SpillRead& read);
   // The packed bytes of an on-disk block, read now into a new CPU tensor.
   at::Tensor read_block(size_t index, DiskReader& reader) const;
   // Tensor j of an on-disk block, read now into a new CPU tensor.
@@ -195,6 +209,7 @@ class LayerStore {
   // A load still running: the read submitted at once (or null), and the pin, which returns the read
   // it submitted once it had pinned (or null).
   struct PendingLoad {
+    size_t block = SIZE_MAX;  // the block it fills (SIZE_MAX: a staging buffer's pin)
     std::shared_ptr<ReadJob> read;
     std::shared_future<std::shared_ptr<ReadJob>> pin;
   };
@@ -203,6 +218,8 @@ class LayerStore {
   std::vector<StoredBlock> blocks_;
   mutable std::mutex pending_mutex_;  // held while waiting, so that no caller returns before the loads end
   mutable std::vector<PendingLoad> pending_;
+  // Waits for `load`, returning its failure instead of throwing it.
+  static std::exception_ptr wait_load(const PendingLoad& load);
   std::shared_future<std::shared_ptr<ReadJob>> last_pin_;  // the tail of the pin queue
 };
 

@@ -13,6 +13,13 @@
 namespace fastoffload {
 namespace {
 
+// Reads queued ahead of the encoder when a compressed host tier is built from a checkpoint: enough that
+// the disk has the next blocks to read while one is encoded; each holds a raw region until encoded.
+constexpr size_t kEncodeLookahead = 3;
+// Disk-tier blocks read ahead of the spill file's encoder: one read runs while the block before it is
+// encoded and written. Their raw bytes are pageable host memory, outside the host budget: kept to two.
+constexpr size_t kSpillLookahead = 2;
+
 int device_index_of(const at::Device& device) {
   if (device.is_cpu()) return -1;
   TORCH_CHECK(device.is_cuda(), "fastoffload: the offload device must be 'cuda', 'cuda:N' or 'cpu', got '",
@@ -67,6 +74,7 @@ OffloadEngine::OffloadEngine(at::Device device, size_t num_slots, std::shared_pt
 }
 
 OffloadEngine::~OffloadEngine() {
+  drop_pending_spills();  // their buffers are freed with this engine: no read may still write there
   try {
     store_.finish_pins();
   } catch (...) {
@@ -189,7 +197,7 @@ size_t OffloadEngine::weight_bytes(size_t block) const {
 at::Tensor OffloadEngine::raw_host_bytes(size_t block) const {
   auto lock = gate_.enter_read();
   check_block(block);
-  finish_loading();
+  store_.finish_pins();
   at::Tensor bytes = store_.raw_bytes(block, verify_);
   // A shared copy's pages are other ranks' weights too (read-only on a non-owner): hand out a copy.
   return store_.block(block).shared ? bytes.clone() : bytes;
@@ -231,16 +239,44 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
                                           const std::vector<FileSpan>& spans) {
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_from_file needs set_reader() first");
-  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded.
+  // A block that will be compressed keeps its raw region pageable: it is dropped once encoded. The
+  // encoder reads a region only once the reader has filled it; meanwhile the reads after it run on.
   const bool compress = compress_mode_ != CompressMode::kOff;
+  if (compress) encode_loaded(kEncodeLookahead - 1);
   const size_t index = store_.add_from_file(names, params, shapes, spans, reader_, /*pin=*/!compress);
   travel_.push_back(Travel::kRaw);
-  if (compress) {
-    store_.finish_pins();  // the encoder reads the region the reader is filling
-    encode_new(index);
-  }
+  if (compress) pending_encode_.push_back(index);
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::encode_loaded(size_t keep) {
+  while (pending_encode_.size() > keep) {
+    const size_t block = pending_encode_.front();
+    try {
+      store_.finish_load(block);
+      encode_new(block);
+    } catch (...) {
+      pending_encode_.clear();
+      throw;
+    }
+    pending_encode_.pop_front();
+    if (!pending_encode_.empty()) stats_.pipelined_encodes += 1;
+  }
+}
+
+void OffloadEngine::finish_loading() {
+  try {
+    encode_loaded(0);
+  } catch (...) {
+    try {
+      store_.finish_pins();  // nothing may still be read into a region once the caller sees the failure
+    } catch (...) {
+      // The first failure is the one to report.
+    }
+    throw;
+  }
+  store_.finish_pins();
 }
 
 size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
@@ -249,14 +285,15 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   GateHold hold = waiting_gate();
   TORCH_CHECK(reader_ != nullptr, "fastoffload: add_block_on_disk needs set_reader() first");
   TORCH_CHECK(!copy_.capturing(), "fastoffload: blocks cannot be added while a CUDA graph is being captured");
+  // The spill file's blocks before this one, beyond the look-ahead, are encoded and written first: a
+  // failure there leaves this block unadded.
+  if (spill_ != nullptr) spill_loaded(kSpillLookahead - 1);
   const size_t index = store_.add_on_disk(names, params, shapes, spans, *reader_);
   if (disk_ == nullptr) disk_ = std::make_unique<DiskTier>(reader_, copy_);
   travel_.push_back(Travel::kRaw);
   if (spill_ != nullptr) {
-    // A disk read costs far more than a decode, so a disk-tier block travels compressed whenever its
-    // coding pays, "auto" included: there is no compute-bound case to protect.
     try {
-      if (store_.spill(index, *reader_, *spill_, codec_options_)) travel_[index] = Travel::kCompressed;
+      pending_spill_.push_back(store_.start_spill(index, *reader_));
     } catch (...) {
       // Nothing half-added: the engine's per-block lists must stay as long as the store's.
       travel_.pop_back();
@@ -269,6 +306,27 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   }
   finish_add(index);
   return index;
+}
+
+void OffloadEngine::spill_loaded(size_t keep) {
+  while (pending_spill_.size() > keep) {
+    const LayerStore::SpillRead& read = pending_spill_.front();
+    try {
+      // A disk read costs far more than a decode, so a disk-tier block travels compressed whenever its
+      // coding pays, "auto" included: there is no compute-bound case to protect.
+      if (store_.finish_spill(read, *spill_, codec_options_)) travel_[read.index] = Travel::kCompressed;
+    } catch (...) {
+      drop_pending_spills();
+      throw;
+    }
+    pending_spill_.pop_front();
+    if (!pending_spill_.empty()) stats_.pipelined_spills += 1;
+  }
+}
+
+void OffloadEngine::drop_pending_spills() {
+  for (const auto& read : pending_spill_) LayerStore::wait_spill_read(read);
+  pending_spill_.clear();
 }
 
 void OffloadEngine::set_spill_file(const std::string& path) {
@@ -291,6 +349,7 @@ uint64_t OffloadEngine::spill_bytes() const {
 
 void OffloadEngine::register_deferred_disk_blocks() {
   if (deferred_disk_.empty()) return;
+  spill_loaded(0);
   spill_->finish();
   const size_t file = reader_->open(spill_->path());
   for (size_t b : deferred_disk_) {
@@ -677,6 +736,7 @@ void OffloadEngine::close() {
   } catch (const c10::Error&) {
   }
   copy_.synchronize_copies();
+  drop_pending_spills();
   if (disk_ != nullptr) disk_->drain();
   if (spill_ != nullptr) spill_->remove();  // the reader may keep it open: the name goes now, the pages with it
   for (size_t b = 0; b < store_.size(); ++b) {
@@ -765,7 +825,7 @@ bool OffloadEngine::is_shared(size_t block) const {
 
 at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
   auto lock = gate_.enter_read();
-  finish_loading();
+  store_.finish_pins();
   if (store_.block(block).on_disk) return store_.read_tensor(block, j, *reader_);
   at::Tensor view = store_.host_view(block, j);
   if (!store_.block(block).shared) return view;
@@ -774,7 +834,7 @@ at::Tensor OffloadEngine::host_view(size_t block, size_t j) const {
 
 std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   auto lock = gate_.enter_read();
-  finish_loading();
+  store_.finish_pins();
   const StoredBlock& stored = store_.block(block);
   if (stored.on_disk) {
     const at::Tensor bytes = store_.read_block(block, *reader_);

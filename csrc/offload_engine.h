@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,11 @@ struct EngineStats {
   uint64_t sync_loads = 0;         // acquires that had to start the copy themselves
   uint64_t skipped_prefetches = 0; // prefetches with no slot to go to
   uint64_t decodes = 0;            // copies that went compressed and were decoded into their slot
+  // Blocks read from a checkpoint with compression on, encoded while the reads of later blocks were
+  // still queued (the start-up pipeline: the disk reads on while the host encodes).
+  uint64_t pipelined_encodes = 0;
+  // Disk-tier blocks encoded into the spill file while the next one's read ran.
+  uint64_t pipelined_spills = 0;
 };
 
 // A block's host copy as the codec left it, for stats().
@@ -89,10 +95,17 @@ class OffloadEngine {
   // bytes; set it before adding such blocks.
   void set_reader(std::shared_ptr<DiskReader> reader);
   // Packs a block straight from the checkpoint into its pinned region (the host tier). Returns once the
-  // read is under way; finish_loading waits for it.
+  // read is under way; finish_loading waits for it. With compression on, the reads run ahead of the
+  // encoder: each call first encodes the oldest blocks whose reads are queued, until at most
+  // kEncodeLookahead - 1 are left (their reads run on while it encodes), then queues this block's
+  // read; finish_loading encodes the rest. A read failure is thrown by the call that encodes that
+  // block, before its own block is added.
   size_t add_block_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
   // A block of the disk tier: no host copy; it is read into a staging buffer every time it is copied.
+  // With a spill file, its read for the spill is queued and the block before it is encoded and written
+  // meanwhile (start_disk_tier finishes the last one); a failure of that earlier block is thrown
+  // before this one is added.
   size_t add_block_on_disk(const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                            const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans);
   // Compressed disk tier: the disk-tier blocks added from now on are encoded and written to a new spill
@@ -105,9 +118,10 @@ class OffloadEngine {
   // the host tier's reads still run), waits for those reads (finish_loading) and starts reading ahead.
   // Call once every block is added.
   void start_disk_tier(size_t count);
-  // Waits until every block added from a file is read and pinned (see LayerStore::finish_pins); throws
-  // the first read or pin failure. Every path that reads, copies or frees a region calls it first.
-  void finish_loading() const { store_.finish_pins(); }
+  // Waits until every block added from a file is read and pinned (see LayerStore::finish_pins), and
+  // encoded when compression is on; throws the first read, pin or encode failure (the blocks not yet
+  // encoded then stay raw). Every path that reads, copies or frees a region calls it first.
+  void finish_loading();
   bool is_on_disk(size_t block) const { return store_.block(block).on_disk; }
   // Whether acquire(block) would wait for a disk read (so that the caller can release its locks first).
   bool acquire_may_wait(size_t block) const;
@@ -209,6 +223,13 @@ class OffloadEngine {
   // The bytes to copy for `block`: its host region, or its disk-tier staging buffer (waited for).
   const void* copy_source(size_t block);
   void encode_new(size_t block);
+  // Encodes the oldest blocks of pending_encode_ (each once its read is done) until at most `keep` are
+  // left; on a failure, the rest are dropped from the list (they stay raw) and it is rethrown.
+  void encode_loaded(size_t keep);
+  // Spills the oldest pending_spill_ blocks until at most `keep` are left; on a failure, waits for the
+  // other reads, drops them (those blocks read their raw tensors) and rethrows.
+  void spill_loaded(size_t keep);
+  void drop_pending_spills();
   // Spill-file blocks are given to the disk tier once the file is complete (start_disk_tier).
   void register_deferred_disk_blocks();
   void decide_travel();
@@ -239,6 +260,8 @@ class OffloadEngine {
   std::unique_ptr<DiskTier> disk_;
   std::unique_ptr<SpillFile> spill_;
   std::vector<size_t> deferred_disk_;  // disk-tier blocks, in order, not yet given to disk_
+  std::deque<size_t> pending_encode_;  // blocks added from a file, read queued, to encode (compression on)
+  std::deque<LayerStore::SpillRead> pending_spill_;  // disk-tier blocks read for the spill file, to encode
 };
 
 }  // namespace fastoffload

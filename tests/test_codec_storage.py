@@ -1,6 +1,9 @@
 """Compression with weights=: the host tier holds compressed bytes, the disk tier a compressed spill file."""
 from __future__ import annotations
 
+import errno
+import gc
+import os
 import resource
 import signal
 from pathlib import Path
@@ -9,7 +12,9 @@ import pytest
 import torch
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
-from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.engine.hooks import ModuleHookManager
+from fastoffload_ext.errors import CheckpointReadError, OffloadConfigError
+from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage import DiskOptions
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import OFFLOAD_DEVICES, params_equal
@@ -61,6 +66,61 @@ def test_host_tier_from_a_checkpoint_holds_the_compressed_bytes(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+def test_compressed_start_up_encodes_while_the_next_reads_run(tmp_path: Path, device: str) -> None:
+    reference = reference_stack(N_BLOCKS)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(N_BLOCKS)
+    group = enable_layerwise_offload(model, device=device, weights=path, compress=True)
+    # Every block but the last was encoded while the reads of later blocks were still queued.
+    assert group.engine.stats()["pipelined_encodes"] == N_BLOCKS - 1
+    assert [b["mode"] for b in group.stats()["codec"]] == ["compressed"] * N_BLOCKS
+    # Each block was read exactly once, and every raw region was freed once encoded.
+    assert group.engine.reader.stats()["bytes_read"] == N_BLOCKS * block_bytes(reference)
+    host = group.stats()["host_bytes"]  # the compressed regions; the pool rounds each allocation up a little
+    assert host <= group.engine.pool.stats()["in_use_bytes"] < host + block_bytes(reference)
+    assert _run_exact(model, reference, device)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_read_error_in_the_middle_of_a_compressed_start_up_rolls_back(tmp_path: Path, half: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path, budget = _half_in_host_memory(tmp_path)
+    opened = CheckpointSource.open_files
+
+    def failing(self: CheckpointSource, engine: object) -> None:
+        opened(self, engine)
+        # One request per block of this small model: the fifth block's read fails, while the encoder
+        # still trails the reads queued after it.
+        self.reader._inject_errors(4, 1, errno.EIO)
+
+    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    before = _threads()
+    model = meta_stack(N_BLOCKS)
+    with pytest.raises(CheckpointReadError, match=f"fastoffload: reading tensor 'blocks\\.4\\.[a-z0-9_.]+' \\(bytes "
+                                                  f"\\d+\\.\\.\\d+ of {path}\\) failed: Input/output error\\. "
+                                                  "Check the disk; nothing was changed"):
+        enable_layerwise_offload(model, device="cpu", weights=path, compress=True,
+                                 host_budget=budget if half else None)
+    # Nothing half-built: the meta model as it was, no hook, no spill file, the reader's threads gone.
+    assert all(p.is_meta for p in model.parameters())
+    assert get_offload_group(model) is None
+    assert all(ModuleHookManager.get_from(m) is None for m in model.modules())
+    assert _spills(tmp_path) == []
+    gc.collect()
+    assert _threads() <= before
+    # The same checkpoint, read without the fault, gives the resident model's outputs.
+    monkeypatch.setattr(CheckpointSource, "open_files", opened)
+    enable_layerwise_offload(model, device="cpu", weights=path, compress=True, host_budget=budget if half else None)
+    assert _run_exact(model, reference, "cpu", steps=2)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("compress", [True, "auto"])
 def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(tmp_path: Path, device: str,
                                                                                compress) -> None:
@@ -71,6 +131,8 @@ def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(
     assert len(disk) >= N_BLOCKS // 2
     spills = _spills(tmp_path)
     assert [str(p) for p in spills] == [group.engine.spill_path]
+    # Every disk block but the last was encoded and written while the next one was being read.
+    assert group.engine.stats()["pipelined_spills"] == len(disk) - 1
     infos = [group.engine.codec_info(s.handle) for s in disk]
     # A disk read costs far more than a decode: disk blocks travel compressed under "auto" too.
     assert [i["mode"] for i in infos] == ["compressed"] * len(disk) and all(i == infos[0] for i in infos)

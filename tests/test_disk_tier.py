@@ -64,6 +64,10 @@ def test_model_twice_the_host_budget_is_bit_exact(tmp_path: Path, device: str, d
             assert torch.equal(model(x), expected)
     disk_stats = group.engine.disk_stats()
     assert disk_stats["reads"] >= 4 * len(disk) and disk_stats["staging_count"] == min(staging, len(disk))
+    # In forward order every read but the on-demand ones was handed to the tier's thread, which
+    # submitted it once the copy out of its buffer was done.
+    assert disk_stats["out_of_order"] == 0 and disk_stats["handoffs"] >= disk_stats["reads"]
+    assert 0 <= disk_stats["idle_in_waits_seconds"] <= disk_stats["wait_seconds"]
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference.cpu())
 

@@ -119,6 +119,34 @@ def test_reader_splits_and_merges_ranges(tmp_path: Path) -> None:
         assert reader.stats()["bytes_read"] == 20_000 + 7 + 49_999
 
 
+def test_reader_requests_end_at_aligned_offsets_whatever_the_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (3_000_000,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    core = require_ext()
+    mib = 1 << 20
+    for mode in ("auto", "buffered"):
+        reader = core.DiskReader(2, mib, mode)
+        f = reader.open(str(path))
+        # A large tensor, a small one right after it, another large one: one extent of ~2.9 MiB.
+        spans = [(f, 4000, 1_500_000, 0), (f, 1_504_000, 8, 1_500_160), (f, 1_504_008, 1_495_992, 1_500_416)]
+        dest = torch.zeros(3_000_000, dtype=torch.uint8)
+        reader.read(spans, dest)
+        assert torch.equal(dest[:1_500_000], data[4000:1_504_000])
+        assert torch.equal(dest[1_500_160:1_500_168], data[1_504_000:1_504_008])
+        assert torch.equal(dest[1_500_416:2_996_408], data[1_504_008:3_000_000])
+        stats = reader.stats()
+        # Cut at 1 MiB file boundaries, not per tensor: [4000, 1 MiB), [1 MiB, 2 MiB), [2 MiB, end).
+        assert stats["chunks"] == 3 and stats["bytes_read"] == 3_000_000 - 4000
+        # Two request slots, four workers; the counters describe what happened.
+        assert stats["threads"] == 2 and stats["workers"] == 4
+        assert 1 <= stats["max_in_flight"] <= 2
+        assert 0 < stats["read_seconds"] <= 2 * stats["wall_seconds"]
+        assert 0 <= stats["idle_seconds"] <= stats["wall_seconds"]
+        assert stats["bounce_bytes"] <= 4 * (mib + 8192)
+        assert (stats["bounce_bytes"] > 0) == (stats["direct_bytes"] > 0)
+
+
 def test_argument_errors() -> None:
     model = meta_stack(2)
     with pytest.raises(OffloadConfigError, match="fastoffload: disk_options needs weights="):

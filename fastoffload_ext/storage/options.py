@@ -24,7 +24,8 @@ class DiskOptions:
 
     staging_buffers: pinned buffers of the largest block that the disk tier reads ahead into (the
         look-ahead, in blocks); they count against ``host_budget``.
-    read_threads: reader threads, each with one request in flight.
+    read_threads: read requests in flight at once (the reader runs twice as many worker threads, so that
+        one copying a finished request out of its buffer never leaves the disk a request short).
     chunk_bytes: the largest single read request.
     read_mode: "auto" (O_DIRECT where the file system accepts it, else buffered), "direct" (O_DIRECT or
         an error) or "buffered" (through the page cache).

@@ -209,6 +209,9 @@ class CheckpointSource:
         block = self.blocks[index]
         if not block.on_disk or self.compress == "off" or engine is None or self.host_budget is None:
             return False
+        # The encoder trails the reads (the engine encodes a block once later reads are queued): let it
+        # catch up, so that the pool holds the host blocks before this one at their compressed size.
+        engine.finish_loading()
         later = sum(self.block_bytes[i] for i in range(index + 1, len(self.blocks)) if not self.blocks[i].on_disk)
         held = int(engine.pool.stats()["in_use_bytes"])
         return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
