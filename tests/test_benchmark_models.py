@@ -31,46 +31,64 @@ def test_the_section_runs_on_the_host_bit_equal(tmp_path: Path, monkeypatch: pyt
         ctx.close()
     rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
     ext = [row for row in rows if row["backend"] == "ext"]
-    assert len(ext) == 4 and all(row["bit_equal"] is True for row in ext), json.dumps(ext)[:2000]
-    assert {row["model"] for row in ext} == {"wan-1.3b", "flux"}
+    every_list = [row for row in rows if row["backend"] == "ext all lists"]
+    # Wan at three token counts (the "mid" one too), Flux at two, each Flux count with both selections.
+    assert [row["tokens"] for row in ext] == ["16 (small)", "64 (large)", "32 (mid)", "16 (small)", "64 (large)"]
+    assert len(every_list) == 2 and all(row["bit_equal"] is True for row in ext + every_list), json.dumps(rows)[:2000]
     flux = next(row for row in ext if row["model"] == "flux")
-    assert "2 list(s) offloaded: transformer_blocks, single_transformer_blocks" in flux["note"]
+    assert flux["note"].startswith("1 list(s) offloaded: transformer_blocks (default settings)")
+    assert every_list[0]["note"].startswith("2 list(s) offloaded: transformer_blocks, single_transformer_blocks "
+                                            "(block_lists='all')")
     skipped = [row for row in rows if row["backend"] in {peer.name for peer in peers.PEERS}]
-    assert len(skipped) == 4 * len(peers.PEERS) and all(row["skipped"] == "needs a CUDA device" for row in skipped)
-    assert all(row.get("ms", 0) > 0 for row in rows if row["backend"] in ("resident", "ext"))
+    assert len(skipped) == 5 * len(peers.PEERS) and all(row["skipped"] == "needs a CUDA device" for row in skipped)
+    assert all(row.get("ms", 0) > 0 for row in rows if row["backend"] in ("resident", "ext", "ext all lists"))
 
 
-def test_summary_names_the_fastest_peer_and_its_ratio_to_ext() -> None:
-    rows = [
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "resident", "ms": 200.0},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "floor", "ms": 430.0},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "ext", "ms": 440.0, "x_floor": 1.023,
+def _summary_rows() -> list[dict[str, Any]]:
+    tokens = "9216 (balanced)"
+    return [
+        {"model": "flux", "tokens": tokens, "backend": "resident", "ms": 400.0},
+        {"model": "flux", "tokens": tokens, "backend": "ext", "ms": 440.0, "x_floor": 1.023,
          "range": "[1.010, 1.040]", "bit_equal": True},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "sglang", "ms": 480.0, "x_ext": 1.09,
-         "range": "[1.05, 1.12]", "bit_equal": True},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "mmgp", "ms": 900.0, "x_ext": 2.05,
-         "range": "[2.0, 2.1]", "bit_equal": False},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "fastvideo", "skipped": "why"},
-    ]
-    assert models.summarize(rows) == [
-        "flux 1024 (transfer-bound): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
-        "flux 1024 (transfer-bound): fastest peer sglang 480.00 ms, 1.09x ext [1.05, 1.12]; ext faster than every "
-        "peer that ran: yes",
+        {"model": "flux", "tokens": tokens, "backend": "ext all lists", "ms": 497.0, "x_floor": 1.165,
+         "range": "[1.160, 1.168]", "bit_equal": True, "bound_ms": 497.0, "x_bound": 1.0},
+        {"model": "flux", "tokens": tokens, "backend": "fastvideo", "ms": 430.0, "x_ext": 0.98,
+         "range": "[0.97, 0.99]", "bit_equal": True, "vs_ext": "ext"},
+        {"model": "flux", "tokens": tokens, "backend": "sglang", "ms": 519.0, "x_ext": 1.04,
+         "range": "[1.04, 1.05]", "bit_equal": True, "vs_ext": "ext all lists"},
+        {"model": "flux", "tokens": tokens, "backend": "mmgp", "ms": 900.0, "x_ext": 1.81,
+         "range": "[1.8, 1.9]", "bit_equal": False, "vs_ext": "ext all lists"},
+        {"model": "flux", "tokens": tokens, "backend": "accelerate", "skipped": "why"},
     ]
 
 
-def test_summary_flags_a_miss_and_a_faster_peer() -> None:
-    rows = [
-        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
-         "range": "[1.06, 1.10]", "bit_equal": False},
-        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "sglang", "ms": 48.0, "x_ext": 0.96,
-         "range": "[0.95, 0.97]", "bit_equal": True},
+def test_summary_compares_each_peer_with_the_ext_that_offloads_the_same_lists() -> None:
+    assert models.summarize(_summary_rows()) == [
+        "flux 9216 (balanced): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
+        "flux 9216 (balanced): fastest peer vs ext: fastvideo 430.00 ms, 0.98x ext [0.97, 0.99]; ext faster than "
+        "every peer offloading the same lists: NO",
+        "flux 9216 (balanced): ext all lists 497.00 ms = 1.165x floor [1.160, 1.168] (MISSES <=1.05x), 1.000x "
+        "schedule bound 497.0 ms (the bound is above the floor target)",
+        "flux 9216 (balanced): fastest peer vs ext all lists: sglang 519.00 ms, 1.04x ext all lists [1.04, 1.05]; "
+        "ext all lists faster than every peer offloading the same lists: yes",
     ]
+
+
+def test_summary_flags_a_row_that_is_not_bit_equal() -> None:
+    rows = [{"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
+             "range": "[1.06, 1.10]", "bit_equal": False}]
     assert models.summarize(rows) == [
-        "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal",
-        "wan-1.3b 1560 (transfer-bound): fastest peer sglang 48.00 ms, 0.96x ext [0.95, 0.97]; ext faster than every "
-        "peer that ran: NO",
-    ]
+        "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal"]
+
+
+def test_rows_are_shown_per_token_count_in_a_fixed_order() -> None:
+    rows = _summary_rows()
+    measured = [rows[4], rows[1], rows[0], rows[6], rows[3], rows[2], rows[5]]  # as a run might journal them
+    measured.insert(2, {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "ext", "ms": 1.0})
+    arranged = models.arrange_rows(measured)
+    assert [(row["tokens"][:4], row["backend"]) for row in arranged] == [
+        ("9216", "resident"), ("9216", "ext"), ("9216", "ext all lists"), ("9216", "fastvideo"), ("9216", "sglang"),
+        ("9216", "mmgp"), ("9216", "accelerate"), ("1024", "ext")]
 
 
 def test_fastvideo_offload_module_imports_without_its_runtime() -> None:
@@ -120,7 +138,7 @@ def test_a_host_copy_moves_only_the_listed_block_lists_and_keeps_every_value() -
 def _run_for(spec: models.ModelSpec, elapsed_s: float) -> models.ModelRun:
     log = PhaseLog("models", echo=False)
     log.started -= elapsed_s
-    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log)
+    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log, models.ext_configs(["blocks"], None))
 
 
 def _cuda_ctx() -> Context:
@@ -137,7 +155,7 @@ def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch
     try:
         assert models._peer_skip_reason(ctx, run, by_name["sglang"], 480.0) is None
         reason = models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0)
-        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one 600 s")
+        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one GPU command")
         assert "BENCHMARK_MODEL_PEERS=all runs it" in reason
         monkeypatch.setenv(models.ENV_PEERS, "all")
         assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
@@ -154,6 +172,19 @@ def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
         ctx.close()
     assert reason == ("not run: flux's share of the section's time budget (BENCHMARK_MODELS_BUDGET_S) ended at "
                       "480 s and it was 500 s; the stronger peers ran first")
+
+
+def test_a_peer_that_would_outlast_the_budget_is_not_started() -> None:
+    run = _run_for(models.MODELS["flux"], 400.0)
+    run.peer_seconds = [30.0, 55.0]
+    ctx = _cuda_ctx()
+    try:
+        assert models._peer_skip_reason(ctx, run, peers.PEERS[0], 460.0) is None
+        reason = models._peer_skip_reason(ctx, run, peers.PEERS[0], 450.0)
+    finally:
+        ctx.close()
+    assert reason == ("not run: flux's share of the section's time budget (BENCHMARK_MODELS_BUDGET_S) ends at 450 s; "
+                      "at 400 s the slowest peer so far (55 s) would not finish before it; the stronger peers ran first")
 
 
 def test_peers_are_set_up_strongest_first() -> None:
@@ -234,7 +265,8 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     by_backend = {(row["backend"], row.get("tokens")): row for row in rows}
     assert ("all", None) not in by_backend, by_backend
     exact, nudged = by_backend[("fastvideo", "16 (small)")], by_backend[("sglang", "16 (small)")]
-    assert exact["bit_equal"] is True and exact["note"] == "exact"
+    assert exact["bit_equal"] is True and exact["note"] == "exact; offloads blocks, rest"
+    assert exact["vs_ext"] == "ext" and isinstance(exact["pass"], bool)
     assert nudged["bit_equal"] is False
     assert "its set-up changed torch's numerics (matmul.allow_bf16_reduced_precision_reduction True -> False); " \
            "put back for its rows" in nudged["note"]
