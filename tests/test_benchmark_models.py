@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
-from benchmarks import models, peer_diff, peers  # noqa: E402
+from benchmarks import model_rows, models, peer_diff, peers  # noqa: E402
 from benchmarks.phases import PhaseLog  # noqa: E402
-from benchmarks.utils import Context, Options, read_journal  # noqa: E402
+from benchmarks.utils import GB, Context, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
 
@@ -275,3 +275,87 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     assert peer_diff.numerics_settings() == before
     assert len(copies) == 3 and all(ref() is None for ref in copies)  # every peer's model was freed
     assert any("fastvideo: released" in line for line in log.lines)
+
+
+class _TwoLists(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+        self.doubles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.singles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+def test_what_a_peer_offloads_is_read_from_where_its_weights_are_after_set_up() -> None:
+    model = _TwoLists()
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    lists = ["doubles", "singles"]
+    cpu = torch.device("cpu")
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset()
+    model.doubles[1].weight.data = torch.empty(0)  # FastVideo's and SGLang's placeholder
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset({"doubles"})
+    model.singles[0].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # accelerate's meta weight
+    model.head.bias.data = torch.zeros(1).expand(4)  # the right shape, but no storage behind it
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset({"doubles", "singles", peers.REST})
+    by_name = {peer.name: peer for peer in peers.PEERS}
+    assert peers.declared_parts(by_name["fastvideo"], lists) == frozenset({"doubles"})
+    assert peers.declared_parts(by_name["sglang"], lists) == frozenset(lists)
+    assert peers.declared_parts(by_name["diffusers"], lists) == frozenset([*lists, peers.REST])
+
+
+def test_each_peer_is_matched_with_the_ext_that_offloads_the_same_lists() -> None:
+    configs = models.ext_configs(["doubles", "singles"], "all")
+    assert [config.name for config in configs] == ["ext", "ext all lists"]
+    match = model_rows.matching_config
+    assert match(configs, frozenset({"doubles"})).name == "ext"
+    assert match(configs, frozenset({"doubles", "singles"})).name == "ext all lists"
+    assert match(configs, frozenset({"doubles", "singles", peers.REST})).name == "ext all lists"
+    assert match(configs, frozenset({"singles"})).name == "ext all lists"  # a tie goes to the wider
+    assert [config.name for config in models.ext_configs(["blocks"], None)] == ["ext"]
+
+
+def _host_run(tmp_path: Path, spec: models.ModelSpec) -> tuple[Context, models.ModelRun]:
+    ctx = Context("models", Options(device="cpu", progress=False), str(tmp_path / "journal.jsonl"))
+    return ctx, models._prepare(ctx, spec, models.enable_layerwise_offload, PhaseLog("models", echo=False))
+
+
+def test_ext_rows_carry_their_own_floor_and_the_schedule_bound(tmp_path: Path) -> None:
+    ctx, run = _host_run(tmp_path, models.MODELS["flux"])
+    try:
+        result = models._first_session(ctx, run)
+        # A slow imaginary link, so that the copies (not the host's compute) set the floors.
+        rows = models._own_rows(ctx, run, result, peak_gbps=0.001)
+    finally:
+        ctx.close()
+    by_backend = {labels["backend"]: values for labels, values, _, _ in rows if labels["tokens"] == "16 (small)"}
+    assert list(by_backend) == ["resident", "floor", "floor all lists", "ext", "ext all lists"]
+    first, every = run.configs
+    assert every.offloaded_bytes > first.offloaded_bytes > 0
+    assert by_backend["floor all lists"]["ms"] == pytest.approx(every.offloaded_bytes / (0.001 * GB) * 1e3)
+    for name in ("ext", "ext all lists"):
+        values = by_backend[name]
+        assert values["bit_equal"] is True and values["bound_ms"] > 0 and values["x_bound"] > 0
+        assert values["pass"] is (values["x_floor"] <= model_rows.EXT_TARGET)
+    # All copies at one depth-1 ring cost at least what the copies alone take.
+    assert by_backend["ext all lists"]["bound_ms"] >= by_backend["floor all lists"]["ms"] * 0.999
+
+
+def test_rows_measured_before_an_interruption_are_in_the_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run cut short (SIGTERM ends the child) keeps ext's rows and every finished peer's."""
+    def interrupted(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
+        raise KeyboardInterrupt
+
+    fake = (_fake_peers()[0], peers.Peer("sglang", interrupted, "interrupted"))
+    monkeypatch.setattr(models, "_peers_in_run_order", lambda: list(fake))
+    monkeypatch.setattr(models, "_peer_skip_reason", lambda *args: None)
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            models._run_model(ctx, models.MODELS["wan-1.3b"], PhaseLog("models", echo=False), None, 1e9)
+    finally:
+        ctx.close()
+    rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+    backends = [(row["backend"], row["tokens"].split()[0]) for row in rows]
+    assert backends == [(backend, tokens) for tokens in ("16", "64", "32") for backend in ("resident", "ext")] + [
+        ("fastvideo", tokens) for tokens in ("16", "64", "32")]

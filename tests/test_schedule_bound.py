@@ -1,0 +1,76 @@
+"""The depth-k schedule bound of the models section: the replayed schedule against hand-worked cases, the
+per-block clock on a host model, and the ext rows that carry it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.schedule_bound import BlockClock, schedule_ms, steps_for
+
+
+def test_a_resident_forward_is_the_sum_of_its_steps() -> None:
+    assert schedule_ms([(5.0, None), (3.0, None), (2.0, None)], 1) == 10.0
+
+
+def test_depth_one_pairs_each_copy_with_the_compute_before_it() -> None:
+    # Copy i+1 runs while block i computes: sum of max(c_i, t_{i+1}), the last block's gap (with the
+    # rest of the forward) against the next forward's first copy.
+    steps = [(9.0, 14.0)] * 3 + [(6.0, 4.0)] * 4 + [(2.0, None)]
+    expected = 2 * 14.0 + max(9.0, 4.0) + 3 * max(6.0, 4.0) + max(6.0 + 2.0, 14.0)
+    assert schedule_ms(steps, 1) == expected
+    # The transfer floor max(sum c, sum t) is lower: the copy-bound blocks' excess cannot hide later.
+    assert expected > max(3 * 9.0 + 4 * 6.0 + 2.0, 3 * 14.0 + 4 * 4.0)
+
+
+def test_a_copy_bound_ring_takes_its_copies_and_more_slots_help() -> None:
+    assert schedule_ms([(1.0, 10.0)] * 3 + [(1.0, None)], 1) == 30.0
+    # Two blocks computing 1 and 9 ms, each copying 5: depth 1 pays max(1, 5) + max(9, 5); depth 2 issues the
+    # next forward's copy a block earlier, so it is not slower.
+    steps = [(1.0, 5.0), (9.0, 5.0)]
+    assert schedule_ms(steps, 1) == 14.0
+    assert schedule_ms(steps, 2) <= 14.0
+
+
+def test_a_bad_depth_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^fastoffload: prefetch_depth must be >= 1, got 0"):
+        schedule_ms([(1.0, 1.0)], 0)
+
+
+def test_the_rest_of_the_forward_is_one_last_step() -> None:
+    assert steps_for([2.0, 3.0], 7.5, [1.0, None]) == [(2.0, 1.0), (3.0, None), (2.5, None)]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks):  # not the list's order: the clock records the order they ran
+            x = block(x)
+        return x
+
+
+def test_the_clock_times_every_block_in_the_order_they_ran_and_leaves_no_hook() -> None:
+    net = _Net()
+    clock = BlockClock(list(net.blocks), cuda=False)
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        reference = net(x)
+        totals = clock.timer(lambda: net(x), iters=2)()
+    assert len(totals) == 2 and len(clock.rounds) == 1
+    order, per_block, total = clock.rounds[0]
+    assert order == [2, 1, 0] and len(per_block) == 3 and all(ms > 0 for ms in per_block)
+    assert sum(per_block) <= total
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in net.blocks)
+    with torch.inference_mode():
+        assert torch.equal(net(x), reference)
+    # Copies are given in the list's order and matched to the blocks as they ran. One offloaded block in a
+    # ring of two slots: its next copy overlaps the whole forward, so the bound is max(copy, forward).
+    (bound,) = clock.round_bounds([None, None, 1000.0], prefetch_depth=1)
+    assert bound == pytest.approx(max(1000.0, total))
+    # Every block offloaded with free copies: the forward itself.
+    (free,) = clock.round_bounds([0.0, 0.0, 0.0], prefetch_depth=1)
+    assert free == pytest.approx(max(total, sum(per_block)))
+    assert clock.block_medians() == [per_block[2], per_block[1], per_block[0]]
