@@ -2,38 +2,62 @@
 
 Models (diffusers classes with their published configurations and random bf16 weights; nothing is
 downloaded): ``WanTransformer3DModel`` at the Wan2.1 1.3B and 14B sizes (``blocks``), and
-``FluxTransformer2DModel`` at FLUX.1 size with *both* of its block lists offloaded
-(``block_lists="all"``: 19 double-stream then 38 single-stream blocks in one ring). Each runs at two
-token counts: one where copying the blocks takes longer than computing them (transfer-bound) and
-one where the two are close (balanced); the ``compute/copy`` column (resident time / transfer floor)
-says which a row is on this machine.
+``FluxTransformer2DModel`` at FLUX.1 size (19 double-stream ``transformer_blocks``, then 38
+``single_transformer_blocks``). Each runs at token counts where copying the blocks takes longer than
+computing them (transfer-bound), where the two are close (balanced), and for Wan-1.3B one between
+(mid, 4096 tokens); the ``compute/copy`` column (resident time / transfer floor of ``ext``) says which
+a row is on this machine.
+
+Like for like: on a model with several block lists ext runs twice, ``ext`` with default settings
+(FastVideo's rule: the first list only) and ``ext all lists`` (``block_lists="all"``: every list in
+one ring). What each peer offloads is read from where its weights are after its set-up
+(``benchmarks/peers.py``), and the peer is compared (``x ext``, ``vs ext``, its ``pass``: that ext is
+faster) with the ext configuration that offloads the same lists: FastVideo with ``ext``; SGLang
+(one manager per list), diffusers and the rest, which move every list, with ``ext all lists``. Each
+offloader has its own floor, max(resident, the bytes it moves / peak H2D): a ``floor`` row per ext
+configuration, the peers' in their ``x floor`` column and note.
+
+Schedule bound: with (k+1) slots a copy-bound block's excess copy time cannot hide behind the slack
+of a compute-bound block further on, so max(resident, bytes / peak) is out of reach where the blocks
+alternate (Flux at 9216 tokens: double-stream blocks copy longer than they compute, single-stream
+ones the reverse). ``sched bound ms`` is the best depth-k schedule of the blocks
+(``benchmarks/schedule_bound.py``): per-block compute from CUDA events around every block of the
+resident model, timed as one more configuration inside the same interleaved rounds, and per-block
+copies at peak H2D. ``x sched bound`` is ext against it, round by round; where ext misses the floor
+target because the bound itself is above it, the row's note says so, and one more row shows the fix:
+ext with every list under the least ``device_budget`` that ``plan_offload``, fed this run's cost table,
+predicts at or under the target (``benchmarks/model_budget.py``; after the peers, within the budget).
 
 Measurement: host speed drifts between processes and over minutes, so every figure here comes from
-interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and ext stay
-alive for the whole model; each peer is then set up in turn and timed in rounds together with them
-(resident, ext, peer, in rotating order), and its ratios are taken within each round. Every ratio is
-the median of the per-round ratios, with the lowest and highest round beside it.
+interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and the ext
+configurations stay alive for the whole model. A first session times them (and the block clock);
+each peer is then set up in turn and timed in rounds together with resident and its matching ext
+configuration (in rotating order), and its ratios are taken within each round. Every ratio is the
+median of the per-round ratios, with the lowest and highest round beside it. A peer whose first
+forward takes over ``SLOW_PEER_FACTOR`` x its ext's is timed one forward a round.
+
+Rows are written as soon as they are final: ext's after the first session, each peer's when its
+session ends, so a run cut short (the command's time limit, SIGTERM) keeps every row measured; the
+table shows them per token count (:func:`arrange_rows`).
 
 Memory: a host copy of the 14B model is 28 GB and the GPU machine has 128 GB of RAM, so the section
 keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks and
 each peer's model are copied from it (on the device, then moved to the host tensor by tensor), one
-offloader at a time; a peer's model, hooks and pinned blocks are freed before the next is built. The
-host then holds ext's pinned copy plus one peer's copies (pageable and pinned): about 2-3x the model.
-Every phase prints a line with the time, host RSS and GPU memory to stderr (a killed run shows where
-it was) and the phases go into the notes. Peers are set up strongest first; the 14B model runs only
-FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all). The section has
-``BENCHMARK_MODELS_BUDGET_S`` seconds (default 420); at each model's start what is left is split evenly
-over the models still to run, and once a model's share is spent no further peer of it starts. Skipped
-peers have rows saying why. A peer that is not bit-equal gets, in its note, the first traced op where
-its forward parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches
-are compared and put back around every peer.
+peer at a time; a peer's model, hooks and pinned blocks are freed before the next is built. The host
+then holds ext's pinned copies (on Flux: the first list, and every list) plus one peer's copies
+(pageable and pinned). Every phase prints a line with the time, host RSS and GPU memory to stderr (a
+killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
+the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
+all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
+what is left is split evenly over the models still to run, and a peer starts only while the slowest
+peer of that model so far would still finish within the model's share. Skipped peers have rows
+saying why. A peer that is not bit-equal gets, in its note, the first traced op where its forward
+parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches are
+compared and put back around every peer.
 
-Rows per model and token count: ``resident``, ``floor`` (max(resident, offloaded bytes / peak H2D)),
-``ext`` (``enable_layerwise_offload`` with default settings, eager), and the peers of
-``benchmarks/peers.py``; a peer that cannot run has a row saying why. Every offloaded output is
-compared with the resident one bit for bit. ext's peak GPU memory is its own (the peak during its
-forward less what the master and the inputs held before ext existed), against (k+1) x largest block +
-the modules outside the lists + activations.
+Every offloaded output is compared with the resident one bit for bit. ext's peak GPU memory is its
+own (the peak during its forwards less what was allocated before its copy existed), against (k+1) x
+its largest block + the modules it leaves resident + activations.
 
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: all; ``--quick``: wan-1.3b).
 Without a GPU the same models run at tiny configs on the host (device="cpu"), resident and ext only.
@@ -55,14 +79,17 @@ from torch import nn
 from benchmarks import model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
+from benchmarks.model_budget import block_costs, least_budget_plan
 from benchmarks.model_rows import (EXT_TARGET, ExtConfig, bound_figures, floor_row, floors, matching_config,
                                    peer_values, ratio, transfer_ms)
 from benchmarks.phases import PhaseLog
 from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
 from fastoffload_ext import enable_layerwise_offload
+from fastoffload_ext.planning import OffloadPlan
 
-TITLE = "models: Wan 1.3B / 14B and Flux (all block lists) vs resident and the peers, interleaved rounds"
+TITLE = ("models: Wan 1.3B / 14B and Flux (first list, all lists) vs resident and the peers that offload the same "
+         "lists, interleaved rounds")
 
 TABLES = {
     "models": Table(
@@ -307,6 +334,7 @@ class ModelRun:
     clocks: dict[str, BlockClock] = field(default_factory=dict)  # per label: per-block compute of the resident model
     peer_seconds: list[float] = field(default_factory=list)  # how long each peer of this model took
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
+    first: Interleaved | None = None  # the first session: resident, the ext configurations, the block clocks
     # Torch's numerics switches when the references were computed; every peer runs under them too.
     settings: dict[str, Any] = field(default_factory=peer_diff.numerics_settings)
 
@@ -423,7 +451,7 @@ def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
     names = [f"{config}|{label}" for label in run.inputs for config in ["resident", *(c.name for c in run.configs)]]
     clocks = {f"blocks|{label}": run.clocks[label].timer(run.forwards[f"resident|{label}"], iters)
               for label in run.inputs}
-    return _session(ctx, run, names, clocks, rounds + (0 if rounds < 5 else INITIAL_EXTRA_ROUNDS))
+    return _session(ctx, run, names, clocks, rounds + (INITIAL_EXTRA_ROUNDS if ctx.cuda else 0))
 
 
 # One row of the table: (labels, figures, reason it was skipped, error it raised).
@@ -632,6 +660,92 @@ def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float
     return rows
 
 
+def _budget_plan(ctx: Context, run: ModelRun, label: str,
+                 peak_gbps: float | None) -> tuple[float, OffloadPlan] | None:
+    """(floor ms, plan) where ext with every list misses the floor target and the schedule bound says why."""
+    widest = run.configs[-1]
+    transfer = transfer_ms(widest.offloaded_bytes, peak_gbps)
+    if not transfer or not peak_gbps or run.first is None:
+        return None
+    resident, ext = run.first.rounds[f"resident|{label}"], run.first.rounds[f"{widest.name}|{label}"]
+    floor = floors(resident, transfer)
+    floor_ms = float(statistics.median(floor))
+    copies = [transfer_ms(size, peak_gbps) for name in run.lists for size in run.block_bytes[name]]
+    bounds = run.clocks[label].round_bounds(copies, ctx.options.prefetch_depth)
+    if not bounds or ratio([e / f for e, f in zip(ext, floor)])[0] <= EXT_TARGET or \
+            statistics.median(bounds) <= EXT_TARGET * floor_ms:
+        return None
+    clock = run.clocks[label]
+    compute = clock.block_medians()
+    other = float(statistics.median(total for _, _, total in clock.rounds)) - sum(compute)
+    costs = block_costs(run.blocks(), compute, other, peak_gbps, run.activations.get(label, 0))
+    plan = least_budget_plan(costs, EXT_TARGET * floor_ms)
+    return (floor_ms, plan) if plan is not None else None
+
+
+def _budget_rows(ctx: Context, run: ModelRun, peak_gbps: float | None, deadline_s: float) -> list[PendingRow]:
+    """Per token count where the floor is out of reach at depth 1: ext with every list under the least
+    device budget the planner predicts at or under the floor target (``benchmarks/model_budget.py``)."""
+    rows: list[PendingRow] = []
+    widest = run.configs[-1]
+    for label in run.inputs:
+        found = _budget_plan(ctx, run, label, peak_gbps)
+        if found is None:
+            continue
+        floor_ms, plan = found
+        labels = {"model": run.spec.name, "tokens": _tokens_label(run, label),
+                  "backend": f"{widest.name}, budget {plan.device_budget / GB:.1f} GB"}
+        elapsed, slowest = run.log.elapsed_s(), max(run.peer_seconds, default=0.0)
+        if elapsed + slowest > deadline_s:
+            rows.append((labels, None, f"not run: at {elapsed:.0f} s it would not finish within {run.spec.name}'s "
+                                       f"share of the time budget ({deadline_s:.0f} s)", None))
+            continue
+        try:
+            values = _budget_session(ctx, run, label, plan, floor_ms, peak_gbps)
+        except Exception as error:
+            error.__traceback__ = None
+            rows.append((labels, None, None, error))
+            continue
+        rows.append((labels, values, None, None))
+    return rows
+
+
+def _budget_session(ctx: Context, run: ModelRun, label: str, plan: OffloadPlan, floor_ms: float,
+                    peak_gbps: float | None) -> dict[str, Any]:
+    widest = run.configs[-1]
+    holder: dict[str, Any] = {}
+    try:
+        holder["model"] = host_copy(run.master, widest.lists)
+        before = _allocated(ctx)
+        enable_layerwise_offload(holder["model"], device=ctx.device, plan=plan, **widest.kwargs)
+        forward = _forward(holder["model"], run.inputs[label])
+        _reset_peak(ctx)
+        equal = bool(torch.equal(forward().to("cpu"), run.references[label]))
+        peak = max(0, _peak(ctx) - before)
+        forward()
+        iters, rounds = _iterations(ctx, run)
+        name = f"budget|{label}"
+        result = _session(ctx, run, [f"resident|{label}", f"{widest.name}|{label}"],
+                          {name: _timer(ctx, forward, iters)}, rounds)
+    finally:
+        holder.clear()
+        free_memory()
+        empty_host_cache()
+        run.log.mark(f"{run.spec.name} {label}: planned budget timed and released")
+    transfer = transfer_ms(widest.offloaded_bytes, peak_gbps) or 0.0
+    x_floor, spread = ratio([b / f for b, f in zip(result.rounds[name], floors(result.rounds[f"resident|{label}"],
+                                                                              transfer))])
+    bound = plan.device_bytes + (run.model_bytes - widest.offloaded_bytes) + MEM_SLACK_BYTES
+    return {"ms": result.median_ms(name), "spread": result.spread(name),
+            "x_resident": result.ratio(name, f"resident|{label}"), "x_floor": x_floor, "range": spread,
+            "x_ext": result.ratio(name, f"{widest.name}|{label}"), "vs_ext": widest.name, "bit_equal": equal,
+            "pass": x_floor <= EXT_TARGET, "peak_mib": peak / MiB, "mem_ok": peak <= bound,
+            "note": f"plan_offload on this run's per-block compute: the least device_budget predicted at <= "
+                    f"{EXT_TARGET:.2f}x floor ({floor_ms:.1f} ms) keeps {len(plan.resident)} block(s) resident "
+                    f"({', '.join(map(str, plan.resident))}), depth {plan.prefetch_depth}, predicted "
+                    f"{plan.predicted_step_ms:.1f} ms; x ext is against {widest.name}"}
+
+
 def _budget_s(ctx: Context) -> float:
     raw = os.environ.get(ENV_BUDGET, "").strip()
     try:
@@ -656,6 +770,7 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
         error.__traceback__ = None
         ctx.run_row("models", {"model": spec.name, "backend": "all"}, lambda error=error: _raise(error))
         return
+    model_run.first = result
     model_run.medians = {name: result.median_ms(name) for name in result.rounds}
     log.mark(f"{spec.name}: resident and ext timed")
     _write(ctx, _own_rows(ctx, model_run, result, peak))
@@ -663,6 +778,7 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
     for peer in _peers_in_run_order():
         _write(ctx, _peer_rows(ctx, model_run, peer, deadline_s, peak))
         ctx.progress.finish()
+    _write(ctx, _budget_rows(ctx, model_run, peak, deadline_s))
 
 
 def run(ctx: Context) -> None:

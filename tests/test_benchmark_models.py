@@ -359,3 +359,24 @@ def test_rows_measured_before_an_interruption_are_in_the_journal(
     backends = [(row["backend"], row["tokens"].split()[0]) for row in rows]
     assert backends == [(backend, tokens) for tokens in ("16", "64", "32") for backend in ("resident", "ext")] + [
         ("fastvideo", tokens) for tokens in ("16", "64", "32")]
+
+
+def test_the_planned_budget_row_is_bit_equal_and_says_what_the_planner_chose(tmp_path: Path) -> None:
+    from benchmarks.model_budget import block_costs, least_budget_plan
+
+    ctx, run = _host_run(tmp_path, models.MODELS["flux"])
+    try:
+        run.first = models._first_session(ctx, run)
+        clock = run.clocks["small"]
+        compute = clock.block_medians()
+        costs = block_costs(run.blocks(), compute, 0.0, 0.001, 0)
+        plan = least_budget_plan(costs, 1e9)
+        assert plan is not None
+        values = models._budget_session(ctx, run, "small", plan, floor_ms=10.0, peak_gbps=0.001)
+    finally:
+        ctx.close()
+    assert values["bit_equal"] is True and values["vs_ext"] == "ext all lists" and values["ms"] > 0
+    assert values["note"].startswith("plan_offload on this run's per-block compute: the least device_budget")
+    assert f"depth {plan.prefetch_depth}" in values["note"]
+    # Where ext reaches its floor target (on the host it does: no copy is timed), no budget row is made.
+    assert models._budget_plan(ctx, run, "small", None) is None

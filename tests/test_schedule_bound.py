@@ -74,3 +74,27 @@ def test_the_clock_times_every_block_in_the_order_they_ran_and_leaves_no_hook() 
     (free,) = clock.round_bounds([0.0, 0.0, 0.0], prefetch_depth=1)
     assert free == pytest.approx(max(total, sum(per_block)))
     assert clock.block_medians() == [per_block[2], per_block[1], per_block[0]]
+
+
+def test_the_least_budget_plan_keeps_the_copy_bound_blocks_and_reaches_the_target() -> None:
+    from benchmarks.model_budget import least_budget_plan
+    from fastoffload_ext.planning import BlockCosts, plan_offload
+
+    # FLUX.1-like at 9216 tokens: 19 blocks that copy longer than they compute, 38 the reverse.
+    gb = 10**9
+    costs = BlockCosts(compute_ms=(9.0,) * 19 + (6.0,) * 38, block_bytes=(int(0.777 * gb),) * 19 + (int(0.2225 * gb),) * 38,
+                       h2d_gbps=55.5, other_ms=2.0, activation_bytes=gb)
+    floor = max(sum(costs.compute_ms) + 2.0, sum(costs.block_bytes) / (55.5 * gb) * 1e3)
+    assert schedule_ms(steps_for(list(costs.compute_ms), sum(costs.compute_ms) + 2.0,
+                                 [b / (55.5 * gb) * 1e3 for b in costs.block_bytes]), 1) > 1.05 * floor
+    plan = least_budget_plan(costs, 1.05 * floor)
+    assert plan is not None and plan.predicted_step_ms <= 1.05 * floor and plan.resident
+    assert plan.device_budget is not None and plan.device_bytes <= plan.device_budget
+    # A budget a good step below it plans slower than the target (or fits nothing).
+    try:
+        tighter = plan_offload(costs, int(plan.device_budget * 0.9)).predicted_step_ms
+    except ValueError:
+        tighter = float("inf")
+    assert tighter > 1.05 * floor
+    # Out of reach even with every block resident: no plan.
+    assert least_budget_plan(costs, 1.0) is None
