@@ -323,14 +323,14 @@ def test_ext_rows_carry_their_own_floor_and_the_schedule_bound(tmp_path: Path) -
     try:
         result = models._first_session(ctx, run)
         # A slow imaginary link, so that the copies (not the host's compute) set the floors.
-        rows = models._own_rows(ctx, run, result, peak_gbps=0.001)
+        rows = models._own_rows(ctx, run, result, peak_gbps=1e-5)
     finally:
         ctx.close()
     by_backend = {labels["backend"]: values for labels, values, _, _ in rows if labels["tokens"] == "16 (small)"}
     assert list(by_backend) == ["resident", "floor", "floor all lists", "ext", "ext all lists"]
     first, every = run.configs
     assert every.offloaded_bytes > first.offloaded_bytes > 0
-    assert by_backend["floor all lists"]["ms"] == pytest.approx(every.offloaded_bytes / (0.001 * GB) * 1e3)
+    assert by_backend["floor all lists"]["ms"] == pytest.approx(every.offloaded_bytes / (1e-5 * GB) * 1e3)
     for name in ("ext", "ext all lists"):
         values = by_backend[name]
         assert values["bit_equal"] is True and values["bound_ms"] > 0 and values["x_bound"] > 0
