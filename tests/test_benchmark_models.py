@@ -190,6 +190,7 @@ def test_a_peer_that_would_outlast_the_budget_is_not_started() -> None:
 def test_peers_are_set_up_strongest_first() -> None:
     assert [peer.name for peer in models._peers_in_run_order()] == list(models.RUN_ORDER)
     assert set(models.RUN_ORDER) == {peer.name for peer in peers.PEERS}
+    assert models.BUDGET_ROW_AFTER in models.RUN_ORDER[:3]  # the planned-budget row comes before the weakest peers
 
 
 def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str]) -> None:
