@@ -41,11 +41,13 @@ session ends, so a run cut short (the command's time limit, SIGTERM) keeps every
 table shows them per token count (:func:`arrange_rows`).
 
 Memory: a host copy of the 14B model is 28 GB and the GPU machine has 128 GB of RAM, so the section
-keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks and
-each peer's model are copied from it (on the device, then moved to the host tensor by tensor), one
-peer at a time; a peer's model, hooks and pinned blocks are freed before the next is built. The host
-then holds ext's pinned copies (on Flux: the first list, and every list) plus one peer's copies
-(pageable and pinned). Every phase prints a line with the time, host RSS and GPU memory to stderr (a
+keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks are
+copied from it (on the device, then moved to the host tensor by tensor). The peers share one host
+copy of the whole model, made once (``benchmarks/host_source.py``: about 20 s saved per peer on a
+24 GB model); each peer's model is a device-side copy of the master rebound to it, one peer at a
+time, and a peer's model, hooks and pinned blocks are freed before the next is built. The host then
+holds ext's pinned copies (on Flux: the first list, and every list), the peers' host copy and one
+peer's pinned blocks. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
 killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
 the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
 all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
@@ -83,6 +85,7 @@ from benchmarks.model_budget import block_costs, least_budget_plan
 from benchmarks.model_rows import (EXT_TARGET, ExtConfig, bound_figures, floor_row, floors, matching_config,
                                    peer_values, ratio, transfer_ms)
 from benchmarks.phases import PhaseLog
+from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
 from fastoffload_ext import enable_layerwise_offload
@@ -269,13 +272,18 @@ def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
     return build_master(spec, ctx).to("cpu")
 
 
-def host_copy(master: nn.Module, lists: list[str] | None = None) -> nn.Module:
+def host_copy(master: nn.Module, lists: list[str] | None = None,
+              source: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A copy of ``master`` with the listed block lists (all of it when None) on the host, the rest where
     ``master`` is. The copy is made on the device and moved tensor by tensor, so the host never holds
-    more than the copy itself."""
+    more than the copy itself; with ``source`` (a whole-model copy only) its tensors are the source's
+    (``benchmarks/host_source.py``): nothing is copied to the host."""
     model = copy.deepcopy(master)
-    for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
-        part.to("cpu")
+    if source is not None and lists is None:
+        bind(model, source)
+    else:
+        for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
+            part.to("cpu")
     free_memory()
     return model
 
@@ -337,6 +345,8 @@ class ModelRun:
     peer_seconds: list[float] = field(default_factory=list)  # how long each peer of this model took
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
     first: Interleaved | None = None  # the first session: resident, the ext configurations, the block clocks
+    source: dict[str, torch.Tensor] | None = None  # the host copy every peer's model is bound to
+    source_print: list[float] = field(default_factory=list)
     # Torch's numerics switches when the references were computed; every peer runs under them too.
     settings: dict[str, Any] = field(default_factory=peer_diff.numerics_settings)
 
@@ -495,8 +505,12 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     """Sets the peer up on its own host copy and times it; every reference to its model lives in
     ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
     name = run.spec.name
-    holder["model"] = host_copy(run.master)
-    run.log.mark(f"{name} {peer.name}: host copy")
+    if run.source is None:
+        run.source = host_source(run.master)
+        run.source_print = fingerprint(run.source)
+        run.log.mark(f"{name}: the peers' host copy")
+    holder["model"] = host_copy(run.master, source=run.source)
+    run.log.mark(f"{name} {peer.name}: model bound to the host copy")
     holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
     run.log.mark(f"{name} {peer.name}: set up")
     holder["parts"] = _what_it_offloads(ctx, run, peer, holder["model"], holder["notes"])
@@ -556,6 +570,10 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
         holder.clear()
         holder.update(kept)
         peer_diff.restore_settings(run.settings)  # a teardown may leave switches of its own behind
+        if run.source is not None and fingerprint(run.source) != run.source_print:
+            holder["notes"].append("it wrote into the host copy of the weights it was given; the next peer gets "
+                                   "a fresh one")
+            run.source = None
         free_memory()
         empty_host_cache()  # pinned blocks a peer took through torch's host allocator
         run.log.mark(f"{run.spec.name} {peer.name}: released")

@@ -2,6 +2,7 @@
 ext bit-equal, every GPU-only peer row saying why it did not run; and its summary lines."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -203,7 +204,8 @@ def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str])
 
 
 def _fake_peers() -> tuple[peers.Peer, ...]:
-    """Three peers on the host: one exact, one that nudges a weight, one that cannot run."""
+    """Four peers on the host: one exact, one that nudges a weight (in the host copy it is given), one that
+    cannot run, one exact again (given a fresh host copy)."""
     def exact(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
         return lambda: None
 
@@ -218,7 +220,7 @@ def _fake_peers() -> tuple[peers.Peer, ...]:
         raise peers.PeerUnavailable("absent: not installed")
 
     return (peers.Peer("fastvideo", exact, "exact"), peers.Peer("sglang", nudged, "nudged"),
-            peers.Peer("mmgp", absent, "absent"))
+            peers.Peer("mmgp", absent, "absent"), peers.Peer("diffusers", exact, "exact after"))
 
 
 def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
@@ -241,8 +243,9 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     copies: list[weakref.ref[torch.nn.Module]] = []
     real_copy = models.host_copy
 
-    def tracked_copy(master: torch.nn.Module, lists: list[str] | None = None) -> torch.nn.Module:
-        model = real_copy(master, lists)
+    def tracked_copy(master: torch.nn.Module, lists: list[str] | None = None,
+                     source: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        model = real_copy(master, lists, source)
         if lists is None:  # a peer's copy, not ext's
             copies.append(weakref.ref(model))
         return model
@@ -274,7 +277,9 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     assert "not bit-equal: op " in nudged["note"] and "a weight holds other values than the resident's" in nudged["note"]
     assert by_backend[("mmgp", "64 (large)")]["skipped"] == "absent: not installed"
     assert peer_diff.numerics_settings() == before
-    assert len(copies) == 3 and all(ref() is None for ref in copies)  # every peer's model was freed
+    assert "it wrote into the host copy of the weights it was given; the next peer gets a fresh one" in nudged["note"]
+    assert by_backend[("diffusers", "16 (small)")]["bit_equal"] is True  # not the nudged copy
+    assert len(copies) == 4 and all(ref() is None for ref in copies)  # every peer's model was freed
     assert any("fastvideo: released" in line for line in log.lines)
 
 
@@ -381,3 +386,24 @@ def test_the_planned_budget_row_is_bit_equal_and_says_what_the_planner_chose(tmp
     assert f"depth {plan.prefetch_depth}" in values["note"]
     # Where ext reaches its floor target (on the host it does: no copy is timed), no budget row is made.
     assert models._budget_plan(ctx, run, "small", None) is None
+
+
+def test_the_peers_models_share_one_host_copy_and_a_write_into_it_shows() -> None:
+    from benchmarks.host_source import bind, fingerprint, host_source
+
+    master = _tiny_wan()
+    source = host_source(master)
+    first, second = models.host_copy(master, source=source), models.host_copy(master, source=source)
+    for (name, mine), theirs in zip(first.state_dict(keep_vars=True).items(), second.state_dict(keep_vars=True).values()):
+        assert mine.data_ptr() == theirs.data_ptr() == source[name].data_ptr(), name
+        assert torch.equal(mine, master.state_dict()[name]) and mine.data_ptr() != master.state_dict()[name].data_ptr()
+    printed = fingerprint(source)
+    with torch.no_grad():
+        first.blocks[0].ffn.net[0].proj.weight.mul_(2.0)
+    assert fingerprint(source) != printed
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    tied_source = host_source(tied)
+    bound = copy.deepcopy(tied)
+    bind(bound, tied_source)
+    assert bound[0].weight is bound[1].weight and bound[0].weight.data_ptr() == tied_source["0.weight"].data_ptr()
