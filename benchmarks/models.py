@@ -41,12 +41,12 @@ session ends, so a run cut short (the command's time limit, SIGTERM) keeps every
 table shows them per token count (:func:`arrange_rows`).
 
 Memory: a host copy of the 14B model is 28 GB and the GPU machine has 128 GB of RAM, so the section
-keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks are
-copied from it (on the device, then moved to the host tensor by tensor). The peers share one host
-copy of the whole model, made once (``benchmarks/host_source.py``: about 20 s saved per peer on a
-24 GB model); each peer's model is a device-side copy of the master rebound to it, one peer at a
-time, and a peer's model, hooks and pinned blocks are freed before the next is built. The host then
-holds ext's pinned copies (on Flux: the first list, and every list), the peers' host copy and one
+keeps as few as it can. The master is built on the GPU and *is* the resident model. One host copy
+of the whole model is made from it, once (``benchmarks/host_source.py``: a fresh 24 GB pageable copy
+takes about 20 s); every ext configuration and every peer gets a device-side copy of the master
+rebound to it (what stays resident moves back to the device), and each pins copies of its own. One
+peer at a time: a peer's model, hooks and pinned blocks are freed before the next is built. The host
+then holds the shared copy, ext's pinned copies (on Flux: the first list, and every list) and one
 peer's pinned blocks. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
 killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
 the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
@@ -276,11 +276,15 @@ def host_copy(master: nn.Module, lists: list[str] | None = None,
               source: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A copy of ``master`` with the listed block lists (all of it when None) on the host, the rest where
     ``master`` is. The copy is made on the device and moved tensor by tensor, so the host never holds
-    more than the copy itself; with ``source`` (a whole-model copy only) its tensors are the source's
-    (``benchmarks/host_source.py``): nothing is copied to the host."""
+    more than the copy itself. With ``source`` the copy's host tensors are the source's
+    (``benchmarks/host_source.py``): nothing is copied to the host, and what is not listed moves back
+    to the master's device."""
     model = copy.deepcopy(master)
-    if source is not None and lists is None:
+    if source is not None:
         bind(model, source)
+        if lists is not None:
+            from benchmarks.workloads import move_all_but
+            move_all_but(model, next(master.parameters()).device, [getattr(model, name) for name in lists])
     else:
         for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
             part.to("cpu")
@@ -387,10 +391,20 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
             run.activations[label] = max(0, _peak(ctx) - before)
         run.forwards[f"resident|{label}"] = _forward(master, inputs)
         run.clocks[label] = BlockClock(run.blocks(), ctx.cuda)
+    _ensure_source(run)
     for ext_config in run.configs:
         _enable_config(ctx, run, ext_config, enable)
     log.mark(f"{spec.name}: ext and resident checked")
     return run
+
+
+def _ensure_source(run: ModelRun) -> dict[str, torch.Tensor]:
+    """The host copy every offloaded copy of this model is bound to, made when first needed."""
+    if run.source is None:
+        run.source = host_source(run.master)
+        run.source_print = fingerprint(run.source)
+        run.log.mark(f"{run.spec.name}: host copy of the weights")
+    return run.source
 
 
 def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: Callable[..., Any]) -> None:
@@ -399,8 +413,8 @@ def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: C
     sizes = [size for name in ext_config.lists for size in run.block_bytes[name]]
     ext_config.offloaded_bytes, ext_config.largest_block = sum(sizes), max(sizes)
     before = _allocated(ctx)
-    ext = host_copy(run.master, ext_config.lists)
-    run.log.mark(f"{run.spec.name}: {ext_config.name}: host copy of {len(ext_config.lists)} list(s)")
+    ext = host_copy(run.master, ext_config.lists, _ensure_source(run))
+    run.log.mark(f"{run.spec.name}: {ext_config.name}: bound, {len(ext_config.lists)} list(s) on the host")
     if enable(ext, device=ctx.device, **ext_config.kwargs) is None:
         raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
     run.log.mark(f"{run.spec.name}: {ext_config.name} enabled")
@@ -505,11 +519,7 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     """Sets the peer up on its own host copy and times it; every reference to its model lives in
     ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
     name = run.spec.name
-    if run.source is None:
-        run.source = host_source(run.master)
-        run.source_print = fingerprint(run.source)
-        run.log.mark(f"{name}: the peers' host copy")
-    holder["model"] = host_copy(run.master, source=run.source)
+    holder["model"] = host_copy(run.master, source=_ensure_source(run))
     run.log.mark(f"{name} {peer.name}: model bound to the host copy")
     holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
     run.log.mark(f"{name} {peer.name}: set up")
@@ -735,7 +745,7 @@ def _budget_session(ctx: Context, run: ModelRun, label: str, plan: OffloadPlan, 
     widest = run.configs[-1]
     holder: dict[str, Any] = {}
     try:
-        holder["model"] = host_copy(run.master, widest.lists)
+        holder["model"] = host_copy(run.master, widest.lists, _ensure_source(run))
         before = _allocated(ctx)
         enable_layerwise_offload(holder["model"], device=ctx.device, plan=plan, **widest.kwargs)
         forward = _forward(holder["model"], run.inputs[label])
