@@ -18,6 +18,9 @@ from benchmarks.interleave import Interleaved
 from benchmarks.utils import GB
 
 EXT_TARGET = 1.05  # x floor, eager, default settings
+# x floor on the rows where host work, not the copy, set the pace (Flux 1024 tokens with the first list,
+# Wan-1.3B at 4096): at most 1.02x resident, or 1.02x the floor where the transfer floor is higher.
+TIGHT_TARGET = 1.02
 
 
 @dataclass
@@ -95,11 +98,13 @@ def peer_values(result: Interleaved, name: str, label: str, config: ExtConfig, p
 def _ext_line(model: str, tokens: str, ext: dict[str, Any]) -> str:
     head = f"{model} {tokens}: {ext['backend']} {ext['ms']:.2f} ms"
     if ext.get("x_floor") is not None:
-        verdict = "meets" if ext["x_floor"] <= EXT_TARGET else "MISSES"
-        head += f" = {ext['x_floor']:.3f}x floor {ext.get('range', '')} ({verdict} <={EXT_TARGET:.2f}x)"
+        target = ext.get("target") or EXT_TARGET
+        verdict = "meets" if ext["x_floor"] <= target else "MISSES"
+        head += f" = {ext['x_floor']:.3f}x floor {ext.get('range', '')} ({verdict} <={target:.2f}x)"
     if ext.get("x_bound") is not None:
         head += f", {ext['x_bound']:.3f}x schedule bound {ext['bound_ms']:.1f} ms"
-        if ext.get("x_floor", 0) > EXT_TARGET and ext["bound_ms"] > EXT_TARGET * ext["ms"] / ext["x_floor"]:
+        target = ext.get("target") or EXT_TARGET
+        if ext.get("x_floor", 0) > target and ext["bound_ms"] > target * ext["ms"] / ext["x_floor"]:
             head += " (the bound is above the floor target)"
     if ext.get("bit_equal") is False:
         head += ", NOT bit-equal"

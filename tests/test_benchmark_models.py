@@ -75,11 +75,15 @@ def test_summary_compares_each_peer_with_the_ext_that_offloads_the_same_lists() 
     ]
 
 
-def test_summary_flags_a_row_that_is_not_bit_equal() -> None:
+def test_summary_flags_a_row_that_is_not_bit_equal_and_holds_the_host_bound_rows_to_their_target() -> None:
     rows = [{"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
-             "range": "[1.06, 1.10]", "bit_equal": False}]
+             "range": "[1.06, 1.10]", "bit_equal": False},
+            {"model": "wan-1.3b", "tokens": "4096 (mid)", "backend": "ext", "ms": 60.0, "x_floor": 1.03,
+             "range": "[1.02, 1.04]", "bit_equal": True, "target": 1.02}]
     assert models.summarize(rows) == [
-        "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal"]
+        "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal",
+        "wan-1.3b 4096 (mid): ext 60.00 ms = 1.030x floor [1.02, 1.04] (MISSES <=1.02x)"]
+    assert models.MODELS["wan-1.3b"].tight == ("mid",) and models.MODELS["flux"].tight == ("transfer-bound",)
 
 
 def test_rows_are_shown_per_token_count_in_a_fixed_order() -> None:
