@@ -57,7 +57,7 @@ saying why. A peer that is not bit-equal gets, in its note, the first traced op 
 parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches are
 compared and put back around every peer.
 
-``pass`` on an ext row: at most 1.05x its floor, and 1.02x where the issue's host-bound rows are (Flux at
+``pass`` on an ext row: at most 1.05x its floor, and 1.02x on the host-bound rows named as targets (Flux at
 1024 tokens with the first list, Wan-1.3B at 4096: ``ModelSpec.tight``). Every offloaded output is
 compared with the resident one bit for bit. ext's peak GPU memory is its
 own (the peak during its forwards less what was allocated before its copy existed), against (k+1) x
