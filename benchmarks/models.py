@@ -494,8 +494,8 @@ def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadl
         return "needs a CUDA device"
     wanted = run.spec.peers
     if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
-        return (f"not run on {run.spec.name} so that the section fits one GPU command (each peer needs its "
-                f"own host copy, pinned, and rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
+        return (f"not run on {run.spec.name} so that the section fits one GPU command (each peer pins its "
+                f"own copy of the blocks and needs its rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
     elapsed = run.log.elapsed_s()
     if elapsed > deadline_s:
         return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ended at "
@@ -521,8 +521,8 @@ def _what_it_offloads(ctx: Context, run: ModelRun, peer: peer_setups.Peer, model
 
 def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
                   holder: dict[str, Any]) -> tuple[dict[str, bool], Interleaved]:
-    """Sets the peer up on its own host copy and times it; every reference to its model lives in
-    ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
+    """Sets the peer up on a model bound to the shared host copy and times it; every reference to its model
+    lives in ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
     name = run.spec.name
     holder["model"] = host_copy(run.master, source=_ensure_source(run))
     run.log.mark(f"{name} {peer.name}: model bound to the host copy")
