@@ -98,3 +98,27 @@ def test_the_least_budget_plan_keeps_the_copy_bound_blocks_and_reaches_the_targe
     assert tighter > 1.05 * floor
     # Out of reach even with every block resident: no plan.
     assert least_budget_plan(costs, 1.0) is None
+
+
+@pytest.mark.cuda
+def test_the_clock_times_every_block_with_cuda_events() -> None:
+    net = _Net().cuda()
+    clock = BlockClock(list(net.blocks), cuda=True)
+    x = torch.randn(4, 16, device="cuda")
+    with torch.inference_mode():
+        totals = clock.timer(lambda: net(x), iters=3)()
+    order, per_block, total = clock.rounds[0]
+    assert len(totals) == 3 and order == [2, 1, 0] and all(ms > 0 for ms in per_block) and sum(per_block) <= total
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in net.blocks)
+
+
+@pytest.mark.cuda
+def test_a_placeholder_on_the_device_counts_as_offloaded() -> None:
+    from benchmarks.peers import offloaded_parts
+
+    net = _Net().cuda()
+    shapes = {name: param.shape for name, param in net.named_parameters()}
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert offloaded_parts(net, device, shapes, ["blocks"]) == frozenset()
+    net.blocks[0].weight.data = torch.empty(0, 0, device=device, dtype=net.blocks[0].weight.dtype)
+    assert offloaded_parts(net, device, shapes, ["blocks"]) == frozenset({"blocks"})
