@@ -23,6 +23,29 @@ count and Flux with both block lists in one ring, ``benchmarks/dit_workloads.py`
 3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
    beyond 2 %.
 
+Compressed copies (W1 and W4 at 50 %): the raw plan, the plan with ``compress=True`` (coded bytes and the
+decode's two device staging buffers counted in the budget) and the plan ``compress="auto"`` picks (the
+faster predicted of the two) in the same interleaved rounds.
+
+``BENCHMARK_BUDGETS_WORKLOADS`` (comma-separated, case-insensitive: ``W1,W2,W3,W4,wan-1.3b,flux``) runs
+only those workloads, in that order, so the full section fits two GPU commands of about 450 s each:
+``W1,W2,W3,W4``, then ``flux,wan-1.3b`` (Flux first: its balanced rows are the ones no earlier run has).
+Unknown names are noted and ignored. Each row is in the journal as soon as it is done (a SIGTERM to
+``python -m benchmarks`` keeps every row so far), and a note after each workload gives its wall time.
+
+Time (full section, estimated from the quick run's rows on the H200: rounds x configurations x
+(warm-up + iterations) x step, plus 1-3 s to build each configuration): W1 ~75 s, W2 ~120 s (a 100 ms
+step), W3 ~40 s, W4 ~70 s, about 320 s with start-up; Flux ~100 s (1024 tokens) + ~135 s (9216),
+Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240), about 400 s. With the six rounds of six iterations used
+before, the second command would run ~480 s: hence five rounds of five iterations outside ``--quick``.
+
+Flux stays cut to 4 double-stream + 8 single-stream blocks (``benchmarks/dit_workloads.py``): the full
+19 + 38 blocks are 24 GB, so every grid configuration's own pinned host copy, the host master and the
+copies being built do not fit 128 GB of host memory, and at 0.44 s a step moved at the PCIe floor the
+section's rounds alone (six budgets x up to five configurations x 30 forwards) would take the whole
+command. The cut keeps both block kinds, their sizes and the balanced token count, which is what the
+planner's choice depends on.
+
 ``--quick``: W1 and W4 at budgets 0, 50 and 100 % and "auto"; the diffusers models at 0 and 50 % and
 "auto", Flux at its transfer-bound token count only, the depth sweep once per architecture; four rounds.
 Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
@@ -32,6 +55,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +79,13 @@ TARGET_X_IDEAL = 1.05
 TARGET_X_FLOOR = 0.55  # at 50 % on W1 and W4
 TARGET_DEPTH = 1.02
 FLOOR_WORKLOADS = ("W1", "W4")
+ENV_WORKLOADS = "BENCHMARK_BUDGETS_WORKLOADS"
+STACK_KEYS = ("W1", "W2", "W3", "W4")
+QUICK_STACK_KEYS = ("W1", "W4")
+DIT_KEYS = ("wan-1.3b", "flux")
+# (full, quick): five rounds of five iterations keep the full section within two ~450 s commands.
+ROUNDS = (5, 4)
+ITERS = (5, 5)
 
 TABLES = {
     "budgets": Table(
@@ -70,16 +102,18 @@ TABLES = {
         ],
     ),
     "compressed": Table(
-        title="Compressed copies (compress=True) planned with the bytes that move, vs the raw plan at the same budget "
-              "(interleaved rounds), median ms",
+        title="Compressed copies at one budget: the raw plan, compress=True (coded bytes and the decode's staging "
+              "counted) and what compress='auto' picks (interleaved rounds), median ms",
         columns=[
             Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
             Column("raw_plan", "raw plan"), Column("plan", "coded plan"),
-            Column("raw_moved_mib", "raw moved MiB", ".0f"),
-            Column("moved_mib", "coded moved MiB", ".0f"), Column("predicted_ms", "pred ms", ".2f"),
-            Column("ms", "ms", ".2f"), Column("raw_ms", "raw ms", ".2f"), Column("x_raw", "x raw plan", ".3f"),
-            Column("x_floor", "x floor", ".3f"), Column("peak_mib", "peak MiB", ".0f"),
-            Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"), Column("pass", "pass"),
+            Column("raw_moved_mib", "raw moved MiB", ".0f"), Column("moved_mib", "coded moved MiB", ".0f"),
+            Column("staging_mib", "staging MiB", ".0f"), Column("raw_predicted_ms", "raw pred", ".2f"),
+            Column("predicted_ms", "coded pred", ".2f"), Column("raw_ms", "raw ms", ".2f"),
+            Column("ms", "coded ms", ".2f"), Column("x_raw", "coded x raw", ".3f"), Column("auto_plan", "auto picks"),
+            Column("x_auto_raw", "auto x raw", ".3f"), Column("x_floor_auto", "auto x floor", ".3f"),
+            Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
+            Column("pass", "pass"),
         ],
     ),
     "depth": Table(
@@ -93,13 +127,36 @@ TABLES = {
 }
 
 
+def selected_keys(ctx: Context, wanted: str | None) -> list[str]:
+    """The workload keys to run: ``wanted`` (the environment selector) or the section's default."""
+    if not wanted or not wanted.strip():
+        return list(QUICK_STACK_KEYS if ctx.quick else STACK_KEYS) + list(DIT_KEYS)
+    known = {key.lower(): key for key in STACK_KEYS + DIT_KEYS}
+    names = [name.strip().lower() for name in wanted.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        ctx.note(f"{ENV_WORKLOADS}: unknown workload(s) {', '.join(unknown)} ignored; known: "
+                 f"{', '.join(STACK_KEYS + DIT_KEYS)}")
+    return [known[name] for name in dict.fromkeys(names) if name in known]
+
+
 def _workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
-    keys = ("W1", "W4") if ctx.quick else ("W1", "W2", "W3", "W4")
     items: list[tuple[str, Workload | None, str]] = []
-    for key in keys:
-        workload = stack_workload(key, cpu=not ctx.cuda)
-        items.append((workload.name, workload, ""))
-    return items + dit_workloads(ctx)
+    for key in selected_keys(ctx, os.environ.get(ENV_WORKLOADS)):  # in the selector's order
+        if key in STACK_KEYS:
+            workload = stack_workload(key, cpu=not ctx.cuda)
+            items.append((workload.name, workload, ""))
+        else:
+            items.extend(dit_workloads(ctx, (key,)))
+    return items
+
+
+def _rounds(ctx: Context) -> int:
+    return ROUNDS[1] if ctx.quick else ROUNDS[0]
+
+
+def _iters(ctx: Context) -> int:
+    return ctx.iters(ITERS[0], quick=ITERS[1])
 
 
 def _lists(workload: Workload, model: nn.Module) -> list[str]:
@@ -270,13 +327,14 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
         for name, kwargs in grid(costs, budget).items():
             if _key(_resident_of(kwargs), kwargs["prefetch_depth"], plan.blocks) != mine:
                 live[name] = Config(ctx, master, workload, inputs, kwargs)
-        iters = ctx.iters(6, quick=5)
+        iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
-        rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved(timers, rounds=_rounds(ctx))
         best = min(live, key=rounds.median_ms)
         result.update(budget_mib=budget / MiB, plan=f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
-                      resident=list(plan.resident), predicted_ms=plan.predicted_step_ms, ms=rounds.median_ms("plan"),
+                      resident=list(plan.resident), predicted_ms=plan.predicted_step_ms, plan_ideal_ms=plan.ideal_ms,
+                      ms=rounds.median_ms("plan"),
                       spread=rounds.spread("plan"), best=best, best_ms=rounds.median_ms(best),
                       x_best=rounds.ratio("plan", best), x_best_range=rounds.ratio_spread("plan", best),
                       resident_ms=rounds.median_ms(RESIDENT), x_resident=rounds.ratio("plan", RESIDENT),
@@ -312,6 +370,12 @@ def _misses(row: dict[str, Any], label: str, workload: Workload) -> list[str]:
         if row["x_ideal_hooks"] <= TARGET_X_IDEAL:
             notes.append(f"x ideal {row['x_ideal']:.3f}: the hooks' fixed cost ({row['hooks_ms']:.2f} ms a step) "
                          "accounts for it")
+        elif row.get("plan_ideal_ms") and row["predicted_ms"] > TARGET_X_IDEAL * row["plan_ideal_ms"]:
+            # The simulation itself puts the layout above the ideal: uneven blocks, not the engine.
+            notes.append(f"x ideal {row['x_ideal']:.3f}: the per-block schedule; the plan was predicted "
+                         f"{row['predicted_ms']:.2f} ms = {row['predicted_ms'] / row['plan_ideal_ms']:.3f}x its "
+                         "ideal: copy-bound blocks expose their copies and compute-bound ones leave the copy stream "
+                         "idle, and the budget keeps too few copy-bound blocks resident to even that out")
         elif row["copy_ms"] >= row["resident_ms"]:
             notes.append(f"x ideal {row['x_ideal']:.3f}: transfer-bound; copies at the block size run below the "
                          "1 GiB peak H2D, and the first copy of a step waits for the step to start")
@@ -346,8 +410,7 @@ def _depth_rows(ctx: Context, master: nn.Module, workload: Workload, inputs: tup
     try:
         for k in DEPTHS:
             live[f"d{k}"] = Config(ctx, master, workload, inputs, {"prefetch_depth": k})
-        rounds = run_interleaved({name: c.timer(ctx.iters(6, quick=5)) for name, c in live.items()},
-                                 rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved({name: c.timer(_iters(ctx)) for name, c in live.items()}, rounds=_rounds(ctx))
     except Exception as error:  # the sweep's rows say why instead of taking the section down
         for k in DEPTHS:
             ctx.skip("depth", {"workload": workload.name, "depth": k}, f"sweep failed: {type(error).__name__}: {error}")
@@ -377,54 +440,90 @@ def _peak_of(ctx: Context, config: Config) -> int | None:
     return worst
 
 
-def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], costs: Any,
-                    budget: int, shared: dict[str, Any]) -> dict[str, Any]:
-    """The raw plan and the plan with compressed copies at one budget, with the resident model, interleaved.
+def _coded_plans(ctx: Context, master: nn.Module, workload: Workload, costs: Any, budget: int) -> dict[str, Any]:
+    """The raw plan, the plan with ``compress=True`` and the one ``compress="auto"`` picks, at one budget.
 
-    The coded plan is made as a user's would be: the calibrated table with the sampled compressed sizes
-    (``planning.compressed``); enable then re-checks it with the engine's real sizes, and the row
-    reports the re-checked plan.
+    The coded plans are made as a user's would be: the calibrated table with the sampled compressed
+    sizes (``planning.compressed``) and the decode's staging counted; enable then re-checks a coded plan
+    with the engine's real sizes, and the row reports the re-checked plan.
     """
-    from fastoffload_ext.planning import plan_offload
+    from fastoffload_ext.planning import choose_codec_plan, plan_offload
     from fastoffload_ext.planning.calibration import measure_host_decode_gbps
     from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 
     coded_costs = dataclasses.replace(costs, transfer_bytes=tuple(estimate_transfer_bytes(_ring(workload, master))))
     if not ctx.cuda:  # the host decoder is what a coded copy costs there, far below the GPU kernel's rate
         coded_costs = dataclasses.replace(coded_costs, decode_gbps=measure_host_decode_gbps())
-    raw_plan, coded_plan = plan_offload(costs, budget), plan_offload(coded_costs, budget)
+    return {"raw": plan_offload(costs, budget), "coded": plan_offload(coded_costs, budget),
+            "auto": choose_codec_plan(costs, coded_costs, budget)}
+
+
+def _layout_name(plan: Any) -> str:
+    return f"{'coded' if plan.compressed else 'raw'} {len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}"
+
+
+def _auto_config(plans: dict[str, Any]) -> str | None:
+    """The configuration the "auto" plan runs the same as (None: it needs its own)."""
+    auto = plans["auto"]
+    for name in ("coded", "raw"):
+        if auto.same_layout(plans[name]) and auto.compressed == plans[name].compressed:
+            return name
+    return None
+
+
+def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs: tuple[tuple, dict], costs: Any,
+                    budget: int, shared: dict[str, Any]) -> dict[str, Any]:
+    """Raw plan, ``compress=True`` plan, the ``"auto"`` choice and the resident model, in interleaved rounds."""
+    plans = _coded_plans(ctx, master, workload, costs, budget)
+    alias = _auto_config(plans)
     live: dict[str, Config] = {}
     try:
-        live["coded"] = Config(ctx, master, workload, inputs, {"plan": coded_plan, "device_budget": budget,
+        live["coded"] = Config(ctx, master, workload, inputs, {"plan": plans["coded"], "device_budget": budget,
                                                                "compress": True})
         worst = _peak_of(ctx, live["coded"])
-        live["raw"] = Config(ctx, master, workload, inputs, {"plan": raw_plan, "device_budget": budget})
-        iters = ctx.iters(6, quick=5)
+        if alias is None:
+            live["auto"] = Config(ctx, master, workload, inputs, {"plan": plans["auto"], "device_budget": budget,
+                                                                  "compress": "auto"})
+            auto_peak = _peak_of(ctx, live["auto"])
+            worst = None if worst is None or auto_peak is None else max(worst, auto_peak)
+        live["raw"] = Config(ctx, master, workload, inputs, {"plan": plans["raw"], "device_budget": budget})
+        iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
-        rounds = run_interleaved(timers, rounds=4 if ctx.quick else 6)
+        rounds = run_interleaved(timers, rounds=_rounds(ctx))
+        auto = alias or "auto"
         applied = live["coded"].group.plan
-        row = dict(budget_mib=budget / MiB,
-                   raw_plan=f"{len(raw_plan.resident)}/{raw_plan.blocks} d{raw_plan.prefetch_depth}",
-                   plan=f"{len(applied.resident)}/{applied.blocks} d{applied.prefetch_depth}",
-                   raw_moved_mib=raw_plan.host_bytes / MiB, moved_mib=applied.host_bytes / MiB,
-                   compressed_blocks=applied.compressed_blocks, predicted_ms=applied.predicted_step_ms,
-                   ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"), x_raw=rounds.ratio("coded", "raw"),
-                   x_raw_range=rounds.ratio_spread("coded", "raw"), resident_ms=rounds.median_ms(RESIDENT),
-                   rounds=rounds.as_dict(), why=applied.why, bit_equal=live["coded"].bit_equal(shared["reference"]))
-        checks = [row["bit_equal"], row["x_raw"] <= 1.0]
-        if worst is not None:
-            row.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
-            checks.append(row["mem_ok"])
-        peak_gbps = shared.get("peak_gbps")
-        if ctx.cuda and peak_gbps:
-            row["x_floor"] = row["ms"] / max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
-        row["pass"] = all(checks) if ctx.cuda else None
-        return row
+        row = dict(budget_mib=budget / MiB, raw_plan=_layout_name(plans["raw"]), plan=_layout_name(applied),
+                   auto_plan=_layout_name(live[auto].group.plan), raw_moved_mib=plans["raw"].host_bytes / MiB,
+                   moved_mib=applied.host_bytes / MiB, compressed_blocks=applied.compressed_blocks,
+                   staging_mib=applied.staging_bytes / MiB, raw_predicted_ms=plans["raw"].predicted_step_ms,
+                   predicted_ms=applied.predicted_step_ms, ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"),
+                   x_raw=rounds.ratio("coded", "raw"), x_raw_range=rounds.ratio_spread("coded", "raw"),
+                   auto_ms=rounds.median_ms(auto), x_auto_raw=rounds.ratio(auto, "raw"),
+                   x_auto_coded=rounds.ratio(auto, "coded"), resident_ms=rounds.median_ms(RESIDENT),
+                   rounds=rounds.as_dict(), why=applied.why, auto_why=plans["auto"].why,
+                   bit_equal=live["coded"].bit_equal(shared["reference"])
+                   and (alias is not None or live["auto"].bit_equal(shared["reference"])))
+        return _judge_compressed(ctx, row, worst, budget, shared)
     finally:
         for config in live.values():
             config.close()
         free_memory()
+
+
+def _judge_compressed(ctx: Context, row: dict[str, Any], worst: int | None, budget: int,
+                      shared: dict[str, Any]) -> dict[str, Any]:
+    """The "auto" choice must be as fast as the faster of raw and coded (beyond noise), within the budget."""
+    checks = [row["bit_equal"], row["x_auto_raw"] <= TARGET_DEPTH, row["x_auto_coded"] <= TARGET_DEPTH]
+    if worst is not None:
+        row.update(peak_mib=worst / MiB, mem_ok=worst <= budget)
+        checks.append(row["mem_ok"])
+    peak_gbps = shared.get("peak_gbps")
+    if ctx.cuda and peak_gbps:
+        floor = max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
+        row.update(x_floor=row["ms"] / floor, x_floor_auto=row["auto_ms"] / floor)
+    row["pass"] = all(checks) if ctx.cuda else None
+    return row
 
 
 def _budgets(ctx: Context, workload: Workload, costs: Any) -> list[tuple[str, int | str]]:
@@ -506,7 +605,12 @@ def run(ctx: Context) -> None:
         # Under --quick one token count per architecture sweeps the depth (the sweep is per architecture).
         sweep = not ctx.quick or name not in swept
         swept.add(name)
+        started = time.perf_counter()
         _run_workload(ctx, workload, peak, sweep)
+        # Per workload, so that the next run's split into commands is sized from measured times.
+        elapsed = time.perf_counter() - started
+        ctx.note(f"{workload.name}: {elapsed:.1f} s (set-up, budget rows, compressed row, depth sweep)")
+        ctx.meta(f"elapsed_s {workload.name}", round(elapsed, 1))
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
@@ -519,9 +623,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                          + (f", pass {row['pass']}" if row.get("pass") is not None else "")
                          + (f" ({row['note']})" if row.get("note") else ""))
         elif row.get("x_raw") is not None:
-            lines.append(f"{row['workload']} {row['budget']} compressed: plan {row['plan']} {row['ms']:.2f} ms = "
-                         f"{row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
+            lines.append(f"{row['workload']} {row['budget']} compressed: compress=True {row['plan']} "
+                         f"{row['ms']:.2f} ms = {row['x_raw']:.3f}x the raw plan {row['raw_plan']}"
                          + (f", {row['x_floor']:.3f}x floor" if row.get("x_floor") else "")
+                         + (f"; 'auto' picks {row['auto_plan']} = {row['x_auto_raw']:.3f}x raw, "
+                            f"{row['x_auto_coded']:.3f}x coded" if row.get("x_auto_raw") is not None else "")
                          + (f", pass {row['pass']}" if row.get("pass") is not None else ""))
         elif row.get("depth") in DEPTHS[1:] and row.get("x_depth1") is not None:
             lines.append(f"{row['workload']} depth {row['depth']}: {row['x_depth1']:.3f}x depth 1 "

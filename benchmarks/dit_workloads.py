@@ -8,13 +8,16 @@ initialisation and inputs), at token counts that put one row on each side of the
 - ``Flux-4+8``: ``FluxTransformer2DModel`` with FLUX.1's block sizes (dim 3072, 24 heads) and *both*
   block lists offloaded as one ring (``block_lists="all"``), cut to 4 double-stream and 8 single-stream
   blocks: the budgets grid keeps up to five copies of a model alive, and five host copies of the full
-  24 GB model do not fit the host. 1024 image tokens (transfer-bound) and, outside ``--quick``, 9216.
+  24 GB model do not fit the host (nor its rounds the section's time; ``benchmarks/budgets.py``). 1024
+  image tokens (transfer-bound) and, outside ``--quick``, 9216 (balanced: the double-stream blocks are
+  copy-bound, the single-stream ones compute-bound).
 
 Without a GPU the same classes run at the models section's tiny configurations on the host.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,25 +49,27 @@ def _workload(ctx: Context, spec: Any, name: str, label: str, tokens: int) -> Wo
                     build_host=build, make_inputs=make_inputs, output=lambda out: out[0], target=None, info=info)
 
 
-def dit_workloads(ctx: Context) -> list[tuple[str, Workload | None, str]]:
-    """(name, workload or None, why not) per DiT row group of the budgets section."""
+NAMES = {"wan-1.3b": "Wan-1.3B", "flux": "Flux-4+8"}
+
+
+def dit_workloads(ctx: Context, keys: Sequence[str] = ("wan-1.3b", "flux")) -> list[tuple[str, Workload | None, str]]:
+    """(name, workload or None, why not) per DiT row group of the budgets section, for ``keys`` in their order."""
     diffusers, reason = try_import("diffusers")
     if diffusers is None:
-        return [("Wan-1.3B", None, reason), ("Flux-4+8", None, reason)]
+        return [(NAMES[key], None, reason) for key in keys]
     from benchmarks import models
 
-    wan = models.MODELS["wan-1.3b"]
     flux_full = models.MODELS["flux"]
-    flux = dataclasses.replace(flux_full, config={**flux_full.config, **FLUX_CUT})
+    specs = {"wan-1.3b": (models.MODELS["wan-1.3b"], WAN_TOKENS),
+             "flux": (dataclasses.replace(flux_full, config={**flux_full.config, **FLUX_CUT}), FLUX_TOKENS)}
     items: list[tuple[str, Workload | None, str]] = []
-    wan_tokens = WAN_TOKENS if ctx.cuda else dict(zip(WAN_TOKENS, wan.cpu_tokens.values()))
-    for label, tokens in wan_tokens.items():
-        items.append(("Wan-1.3B", _workload(ctx, wan, "Wan-1.3B", label, tokens), ""))
-    flux_tokens = FLUX_TOKENS if ctx.cuda else dict(zip(FLUX_TOKENS, flux.cpu_tokens.values()))
-    for label, tokens in flux_tokens.items():
-        if ctx.quick and label not in QUICK_FLUX_TOKENS:
-            continue
-        items.append(("Flux-4+8", _workload(ctx, flux, "Flux-4+8", label, tokens), ""))
+    for key in keys:
+        spec, gpu_tokens = specs[key]
+        token_counts = gpu_tokens if ctx.cuda else dict(zip(gpu_tokens, spec.cpu_tokens.values()))
+        for label, tokens in token_counts.items():
+            if key == "flux" and ctx.quick and label not in QUICK_FLUX_TOKENS:
+                continue
+            items.append((NAMES[key], _workload(ctx, spec, NAMES[key], label, tokens), ""))
     return items
 
 

@@ -416,8 +416,10 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
     for row in rows("budgets", "compressed"):
         if row.get("x_raw") is not None:
             floor = f", {row['x_floor']:.3f}x floor" if row.get("x_floor") is not None else ""
+            auto = (f"; compress='auto' picks {row['auto_plan']} = {row['x_auto_raw']:.3f}x raw"
+                    if row.get("x_auto_raw") is not None else "")
             lines.append(f"budgets {row['workload']} {row['budget']} compressed: plan {row.get('plan')} = "
-                         f"{row['x_raw']:.3f}x the raw plan {row.get('raw_plan')}{floor}; memory within budget "
+                         f"{row['x_raw']:.3f}x the raw plan {row.get('raw_plan')}{floor}{auto}; memory within budget "
                          f"{verdict(row.get('mem_ok'))}; bit-equal {verdict(row.get('bit_equal'))}: "
                          f"{verdict(row.get('pass'))}")
     for row in rows("budgets", "depth"):

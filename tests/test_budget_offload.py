@@ -201,6 +201,23 @@ def test_observe_step_flags_drift_beyond_the_tolerance() -> None:
     _finish(model, reference)
 
 
+def test_observe_step_with_a_step_calibrates_and_replans_a_drifted_group() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", device_budget=4 * BLOCK_BYTES)
+    fresh = group.replan(BlockCosts([1.0] * N, [BLOCK_BYTES] * N, 1.0, overlap=False))
+    with torch.inference_mode():
+        want = reference(x)
+        step = lambda: model(x)  # noqa: E731
+        assert not fresh.observe_step(fresh.plan.predicted_step_ms, step=step)
+        # Within the tolerance nothing is measured: the group keeps the table it was planned from.
+        assert fo.get_offload_group(model) is fresh and fresh.costs.h2d_gbps == 1.0
+        assert fresh.observe_step(fresh.plan.predicted_step_ms * 3.0, step=step)
+        now = fo.get_offload_group(model)
+        assert now.costs is not None and now.costs.h2d_gbps != 1.0  # measured on this machine, then re-planned
+        assert now.plan.calibrated and torch.equal(model(x), want)
+    _finish(model, reference)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_peak_memory_stays_within_the_budget(backend: str) -> None:

@@ -67,3 +67,65 @@ def test_notes_name_each_missed_target_and_its_reason() -> None:
     assert notes[0].startswith("x best 1.070: spread15/d1 ran 40.00 ms") and "round spread 12%" in notes[0]
     assert notes[1].startswith("x ideal 1.090: transfer-bound")
     assert notes[2] == "peak 101.5 MiB over the 100.0 MiB budget"
+    mixed = _row(x_ideal=1.19, x_ideal_hooks=1.18, copy_ms=88.0, resident_ms=84.0, predicted_ms=107.0,
+                 plan_ideal_ms=88.0, mem_ok=True)
+    assert _misses(mixed, "0%", w1) == [
+        "x ideal 1.190: the per-block schedule; the plan was predicted 107.00 ms = 1.216x its ideal: copy-bound "
+        "blocks expose their copies and compute-bound ones leave the copy stream idle, and the budget keeps too few "
+        "copy-bound blocks resident to even that out"]
+
+
+class _Ctx:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+def test_workload_selector_picks_and_orders_what_it_names_and_notes_the_rest() -> None:
+    from benchmarks.budgets import selected_keys
+
+    full, quick = _Ctx(quick=False), _Ctx(quick=True)
+    assert selected_keys(full, None) == ["W1", "W2", "W3", "W4", "wan-1.3b", "flux"]
+    assert selected_keys(quick, " ") == ["W1", "W4", "wan-1.3b", "flux"]
+    assert selected_keys(full, "w1, W2,W3,w4") == ["W1", "W2", "W3", "W4"] and not full.notes
+    assert selected_keys(full, "Wan-1.3B,flux,flux,W9") == ["wan-1.3b", "flux"]
+    assert full.notes == ["BENCHMARK_BUDGETS_WORKLOADS: unknown workload(s) w9 ignored; known: W1, W2, W3, W4, "
+                          "wan-1.3b, flux"]
+
+
+def test_the_auto_choice_reuses_the_configuration_it_runs_the_same_as() -> None:
+    from benchmarks.budgets import _auto_config
+    from fastoffload_ext.planning import choose_codec_plan, plan_offload
+
+    block = 10 * MiB
+    raw = BlockCosts([0.1] * 8, [block] * 8, 50.0)
+    coded = BlockCosts([0.1] * 8, [block] * 8, 50.0, transfer_bytes=[int(0.75 * block)] * 8)
+    budget = 2 * block + 4 * block
+    plans = {"raw": plan_offload(raw, budget), "coded": plan_offload(coded, budget),
+             "auto": choose_codec_plan(raw, coded, budget)}
+    assert _auto_config(plans) == "raw"  # few large blocks: the staging costs more than coding saves
+    plans["auto"] = plans["coded"]
+    assert _auto_config(plans) == "coded"
+    plans["auto"] = plan_offload(raw, budget, resident=(0, 1, 2))
+    assert _auto_config(plans) is None
+
+
+def test_compressed_row_passes_when_auto_is_as_fast_as_the_faster_kind() -> None:
+    from benchmarks.budgets import _judge_compressed
+
+    class _Cuda:
+        cuda = True
+
+    shared = {"peak_gbps": 50.0, "block_bytes": [10**9] * 4}  # 80 ms floor
+    good = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 0.85, "ms": 40.0,
+                                       "auto_ms": 34.0, "resident_ms": 10.0}, 90 * MiB, 100 * MiB, shared)
+    assert good["pass"] is True and good["mem_ok"] is True and good["x_floor_auto"] == 34.0 / 80.0
+    slow = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.17, "x_auto_coded": 1.0, "ms": 40.0,
+                                       "auto_ms": 40.0, "resident_ms": 10.0}, 90 * MiB, 100 * MiB, shared)
+    assert slow["pass"] is False
+    over = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 1.0, "ms": 40.0,
+                                       "auto_ms": 40.0, "resident_ms": 10.0}, 101 * MiB, 100 * MiB, shared)
+    assert over["pass"] is False and over["mem_ok"] is False

@@ -253,3 +253,44 @@ def test_bad_cost_tables() -> None:
     with pytest.raises(OffloadConfigError, match=re.escape("fastoffload: BlockCosts compute times and bytes must be "
                                                            ">= 0, got compute [-1.0], bytes [1], other 0.0")):
         BlockCosts([-1.0], [1], GBPS)
+
+
+# ---- a ring of two kinds of block: Flux's double-stream and single-stream blocks at a balanced size ------
+
+DOUBLE_BYTES = int(14.0 * GBPS * 1e6)  # 14 ms to copy, 9 ms to compute: copy-bound
+SINGLE_BYTES = int(4.0 * GBPS * 1e6)   # 4 ms to copy, 6 ms to compute: compute-bound
+
+
+def flux_ring(doubles: int, singles: int) -> BlockCosts:
+    return BlockCosts([9.0] * doubles + [6.0] * singles, [DOUBLE_BYTES] * doubles + [SINGLE_BYTES] * singles, GBPS)
+
+
+def test_a_mixed_ring_costs_the_per_block_schedule_not_the_slower_of_the_sums() -> None:
+    costs = flux_ring(19, 38)
+    per_block = sum(max(c, costs.copy_ms(b)) for b, c in enumerate(costs.compute_ms))  # 19 x 14 + 38 x 6 ms
+    sums = max(sum(costs.compute_ms), sum(map(costs.copy_ms, range(costs.blocks))))
+    plan = plan_offload(costs, 2 * DOUBLE_BYTES)
+    assert plan.resident == () and plan.prefetch_depth == 1
+    assert plan.predicted_step_ms == pytest.approx(per_block, rel=0.01)
+    assert plan.predicted_step_ms > 1.15 * sums and plan.ideal_ms == pytest.approx(sums)
+
+
+@pytest.mark.parametrize("extra", [1, 3, 6, 10])
+def test_a_mixed_ring_keeps_copy_bound_blocks_resident_and_predicts_their_schedule(extra: int) -> None:
+    costs = flux_ring(19, 38)
+    budget = 2 * DOUBLE_BYTES + extra * DOUBLE_BYTES
+    plan = plan_offload(costs, budget)
+    assert plan.device_bytes <= budget
+    assert plan.resident and all(b < 19 for b in plan.resident), plan.resident  # double-stream blocks only
+    assert plan.predicted_step_ms == simulate_step(costs, plan.resident, plan.prefetch_depth).step_ms
+    assert plan.predicted_step_ms < plan_offload(costs, 2 * DOUBLE_BYTES).predicted_step_ms
+    if extra == 10:  # half the copy-bound blocks kept, spread among them: every other copy hides
+        assert plan.predicted_step_ms == pytest.approx(sum(costs.compute_ms))
+
+
+@pytest.mark.parametrize("extra", [1, 2, 3, 5])
+def test_a_mixed_ring_search_matches_brute_force_on_the_cut_ring(extra: int) -> None:
+    costs = flux_ring(4, 8)  # the budgets section's Flux: 4 double-stream + 8 single-stream blocks
+    budget = 2 * DOUBLE_BYTES + extra * DOUBLE_BYTES
+    plan = plan_offload(costs, budget, exhaustive_limit=0)
+    assert plan.predicted_step_ms == pytest.approx(brute_force(costs, budget), rel=1e-9)

@@ -78,10 +78,15 @@ class LayerwiseOffloadGroup:
         now on the model (``self`` when nothing changed)."""
         return replanning.replan(self, costs)
 
-    def observe_step(self, measured_ms: float) -> bool:
+    def observe_step(self, measured_ms: float, step: Callable[[], Any] | None = None) -> bool:
         """Whether a measured step is further from the plan's prediction than its tolerance (a resolution
-        or batch change): then calibrate again, which re-plans."""
-        return self.plan is not None and self.plan.drifted(measured_ms)
+        or batch change): then calibrate again, which re-plans. Given ``step`` (one forward), a drifted
+        group calibrates with it right away; the group on the model may then be a new one
+        (``get_offload_group(model)``)."""
+        drifted = self.plan is not None and self.plan.drifted(measured_ms)
+        if drifted and step is not None:
+            self.calibrate(step)
+        return drifted
 
     def _engine_stats(self) -> dict[str, Any]:
         engine_stats = dict(self.engine.stats())

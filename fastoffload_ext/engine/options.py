@@ -197,8 +197,11 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
     disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
-    # compress=True makes the copies move (and the host pin) the coded bytes: the planner counts those.
-    layout = resolve_layout(list(blocks), device, list_name, compress="on" if compress is True else "off",
+    # compress=True makes the copies move (and the host pin) the coded bytes: the planner counts those;
+    # under a plan, "auto" (which only the compiled core runs) has the planner pick raw or coded copies.
+    planned_compress = "on" if compress is True else (
+        "auto" if compress == "auto" and choose_backend(backend, device) == "ext" else "off")
+    layout = resolve_layout(list(blocks), device, list_name, compress=planned_compress,
                             resident_blocks=resident_blocks,
                             prefetch_depth=prefetch_depth, device_budget=device_budget,
                             host_budget=None if weights is not None else host_budget,
@@ -208,6 +211,8 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
     sharing.resolve(share_host_copy, chosen, process_group)  # refuses share_host_copy=True without a group
     compress_mode = codec.resolve_compress(compress, chosen)
+    if compress_mode == "auto" and layout.compress is not None:
+        compress_mode = layout.compress  # the plan was made for coded (or raw) copies: the engine must match
     return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
                           prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,

@@ -45,8 +45,10 @@ def tensor_ratio(tensor: torch.Tensor) -> float:
     from fastoffload_ext import _backend
 
     nbytes = tensor.numel() * tensor.element_size()
-    # Without the compiled core nothing is compressed (enable refuses compress=True there itself).
-    if tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES or not _backend.ext_available():
+    # Without the compiled core nothing is compressed (enable refuses compress=True there itself); a meta
+    # tensor (weights= builds from a checkpoint) has no values to sample: it counts raw until the encode.
+    if (tensor.dtype != torch.bfloat16 or nbytes < MIN_BYTES or not _backend.ext_available()
+            or tensor.device.type == "meta"):
         return 1.0
     core = _backend.require_ext()
     raw = _sample(tensor)
@@ -57,7 +59,11 @@ def tensor_ratio(tensor: torch.Tensor) -> float:
 
 def estimate_block(block: nn.Module) -> int:
     """The bytes one copy of ``block`` is expected to move once encoded (its packed bytes if none pay)."""
-    params = [p for p in block.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)]
+    return estimate_tensors([p for p in block.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)])
+
+
+def estimate_tensors(params: Sequence[torch.Tensor]) -> int:
+    """The coded size of a block made of ``params`` (in packing order), as :func:`estimate_block`."""
     sizes = [p.numel() * p.element_size() for p in params]
     raw = packed_bytes(sizes)
     coded, any_coded = HEADER_BYTES, False
@@ -75,4 +81,4 @@ def estimate_transfer_bytes(blocks: Sequence[nn.Module]) -> list[int]:
     return sizes
 
 
-__all__ = ["SAMPLE_BYTES", "estimate_block", "estimate_transfer_bytes", "tensor_ratio"]
+__all__ = ["SAMPLE_BYTES", "estimate_block", "estimate_tensors", "estimate_transfer_bytes", "tensor_ratio"]

@@ -21,6 +21,7 @@ from torch import nn
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.budgets import AUTO, format_bytes, parse_size
 from fastoffload_ext.planning.calibration import cached_h2d_gbps
+from fastoffload_ext.planning.codec_choice import choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_transfer_bytes
 from fastoffload_ext.planning.costs import BlockCosts, module_device_bytes, module_host_bytes, module_packed_bytes
 from fastoffload_ext.planning.memory import device_free_bytes, probe_host
@@ -42,6 +43,8 @@ class Layout:
     prefetch_depth: int
     plan: OffloadPlan | None
     settings: dict[str, Any]  # the budget arguments as given, for a later re-plan
+    # compress="auto" under a plan: the codec mode the plan was made for ("on" or "off"); None: as asked.
+    compress: str | None = None
 
 
 def _resident_spec(value: object, n: int, list_name: str) -> tuple[int, ...] | str | None:
@@ -132,8 +135,9 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     """The resident set and depth enable should apply; raises OffloadConfigError before anything changes.
 
     ``compress``: the engine's codec mode. With "on" a bytes-only plan counts the coded bytes each copy
-    will move (sampled, ``compressed.py``); "auto" decides per step later, so it plans the raw bytes
-    until a calibration reads what the engine chose.
+    will move (sampled, ``compressed.py``) and the decode's staging; with "auto" and a plan, the raw and
+    the coded plan are both made and the faster predicted one is applied (``codec_choice.py``):
+    ``Layout.compress`` is then the mode that plan needs. Without a plan "auto" decides per step later.
     """
     n = len(blocks)
     resident = _resident_spec(resident_blocks, n, list_name)
@@ -142,7 +146,8 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
                 "host_budget": parse_size(host_budget, "host_budget"),
                 "activation_reserve": parse_size(activation_reserve, "activation_reserve", allow_auto=False)}
     if plan is not None:
-        return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs)
+        return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs, compress,
+                          cyclic)
     planned = settings["device_budget"] is not None or resident == AUTO or depth == AUTO
     if not planned:
         fixed = resident if isinstance(resident, tuple) else ()
@@ -159,17 +164,37 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
     table = table.with_activation_bytes(reserve)
-    if compress == "on" and not table.compressed:
-        table = dataclasses.replace(table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
-    chosen = plan_offload(table, budget, host_budget=host, resident=fixed_resident, prefetch_depth=fixed_depth,
-                          cyclic=cyclic)
+    # Blocks on the meta device (weights= builds from a checkpoint) have no values to estimate coded sizes
+    # from: "auto" then plans raw copies and leaves the choice to the engine's per-step chooser.
+    chooses = compress == "auto" and not _on_meta(blocks)
+    if compress == "on" or chooses:
+        coded = table if table.compressed else dataclasses.replace(
+            table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
+    if chooses:
+        chosen = choose_codec_plan(table, coded, budget, host_budget=host, resident=fixed_resident,
+                                   prefetch_depth=fixed_depth, cyclic=cyclic)
+    else:
+        chosen = plan_offload(coded if compress == "on" else table, budget, host_budget=host,
+                              resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=cyclic)
     logger.info("%s", chosen)
-    return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings)
+    return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings,
+                  _planned_mode(chosen, compress) if chooses else None)
+
+
+def _on_meta(blocks: Sequence[nn.Module]) -> bool:
+    return any(p.device.type == "meta" for block in blocks for p in block.parameters())
+
+
+def _planned_mode(plan: OffloadPlan, compress: str) -> str | None:
+    """The codec mode a plan needs under compress="auto": it was made for coded copies or for raw ones."""
+    if compress != "auto":
+        return None
+    return "on" if plan.compressed else "off"
 
 
 def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
                settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
-               costs: BlockCosts | None) -> Layout:
+               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True) -> Layout:
     if not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
                                  f"{type(plan).__name__}")
@@ -179,13 +204,20 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     if resident_blocks is not None or prefetch_depth is not None:
         raise OffloadConfigError("fastoffload: pass either plan= or resident_blocks/prefetch_depth, not both: the "
                                  f"plan already sets resident {list(plan.resident)} and depth {plan.prefetch_depth}")
+    if compress == "on" and not plan.costs.compressed:
+        # A plan made for raw copies, applied with compress=True: the copies move coded bytes and the decoder
+        # keeps its staging on the device, so the same layout is scored (and checked) again with both.
+        coded = dataclasses.replace(plan.costs, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
+        plan = plan_offload(coded, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
     budget, host, _ = _budgets(settings, blocks, device, costs)
     if budget is not None and plan.device_bytes > budget:
         raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "
                                  f"more than device_budget {format_bytes(budget)}; re-plan with this budget")
-    _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO)
+    _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO,
+                "on" if plan.compressed and compress != "off" else "off")
     settings.update(fixed_resident=None, fixed_depth=None, activation_reserve_bytes=settings["activation_reserve"])
-    return Layout(plan.resident, plan.prefetch_depth, plan, settings)
+    return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 
 
 __all__ = ["AUTO_RESERVE_FRACTION", "Layout", "check_prefetch_depth", "default_costs", "resolve_layout"]

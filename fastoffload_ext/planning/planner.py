@@ -11,8 +11,9 @@ then to less device memory, then to the shallower prefetch.
 
 Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
 count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
-each remaining copy hide behind the compute of the blocks before it), the prefixes of the
-copy-heaviest blocks, and a greedy chain that adds the block whose residency saves the most predicted
+each remaining copy hide behind the compute of the blocks before it), the same spread over only the
+copy-bound blocks (a ring of two kinds of block), the prefixes of the copy-heaviest blocks, and a
+greedy chain that adds the block whose residency saves the most predicted
 time. The candidate list does not depend on the budget, so a larger budget never predicts slower.
 """
 from __future__ import annotations
@@ -85,6 +86,26 @@ def _spread_sets(n: int) -> Iterable[frozenset[int]]:
             yield frozenset(range(n)) - _even(n, n - count, offset)
 
 
+def _bound_spread_sets(costs: BlockCosts) -> Iterable[frozenset[int]]:
+    """Resident sets spread evenly over the copy-bound blocks (copy slower than their compute), then those
+    plus spread others: with two kinds of block in one ring (Flux's copy-bound double-stream blocks and
+    compute-bound single-stream ones) a resident compute-bound block saves little while copy-bound ones
+    are still copied, and spreading over the whole ring would put most resident blocks among the wrong kind."""
+    n = costs.blocks
+    bound = [b for b in range(n) if costs.copy_ms(b) > costs.compute_ms[b]]
+    if not bound or len(bound) == n:
+        return
+    rest = sorted(set(range(n)) - set(bound))
+    m = len(bound)
+    for count in range(1, m + 1):
+        for offset in (0.0, 0.5):
+            yield frozenset(bound[i] for i in _even(m, count, offset))
+            yield frozenset(bound) - frozenset(bound[i] for i in _even(m, m - count, offset))
+    for count in range(1, len(rest) + 1):
+        for offset in (0.0, 0.5):
+            yield frozenset(bound) | frozenset(rest[i] for i in _even(len(rest), count, offset))
+
+
 def _heaviest_prefixes(costs: BlockCosts) -> Iterable[frozenset[int]]:
     order = sorted(range(costs.blocks), key=lambda b: (-costs.copy_ms(b), -costs.block_bytes[b], b))
     for count in range(costs.blocks + 1):
@@ -116,7 +137,7 @@ def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
     n = costs.blocks
     if n <= exhaustive_limit:
         return tuple(frozenset(c) for r in range(n + 1) for c in itertools.combinations(range(n), r))
-    sets = dict.fromkeys(itertools.chain(_spread_sets(n), _heaviest_prefixes(costs)))
+    sets = dict.fromkeys(itertools.chain(_spread_sets(n), _bound_spread_sets(costs), _heaviest_prefixes(costs)))
     if n <= GREEDY_LIMIT:
         sets.update(dict.fromkeys(_greedy_chain(costs, depth, cyclic)))
     return tuple(sets)
@@ -129,11 +150,13 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
     reserve = format_bytes(costs.activation_bytes)
     if fixed is not None:
         resident_bytes, slot, device, host = _memory(costs, fixed, depth)
+        staging = costs.staging_bytes([b for b in range(costs.blocks) if b not in fixed])
         if device_budget is not None and device > device_budget:
             return OffloadConfigError(
                 f"fastoffload: device_budget {format_bytes(device_budget)} is too small for {len(fixed)} resident "
-                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + {reserve} "
-                f"activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
+                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + "
+                + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
+                + f"{reserve} activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
                 "resident_blocks='auto', or raise device_budget")
         return OffloadConfigError(
             f"fastoffload: host_budget {format_bytes(host_budget)} cannot hold the {format_bytes(host)} of pinned host "

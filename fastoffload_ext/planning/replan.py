@@ -20,7 +20,8 @@ from typing import Any
 
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs
-from fastoffload_ext.planning.compressed import estimate_block
+from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
+from fastoffload_ext.planning.compressed import estimate_block, estimate_tensors
 from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
 from fastoffload_ext.planning.planner import plan_offload
 
@@ -58,6 +59,20 @@ def transfer_bytes(group: Any, sizes: list[int]) -> list[int]:
         if info["mode"] == "compressed":
             moved[index] = int(info["compressed_bytes"])
     return moved
+
+
+def _coded_table(group: Any, table: BlockCosts) -> BlockCosts:
+    """``table`` with coded sizes: the engine's where it sends blocks coded, else sampled from the weights
+    (a resident block's own tensors, an offloaded one's host copy)."""
+    if table.compressed:
+        return table
+    moved = list(table.block_bytes)
+    offloaded = dict(zip(group.offloaded_indices, group.states))
+    for index, block in enumerate(group.blocks):
+        state = offloaded.get(index)
+        moved[index] = (estimate_tensors(list(state.cpu_named_parameters.values())) if state is not None
+                        else estimate_block(block))
+    return dataclasses.replace(table, transfer_bytes=tuple(moved))
 
 
 def _check_current(group: Any) -> None:
@@ -108,9 +123,16 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
         table = table.with_activation_bytes(reserve)
     fixed_resident = settings.get("fixed_resident")
     fixed_depth = settings.get("fixed_depth")
-    new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
-                       prefetch_depth=fixed_depth, cyclic=group.cyclic)
-    if new.same_layout(old):
+    auto = settings.get("arguments", {}).get("compress") == "auto" and group.engine is not None
+    if auto:
+        # "auto" under a plan: raw and coded copies are planned again from the measured table.
+        new = choose_codec_plan(table, _coded_table(group, table), old.device_budget, host_budget=old.host_budget,
+                                resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=group.cyclic)
+    else:
+        new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
+                           prefetch_depth=fixed_depth, cyclic=group.cyclic)
+    # Under "auto" a switch between raw and coded copies is a new layout too: the engine's mode changes.
+    if new.same_layout(old) and (not auto or new.compressed == (group.compress_mode == "on")):
         group.plan = new
         return group
     logger.info("re-planning %s: %s", group.list_name, new)
@@ -131,8 +153,9 @@ def recheck(group: Any) -> Any:
     sizes = list(plan.costs.block_bytes)
     costs = dataclasses.replace(plan.costs, transfer_bytes=tuple(transfer_bytes(group, sizes)))
     try:
-        group.plan = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
-                                  prefetch_depth=plan.prefetch_depth, cyclic=group.cyclic)
+        group.plan = carry_choice(plan, plan_offload(costs, plan.device_budget, host_budget=plan.host_budget,
+                                                     resident=plan.resident, prefetch_depth=plan.prefetch_depth,
+                                                     cyclic=group.cyclic))
         return group
     except OffloadConfigError as error:
         logger.info("the encoded blocks do not fit the plan made from estimates (%s); planning again", error)
