@@ -84,8 +84,8 @@ from benchmarks import model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
 from benchmarks.model_budget import block_costs, least_budget_plan
-from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors, matching_config,
-                                   peer_values, ratio, transfer_ms)
+from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors,
+                                   matching_config, peer_values, ratio, transfer_ms)
 from benchmarks.phases import PhaseLog
 from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
@@ -495,7 +495,8 @@ def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadl
     wanted = run.spec.peers
     if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
         return (f"not run on {run.spec.name} so that the section fits one GPU command (each peer pins its "
-                f"own copy of the blocks and needs its rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
+                f"own copy of the blocks and needs its rounds); only {', '.join(wanted)} run here; "
+                f"{ENV_PEERS}=all runs it")
     elapsed = run.log.elapsed_s()
     if elapsed > deadline_s:
         return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ended at "
@@ -648,9 +649,9 @@ def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtCon
     values: dict[str, Any] = {
         "ms": float(statistics.median(ext)), "spread": (max(ext) - min(ext)) / statistics.median(ext),
         "x_resident": x_resident, "range": spread, "bit_equal": config.equal[label]}
-    notes = [f"{len(config.lists)} list(s) offloaded: {', '.join(config.lists)}"
-             + (" (default settings)" if not config.kwargs else
-                " (" + ", ".join(f"{key}={value!r}" for key, value in config.kwargs.items()) + ")") + f"; {len(resident)} rounds"]
+    settings = ("default settings" if not config.kwargs
+                else ", ".join(f"{key}={value!r}" for key, value in config.kwargs.items()))
+    notes = [f"{len(config.lists)} list(s) offloaded: {', '.join(config.lists)} ({settings}); {len(resident)} rounds"]
     transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
     if transfer:
         floor = floors(resident, transfer)

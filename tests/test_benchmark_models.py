@@ -189,7 +189,8 @@ def test_a_peer_that_would_outlast_the_budget_is_not_started() -> None:
     finally:
         ctx.close()
     assert reason == ("not run: flux's share of the section's time budget (BENCHMARK_MODELS_BUDGET_S) ends at 450 s; "
-                      "at 400 s the slowest peer so far (55 s) would not finish before it; the stronger peers ran first")
+                      "at 400 s the slowest peer so far (55 s) would not finish before it; the stronger peers ran "
+                      "first")
 
 
 def test_peers_are_set_up_strongest_first() -> None:
@@ -278,7 +279,8 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     assert nudged["bit_equal"] is False
     assert "its set-up changed torch's numerics (matmul.allow_bf16_reduced_precision_reduction True -> False); " \
            "put back for its rows" in nudged["note"]
-    assert "not bit-equal: op " in nudged["note"] and "a weight holds other values than the resident's" in nudged["note"]
+    assert "not bit-equal: op " in nudged["note"]
+    assert "a weight holds other values than the resident's" in nudged["note"]
     assert by_backend[("mmgp", "64 (large)")]["skipped"] == "absent: not installed"
     assert peer_diff.numerics_settings() == before
     assert "it wrote into the host copy of the weights it was given; the next peer gets a fresh one" in nudged["note"]
@@ -398,7 +400,8 @@ def test_the_peers_models_share_one_host_copy_and_a_write_into_it_shows() -> Non
     master = _tiny_wan()
     source = host_source(master)
     first, second = models.host_copy(master, source=source), models.host_copy(master, source=source)
-    for (name, mine), theirs in zip(first.state_dict(keep_vars=True).items(), second.state_dict(keep_vars=True).values()):
+    pairs = zip(first.state_dict(keep_vars=True).items(), second.state_dict(keep_vars=True).values())
+    for (name, mine), theirs in pairs:
         assert mine.data_ptr() == theirs.data_ptr() == source[name].data_ptr(), name
         assert torch.equal(mine, master.state_dict()[name]) and mine.data_ptr() != master.state_dict()[name].data_ptr()
     printed = fingerprint(source)

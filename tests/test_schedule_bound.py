@@ -82,7 +82,8 @@ def test_the_least_budget_plan_keeps_the_copy_bound_blocks_and_reaches_the_targe
 
     # FLUX.1-like at 9216 tokens: 19 blocks that copy longer than they compute, 38 the reverse.
     gb = 10**9
-    costs = BlockCosts(compute_ms=(9.0,) * 19 + (6.0,) * 38, block_bytes=(int(0.777 * gb),) * 19 + (int(0.2225 * gb),) * 38,
+    costs = BlockCosts(compute_ms=(9.0,) * 19 + (6.0,) * 38,
+                       block_bytes=(int(0.777 * gb),) * 19 + (int(0.2225 * gb),) * 38,
                        h2d_gbps=55.5, other_ms=2.0, activation_bytes=gb)
     floor = max(sum(costs.compute_ms) + 2.0, sum(costs.block_bytes) / (55.5 * gb) * 1e3)
     assert schedule_ms(steps_for(list(costs.compute_ms), sum(costs.compute_ms) + 2.0,
