@@ -5,8 +5,8 @@ downloaded): ``WanTransformer3DModel`` at the Wan2.1 1.3B and 14B sizes (``block
 ``FluxTransformer2DModel`` at FLUX.1 size (19 double-stream ``transformer_blocks``, then 38
 ``single_transformer_blocks``). Each runs at token counts where copying the blocks takes longer than
 computing them (transfer-bound), where the two are close (balanced), and for Wan-1.3B one between
-(mid, 4096 tokens); the ``compute/copy`` column (resident time / transfer floor of ``ext``) says which
-a row is on this machine.
+(mid, 4096 tokens); the ``compute/copy`` column of each floor row (resident time / that configuration's
+copy time) says which a row is on this machine.
 
 Like for like: on a model with several block lists ext runs twice, ``ext`` with default settings
 (FastVideo's rule: the first list only) and ``ext all lists`` (``block_lists="all"``: every list in
@@ -684,15 +684,14 @@ def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float
         base = {"model": run.spec.name, "tokens": _tokens_label(run, label)}
         resident = result.rounds[f"resident|{label}"]
         resident_ms = float(statistics.median(resident))
-        first = transfer_ms(run.configs[0].offloaded_bytes, peak_gbps)
         rows.append(({**base, "backend": "resident"}, {
-            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0,
-            "compute_over_copy": resident_ms / first if first else None}, None, None))
+            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0},
+            None, None))
         for config in run.configs:
             transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
             if transfer and peak_gbps:
-                rows.append(({**base, "backend": config.floor_name},
-                             floor_row(config, resident, transfer, peak_gbps), None, None))
+                floor = {**floor_row(config, resident, transfer, peak_gbps), "compute_over_copy": resident_ms / transfer}
+                rows.append(({**base, "backend": config.floor_name}, floor, None, None))
         for config in run.configs:
             rows.append(({**base, "backend": config.name},
                          _ext_values(ctx, run, result, config, label, peak_gbps), None, None))

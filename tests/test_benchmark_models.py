@@ -343,6 +343,8 @@ def test_ext_rows_carry_their_own_floor_and_the_schedule_bound(tmp_path: Path) -
     first, every = run.configs
     assert every.offloaded_bytes > first.offloaded_bytes > 0
     assert by_backend["floor all lists"]["ms"] == pytest.approx(every.offloaded_bytes / (1e-5 * GB) * 1e3)
+    # Each floor row says how compute-bound its own configuration is: resident time / its copy time.
+    assert by_backend["floor"]["compute_over_copy"] > by_backend["floor all lists"]["compute_over_copy"] > 0
     for name in ("ext", "ext all lists"):
         values = by_backend[name]
         assert values["bit_equal"] is True and values["bound_ms"] > 0 and values["x_bound"] > 0
