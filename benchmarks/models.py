@@ -2,38 +2,66 @@
 
 Models (diffusers classes with their published configurations and random bf16 weights; nothing is
 downloaded): ``WanTransformer3DModel`` at the Wan2.1 1.3B and 14B sizes (``blocks``), and
-``FluxTransformer2DModel`` at FLUX.1 size with *both* of its block lists offloaded
-(``block_lists="all"``: 19 double-stream then 38 single-stream blocks in one ring). Each runs at two
-token counts: one where copying the blocks takes longer than computing them (transfer-bound) and
-one where the two are close (balanced); the ``compute/copy`` column (resident time / transfer floor)
-says which a row is on this machine.
+``FluxTransformer2DModel`` at FLUX.1 size (19 double-stream ``transformer_blocks``, then 38
+``single_transformer_blocks``). Each runs at token counts where copying the blocks takes longer than
+computing them (transfer-bound), where the two are close (balanced), and for Wan-1.3B one between
+(mid, 4096 tokens); the ``compute/copy`` column of each floor row (resident time / that configuration's
+copy time) says which a row is on this machine.
+
+Like for like: on a model with several block lists ext runs twice, ``ext`` with default settings
+(FastVideo's rule: the first list only) and ``ext all lists`` (``block_lists="all"``: every list in
+one ring). What each peer offloads is read from where its weights are after its set-up
+(``benchmarks/peers.py``), and the peer is compared (``x ext``, ``vs ext``, its ``pass``: that ext is
+faster) with the ext configuration that offloads the same lists: FastVideo with ``ext``; SGLang
+(one manager per list), diffusers and the rest, which move every list, with ``ext all lists``. Each
+offloader has its own floor, max(resident, the bytes it moves / peak H2D): a ``floor`` row per ext
+configuration, the peers' in their ``x floor`` column and note.
+
+Schedule bound: with (k+1) slots a copy-bound block's excess copy time cannot hide behind the slack
+of a compute-bound block further on, so max(resident, bytes / peak) is out of reach where the blocks
+alternate (Flux at 9216 tokens: double-stream blocks copy longer than they compute, single-stream
+ones the reverse). ``sched bound ms`` is the best depth-k schedule of the blocks
+(``benchmarks/schedule_bound.py``): per-block compute from CUDA events around every block of the
+resident model, timed as one more configuration inside the same interleaved rounds, and per-block
+copies at peak H2D. ``x sched bound`` is ext against it, round by round; where ext misses the floor
+target because the bound itself is above it, the row's note says so, and one more row shows the fix:
+ext with every list under the least ``device_budget`` that ``plan_offload``, fed this run's cost table,
+predicts at or under the target (``benchmarks/model_budget.py``; after the three strongest peers).
 
 Measurement: host speed drifts between processes and over minutes, so every figure here comes from
-interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and ext stay
-alive for the whole model; each peer is then set up in turn and timed in rounds together with them
-(resident, ext, peer, in rotating order), and its ratios are taken within each round. Every ratio is
-the median of the per-round ratios, with the lowest and highest round beside it.
+interleaved rounds in one process (``benchmarks/interleave.py``). The resident model and the ext
+configurations stay alive for the whole model. A first session times them (and the block clock);
+each peer is then set up in turn and timed in rounds together with resident and its matching ext
+configuration (in rotating order), and its ratios are taken within each round. Every ratio is the
+median of the per-round ratios, with the lowest and highest round beside it. A peer whose first
+forward takes over ``SLOW_PEER_FACTOR`` x its ext's is timed one forward a round.
+
+Rows are written as soon as they are final: ext's after the first session, each peer's when its
+session ends, so a run cut short (the command's time limit, SIGTERM) keeps every row measured; the
+table shows them per token count (:func:`arrange_rows`).
 
 Memory: a host copy of the 14B model is 28 GB and the GPU machine has 128 GB of RAM, so the section
-keeps as few as it can. The master is built on the GPU and *is* the resident model; ext's blocks and
-each peer's model are copied from it (on the device, then moved to the host tensor by tensor), one
-offloader at a time; a peer's model, hooks and pinned blocks are freed before the next is built. The
-host then holds ext's pinned copy plus one peer's copies (pageable and pinned): about 2-3x the model.
-Every phase prints a line with the time, host RSS and GPU memory to stderr (a killed run shows where
-it was) and the phases go into the notes. Peers are set up strongest first; the 14B model runs only
-FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs all). The section has
-``BENCHMARK_MODELS_BUDGET_S`` seconds (default 420); at each model's start what is left is split evenly
-over the models still to run, and once a model's share is spent no further peer of it starts. Skipped
-peers have rows saying why. A peer that is not bit-equal gets, in its note, the first traced op where
-its forward parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches
-are compared and put back around every peer.
+keeps as few as it can. The master is built on the GPU and *is* the resident model. One host copy
+of the whole model is made from it, once (``benchmarks/host_source.py``: a fresh 24 GB pageable copy
+takes about 20 s); every ext configuration and every peer gets a device-side copy of the master
+rebound to it (what stays resident moves back to the device), and each pins copies of its own. One
+peer at a time: a peer's model, hooks and pinned blocks are freed before the next is built. The host
+then holds the shared copy, ext's pinned copies (on Flux: the first list, and every list) and one
+peer's pinned blocks. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
+killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
+the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
+all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
+what is left is split evenly over the models still to run, and a peer starts only while the slowest
+peer of that model so far would still finish within the model's share. Skipped peers have rows
+saying why. A peer that is not bit-equal gets, in its note, the first traced op where its forward
+parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics switches are
+compared and put back around every peer.
 
-Rows per model and token count: ``resident``, ``floor`` (max(resident, offloaded bytes / peak H2D)),
-``ext`` (``enable_layerwise_offload`` with default settings, eager), and the peers of
-``benchmarks/peers.py``; a peer that cannot run has a row saying why. Every offloaded output is
-compared with the resident one bit for bit. ext's peak GPU memory is its own (the peak during its
-forward less what the master and the inputs held before ext existed), against (k+1) x largest block +
-the modules outside the lists + activations.
+``pass`` on an ext row: at most 1.05x its floor, and 1.02x on the host-bound rows named as targets (Flux at
+1024 tokens with the first list, Wan-1.3B at 4096: ``ModelSpec.tight``). Every offloaded output is
+compared with the resident one bit for bit. ext's peak GPU memory is its
+own (the peak during its forwards less what was allocated before its copy existed), against (k+1) x
+its largest block + the modules it leaves resident + activations.
 
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: all; ``--quick``: wan-1.3b).
 Without a GPU the same models run at tiny configs on the host (device="cpu"), resident and ext only.
@@ -41,6 +69,7 @@ Without a GPU the same models run at tiny configs on the host (device="cpu"), re
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
@@ -51,14 +80,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import peer_diff
+from benchmarks import model_rows, peer_diff
 from benchmarks import peers as peer_setups
-from benchmarks.interleave import Interleaved, run_interleaved
+from benchmarks.interleave import Interleaved, Timer, run_interleaved
+from benchmarks.model_budget import block_costs, least_budget_plan
+from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors,
+                                   matching_config, peer_values, ratio, transfer_ms)
 from benchmarks.phases import PhaseLog
+from benchmarks.host_source import bind, fingerprint, host_source
+from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
 from fastoffload_ext import enable_layerwise_offload
+from fastoffload_ext.planning import OffloadPlan
 
-TITLE = "models: Wan 1.3B / 14B and Flux (all block lists) vs resident and the peers, interleaved rounds"
+TITLE = ("models: Wan 1.3B / 14B and Flux (first list, all lists) vs resident and the peers that offload the same "
+         "lists, interleaved rounds")
 
 TABLES = {
     "models": Table(
@@ -74,6 +110,9 @@ TABLES = {
             Column("x_floor", "x floor", ".3f"),
             Column("range", "[round range]"),
             Column("x_ext", "x ext", ".2f"),
+            Column("vs_ext", "vs ext"),
+            Column("bound_ms", "sched bound ms", ".1f"),
+            Column("x_bound", "x sched bound", ".3f"),
             Column("compute_over_copy", "compute/copy", ".2f"),
             Column("peak_mib", "peak MiB", ".0f"),
             Column("mem_ok", "mem<=bound"),
@@ -83,19 +122,23 @@ TABLES = {
     ),
 }
 
-EXT_TARGET = 1.05  # x floor, eager, default settings
 MEM_SLACK_BYTES = 64 * MiB
 BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
 ENV_MODELS = "BENCHMARK_MODELS"
 ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all": every peer on every model, also where a model's spec names fewer
 ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
-# Seconds from the section's start after which no further peer is set up (its rows say so): the whole
-# section must fit one GPU command of 600 s together with the bandwidth section and the start-up.
-DEFAULT_BUDGET_S = 420.0
+# Seconds from the section's start within which every peer must finish (one that would not, judged by the
+# slowest peer of the model so far, is not set up; its rows say so): one model, its peers and the
+# benchmark's start-up fit a GPU command of about 420 s.
+DEFAULT_BUDGET_S = 360.0
+INITIAL_EXTRA_ROUNDS = 2  # the first session gives ext's rows: a few more rounds than a peer's
+SLOW_PEER_FACTOR = 4.0  # a peer whose first forward takes this many times ext's is timed 1 forward a round
 # Peers in the order they are set up: the strongest first, so a spent time budget cuts the weakest.
 RUN_ORDER = ("fastvideo", "sglang", "diffusers", "mmgp", "diffusers leaf", "accelerate")
 # On a 28 GB model each peer costs a host copy, its pinning and its rounds: only the strongest run.
 BIG_MODEL_PEERS = ("fastvideo", "sglang", "diffusers")
+# The planned-budget row runs after this peer: after the strongest peers, before the ones a spent budget cuts.
+BUDGET_ROW_AFTER = "diffusers"
 
 
 @dataclass(frozen=True)
@@ -109,12 +152,26 @@ class ModelSpec:
     block_lists: str | None
     inputs: Callable[[dict[str, Any], int, torch.device], dict[str, torch.Tensor]] = field(repr=False)
     peers: tuple[str, ...] | None = None  # None: every peer
+    # Token counts (labels) where ext with default settings is held to TIGHT_TARGET x floor, not EXT_TARGET.
+    tight: tuple[str, ...] = ()
+
+
+def _wan_grid(tokens: int, full_size: bool) -> tuple[int, int, int]:
+    """(frames, latent height, latent width) for ``tokens`` with Wan's (1, 2, 2) patches: 480x832 frames
+    (1560 tokens each) where the count is a multiple of that, else square frames (4096 = 4 of 32x32 patches)."""
+    per_frame, height, width = (1560, 60, 104) if full_size else (16, 8, 8)
+    if tokens % per_frame == 0:
+        return tokens // per_frame, height, width
+    for frames in (4, 2, 1):
+        side = math.isqrt(tokens // frames)
+        if frames * side * side == tokens:
+            return frames, 2 * side, 2 * side
+    raise ValueError(f"fastoffload: a Wan token count must be a multiple of {per_frame} or frames x a square, "
+                     f"got {tokens}")
 
 
 def _wan_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    # tokens = frames x (height / 2) x (width / 2) with Wan's (1, 2, 2) patches; 480x832 video: 1560 a frame.
-    per_frame, height, width = (1560, 60, 104) if config["num_layers"] > 4 else (16, 8, 8)
-    frames = max(1, tokens // per_frame)
+    frames, height, width = _wan_grid(tokens, config["num_layers"] > 4)
     generator = torch.Generator("cpu").manual_seed(tokens)
     text = 512 if config["text_dim"] == 4096 else 8
     return _place(dict(
@@ -157,8 +214,9 @@ MODELS = {
     "wan-1.3b": ModelSpec("wan-1.3b", "WanTransformer3DModel",
                           dict(_WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
                                num_layers=30),
-                          _WAN_TINY, {"transfer-bound": 1560, "balanced": 6240}, {"small": 16, "large": 64}, None,
-                          _wan_inputs),
+                          _WAN_TINY, {"transfer-bound": 1560, "mid": 4096, "balanced": 6240},
+                          {"small": 16, "large": 64, "mid": 32}, None,
+                          _wan_inputs, tight=("mid",)),
     "flux": ModelSpec("flux", "FluxTransformer2DModel",
                       dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -166,7 +224,8 @@ MODELS = {
                       dict(patch_size=1, in_channels=4, num_layers=2, num_single_layers=3, attention_head_dim=16,
                            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                            axes_dims_rope=(4, 6, 6)),
-                      {"transfer-bound": 1024, "balanced": 9216}, {"small": 16, "large": 64}, "all", _flux_inputs),
+                      {"transfer-bound": 1024, "balanced": 9216}, {"small": 16, "large": 64}, "all", _flux_inputs,
+                      tight=("transfer-bound",)),
     "wan-14b": ModelSpec("wan-14b", "WanTransformer3DModel",
                          dict(_WAN_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824,
                               num_layers=40),
@@ -218,13 +277,22 @@ def build_host(spec: ModelSpec, ctx: Context) -> nn.Module:
     return build_master(spec, ctx).to("cpu")
 
 
-def host_copy(master: nn.Module, lists: list[str] | None = None) -> nn.Module:
+def host_copy(master: nn.Module, lists: list[str] | None = None,
+              source: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A copy of ``master`` with the listed block lists (all of it when None) on the host, the rest where
     ``master`` is. The copy is made on the device and moved tensor by tensor, so the host never holds
-    more than the copy itself."""
+    more than the copy itself. With ``source`` the copy's host tensors are the source's
+    (``benchmarks/host_source.py``): nothing is copied to the host, and what is not listed moves back
+    to the master's device."""
     model = copy.deepcopy(master)
-    for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
-        part.to("cpu")
+    if source is not None:
+        bind(model, source)
+        if lists is not None:
+            from benchmarks.workloads import move_all_but
+            move_all_but(model, next(master.parameters()).device, [getattr(model, name) for name in lists])
+    else:
+        for part in ([getattr(model, name) for name in lists] if lists is not None else [model]):
+            part.to("cpu")
     free_memory()
     return model
 
@@ -266,25 +334,47 @@ def _forward(model: nn.Module, inputs: dict[str, Any]) -> Callable[[], torch.Ten
 
 @dataclass
 class ModelRun:
-    """What one model's rows share: the models alive, inputs, references and the rounds so far."""
+    """What one model's rows share: the models alive, inputs, references and the block clocks."""
 
     spec: ModelSpec
     master: nn.Module  # on the device: the resident model
-    lists: list[str]
+    lists: list[str]  # every list the widest ext configuration offloads, in execution order
     inputs: dict[str, dict[str, Any]]
     log: PhaseLog
+    configs: list[ExtConfig] = field(default_factory=list)
+    token_counts: dict[str, int] = field(default_factory=dict)  # label -> tokens, as run here
     references: dict[str, torch.Tensor] = field(default_factory=dict)
     forwards: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)  # "config|label"
-    rounds: dict[str, list[float]] = field(default_factory=dict)  # resident and ext, across every session
     warmed: set[str] = field(default_factory=set)
-    offloaded_bytes: int = 0
-    largest_block: int = 0
-    non_block_bytes: int = 0
-    ext_peak: dict[str, int] = field(default_factory=dict)
-    ext_equal: dict[str, bool] = field(default_factory=dict)
+    model_bytes: int = 0
+    block_bytes: dict[str, list[int]] = field(default_factory=dict)  # per list, per block
+    shapes: dict[str, torch.Size] = field(default_factory=dict)  # the master's parameters, by name
     activations: dict[str, int] = field(default_factory=dict)
+    clocks: dict[str, BlockClock] = field(default_factory=dict)  # per label: per-block compute of the resident model
+    peer_seconds: list[float] = field(default_factory=list)  # how long each peer of this model took
+    medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
+    first: Interleaved | None = None  # the first session: resident, the ext configurations, the block clocks
+    source: dict[str, torch.Tensor] | None = None  # the host copy every peer's model is bound to
+    source_print: list[float] = field(default_factory=list)
     # Torch's numerics switches when the references were computed; every peer runs under them too.
     settings: dict[str, Any] = field(default_factory=peer_diff.numerics_settings)
+
+    def blocks(self) -> list[nn.Module]:
+        return [block for name in self.lists for block in getattr(self.master, name)]
+
+    def part_bytes(self, parts: frozenset[str]) -> int:
+        """Bytes of the named block lists, plus everything else when REST is among them."""
+        lists = sum(sum(self.block_bytes[name]) for name in self.lists if name in parts)
+        rest = self.model_bytes - sum(sum(sizes) for sizes in self.block_bytes.values())
+        return lists + (rest if peer_setups.REST in parts else 0)
+
+
+def ext_configs(lists: list[str], block_lists: str | None) -> list[ExtConfig]:
+    """ext with default settings (the first list, FastVideo's rule) and, on a model with several lists, with all."""
+    configs = [ExtConfig("ext", lists[:1], {})]
+    if len(lists) > 1:
+        configs.append(ExtConfig("ext all lists", list(lists), {"block_lists": block_lists}))
+    return configs
 
 
 def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: PhaseLog) -> ModelRun:
@@ -294,34 +384,52 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
     tokens = spec.tokens if ctx.cuda else spec.cpu_tokens
     config = spec.config if ctx.cuda else spec.cpu_config
     inputs = {label: spec.inputs(config, count, ctx.device) for label, count in tokens.items()}
-    run = ModelRun(spec, master, lists, inputs, log)
-    blocks = [block for name in lists for block in getattr(master, name)]
-    sizes = [module_bytes(block) for block in blocks]
-    run.offloaded_bytes, run.largest_block = sum(sizes), max(sizes)
-    run.non_block_bytes = module_bytes(master) - run.offloaded_bytes
-    # Everything on the device before ext exists is the master's and the inputs': ext's peak is above it.
-    before_ext = _allocated(ctx)
-    ext = host_copy(master, lists)
-    log.mark(f"{spec.name}: ext's host copy of {len(lists)} list(s)")
-    kwargs = {"block_lists": spec.block_lists} if spec.block_lists else {}
-    if enable(ext, device=ctx.device, **kwargs) is None:
-        raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
-    log.mark(f"{spec.name}: ext enabled")
+    run = ModelRun(spec, master, lists, inputs, log, ext_configs(lists, spec.block_lists), dict(tokens))
+    run.model_bytes = module_bytes(master)
+    run.block_bytes = {name: [module_bytes(block) for block in getattr(master, name)] for name in lists}
+    run.shapes = {name: param.shape for name, param in master.named_parameters()}
     for label, inputs in run.inputs.items():
-        _reset_peak(ctx)
-        ext_output = _forward(ext, inputs)().to("cpu", copy=True)
-        run.ext_peak[label] = max(0, _peak(ctx) - before_ext)
         before = _allocated(ctx)
         _reset_peak(ctx)
         run.references[label] = _forward(master, inputs)().to("cpu", copy=True)
         if ctx.cuda:
             run.activations[label] = max(0, _peak(ctx) - before)
-        run.ext_equal[label] = bool(torch.equal(ext_output, run.references[label]))
         run.forwards[f"resident|{label}"] = _forward(master, inputs)
-        run.forwards[f"ext|{label}"] = _forward(ext, inputs)
-        run.warmed.update((f"resident|{label}", f"ext|{label}"))  # both just ran once
+        run.clocks[label] = BlockClock(run.blocks(), ctx.cuda)
+    _ensure_source(run)
+    for ext_config in run.configs:
+        _enable_config(ctx, run, ext_config, enable)
     log.mark(f"{spec.name}: ext and resident checked")
     return run
+
+
+def _ensure_source(run: ModelRun) -> dict[str, torch.Tensor]:
+    """The host copy every offloaded copy of this model is bound to, made when first needed."""
+    if run.source is None:
+        run.source = host_source(run.master)
+        run.source_print = fingerprint(run.source)
+        run.log.mark(f"{run.spec.name}: host copy of the weights")
+    return run.source
+
+
+def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: Callable[..., Any]) -> None:
+    """One ext configuration on its own host copy, checked bit for bit at every token count; its peak GPU
+    memory is what it adds to what was allocated before its copy existed."""
+    sizes = [size for name in ext_config.lists for size in run.block_bytes[name]]
+    ext_config.offloaded_bytes, ext_config.largest_block = sum(sizes), max(sizes)
+    before = _allocated(ctx)
+    ext = host_copy(run.master, ext_config.lists, _ensure_source(run))
+    run.log.mark(f"{run.spec.name}: {ext_config.name}: bound, {len(ext_config.lists)} list(s) on the host")
+    if enable(ext, device=ctx.device, **ext_config.kwargs) is None:
+        raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
+    run.log.mark(f"{run.spec.name}: {ext_config.name} enabled")
+    for label, inputs in run.inputs.items():
+        _reset_peak(ctx)
+        output = _forward(ext, inputs)().to("cpu", copy=True)
+        ext_config.peak[label] = max(0, _peak(ctx) - before)
+        ext_config.equal[label] = bool(torch.equal(output, run.references[label]))
+        run.forwards[f"{ext_config.name}|{label}"] = _forward(ext, inputs)
+        run.warmed.update((f"resident|{label}", f"{ext_config.name}|{label}"))  # both ran once already
 
 
 def _allocated(ctx: Context) -> int:
@@ -344,35 +452,40 @@ def _peak(ctx: Context) -> int:
     return int(torch.cuda.max_memory_allocated())
 
 
-def _session(ctx: Context, run: ModelRun, extra: dict[str, Callable[[], torch.Tensor]]) -> Interleaved:
-    """Interleaved rounds of resident, ext and ``extra``, every token count; resident/ext rounds are kept.
+def _iterations(ctx: Context, run: ModelRun) -> tuple[int, int]:
+    """(forwards per round, rounds) of a peer's session; the first session runs INITIAL_EXTRA_ROUNDS more."""
+    big = run.model_bytes > BIG_MODEL_BYTES
+    iters = 2 if (big or not ctx.cuda) else (3 if ctx.quick else 5)
+    rounds = 3 if (big or ctx.quick or not ctx.cuda) else 5  # on the host the point is the bit-equal column
+    return iters, rounds
+
+
+def _session(ctx: Context, run: ModelRun, names: list[str], extra: dict[str, Timer], rounds: int) -> Interleaved:
+    """Interleaved rounds of the named forwards of ``run`` and the ``extra`` timers.
 
     A forward that already ran once (the bit-equal checks) is warm: first loads, lazy inits and the
     allocator's growth are behind it, and on a 28 GB model a second warm-up costs seconds per forward.
     """
-    big = module_bytes(run.master) > BIG_MODEL_BYTES
-    iters = 2 if (big or not ctx.cuda) else (3 if ctx.quick else 5)
-    rounds = 3 if (big or ctx.quick or not ctx.cuda) else 5  # on the host the point is the bit-equal column
-    forwards = {**run.forwards, **extra}
-    for name, forward in forwards.items():
+    iters, _ = _iterations(ctx, run)
+    for name in names:
         if name not in run.warmed:
-            forward()
-    result = run_interleaved({name: _timer(ctx, forward, iters) for name, forward in forwards.items()}, rounds)
-    for name in run.forwards:
-        run.rounds.setdefault(name, []).extend(result.rounds[name])
-    return result
+            run.forwards[name]()
+            run.warmed.add(name)
+    timers: dict[str, Timer] = {name: _timer(ctx, run.forwards[name], iters) for name in names}
+    timers.update(extra)
+    return run_interleaved(timers, rounds)
 
 
-def _transfer_ms(ctx: Context, run: ModelRun, peak_gbps: float | None) -> float | None:
-    return run.offloaded_bytes / (peak_gbps * GB) * 1e3 if (ctx.cuda and peak_gbps) else None
+def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
+    """Resident, every ext configuration and the block clocks, every token count: the rows of ext."""
+    iters, rounds = _iterations(ctx, run)
+    names = [f"{config}|{label}" for label in run.inputs for config in ["resident", *(c.name for c in run.configs)]]
+    clocks = {f"blocks|{label}": run.clocks[label].timer(run.forwards[f"resident|{label}"], iters)
+              for label in run.inputs}
+    return _session(ctx, run, names, clocks, rounds + (INITIAL_EXTRA_ROUNDS if ctx.cuda else 0))
 
 
-def _ratio(values: list[float]) -> tuple[float, str]:
-    return float(statistics.median(values)), f"[{min(values):.3f}, {max(values):.3f}]"
-
-
-# One row of the table, written once every session of the model has run: (labels, figures,
-# reason it was skipped, error it raised).
+# One row of the table: (labels, figures, reason it was skipped, error it raised).
 PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception | None]
 
 
@@ -381,44 +494,86 @@ def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadl
         return "needs a CUDA device"
     wanted = run.spec.peers
     if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
-        return (f"not run on {run.spec.name} so that the section fits one 600 s GPU command (each peer needs its "
-                f"own host copy, pinned, and rounds); only {', '.join(wanted)} run here; {ENV_PEERS}=all runs it")
-    if run.log.elapsed_s() > deadline_s:
+        return (f"not run on {run.spec.name} so that the section fits one GPU command (each peer pins its "
+                f"own copy of the blocks and needs its rounds); only {', '.join(wanted)} run here; "
+                f"{ENV_PEERS}=all runs it")
+    elapsed = run.log.elapsed_s()
+    if elapsed > deadline_s:
         return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ended at "
-                f"{deadline_s:.0f} s and it was {run.log.elapsed_s():.0f} s; the stronger peers ran first")
+                f"{deadline_s:.0f} s and it was {elapsed:.0f} s; the stronger peers ran first")
+    slowest = max(run.peer_seconds, default=0.0)
+    if elapsed + slowest > deadline_s:
+        return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ends at "
+                f"{deadline_s:.0f} s; at {elapsed:.0f} s the slowest peer so far ({slowest:.0f} s) would not "
+                f"finish before it; the stronger peers ran first")
     return None
+
+
+def _what_it_offloads(ctx: Context, run: ModelRun, peer: peer_setups.Peer, model: nn.Module,
+                      notes: list[str]) -> frozenset[str]:
+    declared = peer_setups.declared_parts(peer, run.lists)
+    found = peer_setups.offloaded_parts(model, ctx.device, run.shapes, run.lists)
+    if not found:  # on the host every tensor counts as "on the device": its hooks' rule decides
+        return declared
+    if found != declared:
+        notes.append(f"its set-up left {', '.join(sorted(found))} off the device ({peer.offloads} by its rule)")
+    return found
 
 
 def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
                   holder: dict[str, Any]) -> tuple[dict[str, bool], Interleaved]:
-    """Sets the peer up on its own host copy and times it; every reference to its model lives in
-    ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
+    """Sets the peer up on a model bound to the shared host copy and times it; every reference to its model
+    lives in ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
     name = run.spec.name
-    holder["model"] = host_copy(run.master)
-    run.log.mark(f"{name} {peer.name}: host copy")
+    holder["model"] = host_copy(run.master, source=_ensure_source(run))
+    run.log.mark(f"{name} {peer.name}: model bound to the host copy")
     holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
     run.log.mark(f"{name} {peer.name}: set up")
+    holder["parts"] = _what_it_offloads(ctx, run, peer, holder["model"], holder["notes"])
+    holder["config"] = matching_config(run.configs, holder["parts"])
     changed = peer_diff.settings_changed(run.settings, peer_diff.numerics_settings())
     if changed:
         # Measured under its own switches, its rows (and the resident and ext rounds beside them) would
         # differ for a reason that is not offload.
         holder["notes"].append(f"its set-up changed torch's numerics ({changed}); put back for its rows")
         peer_diff.restore_settings(run.settings)
-    holder["extra"] = {f"{peer.name}|{label}": _forward(holder["model"], inputs) for label, inputs in run.inputs.items()}
-    equal = {label: bool(torch.equal(holder["extra"][f"{peer.name}|{label}"]().to("cpu"), run.references[label]))
-             for label in run.inputs}
+    forwards = {label: _forward(holder["model"], inputs) for label, inputs in run.inputs.items()}
+    equal, slow = _check_peer(ctx, run, holder, forwards)
     run.log.mark(f"{name} {peer.name}: bit-equal checked")
     unequal = [label for label in run.inputs if not equal[label]]
     if unequal:
         label = unequal[0]
-        why = peer_diff.first_difference(run.master, _forward(run.master, run.inputs[label]),
-                                         holder["extra"][f"{peer.name}|{label}"])
+        why = peer_diff.first_difference(run.master, _forward(run.master, run.inputs[label]), forwards[label])
         holder["notes"].append(f"not bit-equal: {why}")
         free_memory()  # the resident trace
         run.log.mark(f"{name} {peer.name}: first difference traced")
-    result = _session(ctx, run, holder["extra"])
+    iters, rounds = _iterations(ctx, run)
+    if slow:
+        holder["notes"].append(f"over {SLOW_PEER_FACTOR:.0f}x {holder['config'].name} in its first forward: "
+                               "1 forward a round")
+    else:
+        for forward in forwards.values():
+            forward()  # its check was its first forward: one more, as the others had
+    timers = {f"{peer.name}|{label}": _timer(ctx, forward, 1 if slow else iters) for label, forward in forwards.items()}
+    names = [f"{config}|{label}" for label in run.inputs for config in ("resident", holder["config"].name)]
+    result = _session(ctx, run, names, timers, rounds)
     run.log.mark(f"{name} {peer.name}: timed")
     return equal, result
+
+
+def _check_peer(ctx: Context, run: ModelRun, holder: dict[str, Any],
+                forwards: dict[str, Callable[[], torch.Tensor]]) -> tuple[dict[str, bool], bool]:
+    """Bit-equal per token count; slow when its first forward took SLOW_PEER_FACTOR x the matching ext's."""
+    equal: dict[str, bool] = {}
+    slow = False
+    for label, forward in forwards.items():
+        started = time.perf_counter()
+        output = forward().to("cpu")  # the copy to the host waits for the forward
+        took_ms = (time.perf_counter() - started) * 1e3
+        equal[label] = bool(torch.equal(output, run.references[label]))
+        ext_ms = run.medians.get(f"{holder['config'].name}|{label}")
+        slow = slow or bool(ext_ms and took_ms > SLOW_PEER_FACTOR * ext_ms)
+    return equal, slow
 
 
 def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> None:
@@ -427,22 +582,28 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
         if teardown is not None:
             teardown()
     finally:
-        notes = holder.get("notes", [])
+        kept = {key: holder[key] for key in ("notes", "parts", "config") if key in holder}
         holder.clear()
-        holder["notes"] = notes
+        holder.update(kept)
         peer_diff.restore_settings(run.settings)  # a teardown may leave switches of its own behind
+        if run.source is not None and fingerprint(run.source) != run.source_print:
+            holder["notes"].append("it wrote into the host copy of the weights it was given; the next peer gets "
+                                   "a fresh one")
+            run.source = None
         free_memory()
         empty_host_cache()  # pinned blocks a peer took through torch's host allocator
         run.log.mark(f"{run.spec.name} {peer.name}: released")
 
 
-def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> list[PendingRow]:
+def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float,
+               peak_gbps: float | None = None) -> list[PendingRow]:
     labels = {label: {"model": run.spec.name, "tokens": _tokens_label(run, label), "backend": peer.name}
               for label in run.inputs}
     skipped = _peer_skip_reason(ctx, run, peer, deadline_s)
     if skipped is not None:
         return [(row, None, skipped, None) for row in labels.values()]
     holder: dict[str, Any] = {"notes": []}
+    started = time.monotonic()
     try:
         equal, result = _peer_session(ctx, run, peer, holder)
     except peer_setups.PeerUnavailable as error:
@@ -452,16 +613,18 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: 
         return [(row, None, None, error) for row in labels.values()]
     finally:
         _release(holder, run, peer)
-    notes = [peer.how, *holder["notes"]]
+        run.peer_seconds.append(time.monotonic() - started)
+    parts, config = holder["parts"], holder["config"]
+    nbytes = run.part_bytes(parts)
+    transfer = transfer_ms(nbytes, peak_gbps)
+    floor = f"; floor max(resident, {nbytes / GB:.2f} GB / peak = {transfer:.1f} ms)" if transfer else ""
+    notes = [peer.how, f"offloads {', '.join(sorted(parts))}{floor}", *holder["notes"]]
     if peer.name == "sglang" and peer_setups.STUBBED.get("sglang"):
         notes.append("stubbed (absent, not on its offload path): " + ", ".join(peer_setups.STUBBED["sglang"]))
     rows: list[PendingRow] = []
     for label, row in labels.items():
-        name = f"{peer.name}|{label}"
-        x_ext, spread = _ratio(result.ratios(name, f"ext|{label}"))
-        rows.append((row, {"ms": result.median_ms(name), "spread": result.spread(name),
-                           "x_resident": result.ratio(name, f"resident|{label}"), "x_ext": x_ext, "range": spread,
-                           "bit_equal": equal[label], "note": "; ".join(notes)}, None, None))
+        values = peer_values(result, f"{peer.name}|{label}", label, config, nbytes, peak_gbps)
+        rows.append((row, {**values, "bit_equal": equal[label], "note": "; ".join(notes)}, None, None))
     return rows
 
 
@@ -476,42 +639,149 @@ def _write(ctx: Context, rows: list[PendingRow]) -> None:
 
 
 def _tokens_label(run: ModelRun, label: str) -> str:
-    return f"{run.spec.tokens.get(label, run.spec.cpu_tokens.get(label))} ({label})"
+    return f"{run.token_counts[label]} ({label})"
 
 
-def _own_rows(ctx: Context, run: ModelRun, peak_gbps: float | None, k: int,
-              peer_rows: list[PendingRow]) -> list[PendingRow]:
-    transfer = _transfer_ms(ctx, run, peak_gbps)
+def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtConfig, label: str,
+                peak_gbps: float | None) -> dict[str, Any]:
+    resident, ext = result.rounds[f"resident|{label}"], result.rounds[f"{config.name}|{label}"]
+    x_resident, spread = ratio([e / r for e, r in zip(ext, resident)])
+    values: dict[str, Any] = {
+        "ms": float(statistics.median(ext)), "spread": (max(ext) - min(ext)) / statistics.median(ext),
+        "x_resident": x_resident, "range": spread, "bit_equal": config.equal[label]}
+    settings = ("default settings" if not config.kwargs
+                else ", ".join(f"{key}={value!r}" for key, value in config.kwargs.items()))
+    notes = [f"{len(config.lists)} list(s) offloaded: {', '.join(config.lists)} ({settings}); {len(resident)} rounds"]
+    transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
+    if transfer:
+        floor = floors(resident, transfer)
+        values["x_floor"], values["range"] = ratio([e / f for e, f in zip(ext, floor)])
+        target = TIGHT_TARGET if (label in run.spec.tight and not config.kwargs) else EXT_TARGET
+        values["pass"] = values["x_floor"] <= target
+        if target != EXT_TARGET:
+            values["target"] = target
+        copies = [transfer_ms(size, peak_gbps) if name in config.lists else None
+                  for name in run.lists for size in run.block_bytes[name]]
+        slots = ctx.options.prefetch_depth + 1
+        bound, note = bound_figures(ext, run.clocks[label].round_bounds(copies, ctx.options.prefetch_depth),
+                                    float(statistics.median(floor)), values["x_floor"], slots)
+        values.update(bound)
+        notes += [note] if note else []
+    if ctx.cuda and label in run.activations:
+        non_block = run.model_bytes - config.offloaded_bytes
+        bound_bytes = ((ctx.options.prefetch_depth + 1) * config.largest_block + non_block + run.activations[label]
+                       + MEM_SLACK_BYTES)
+        values.update(peak_mib=config.peak[label] / MiB, mem_bound_mib=bound_bytes / MiB,
+                      mem_ok=config.peak[label] <= bound_bytes)
+    values["note"] = "; ".join(notes)
+    return values
+
+
+def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float | None) -> list[PendingRow]:
+    """Per token count: resident, each ext configuration's floor, each ext configuration."""
     rows: list[PendingRow] = []
     for label in run.inputs:
         base = {"model": run.spec.name, "tokens": _tokens_label(run, label)}
-        resident, ext = run.rounds[f"resident|{label}"], run.rounds[f"ext|{label}"]
+        resident = result.rounds[f"resident|{label}"]
         resident_ms = float(statistics.median(resident))
         rows.append(({**base, "backend": "resident"}, {
-            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0,
-            "compute_over_copy": resident_ms / transfer if transfer else None}, None, None))
-        if transfer:
-            floor = [max(r, transfer) for r in resident]
-            rows.append(({**base, "backend": "floor"}, {
-                "ms": float(statistics.median(floor)), "x_floor": 1.0,
-                "note": f"max(resident, {run.offloaded_bytes / GB:.2f} GB / {peak_gbps:.1f} GB/s = {transfer:.1f} ms)"},
-                None, None))
-        x_resident, spread = _ratio([e / r for e, r in zip(ext, resident)])
-        values: dict[str, Any] = {"ms": float(statistics.median(ext)),
-                                  "spread": (max(ext) - min(ext)) / statistics.median(ext),
-                                  "x_resident": x_resident, "range": spread, "bit_equal": run.ext_equal[label],
-                                  "note": f"{len(run.lists)} list(s) offloaded: {', '.join(run.lists)}; "
-                                          f"{len(resident)} rounds"}
-        if transfer:
-            values["x_floor"], values["range"] = _ratio([e / max(r, transfer) for e, r in zip(ext, resident)])
-            ran = [v for labels, v, _, _ in peer_rows if v is not None and labels["tokens"] == base["tokens"]]
-            values["pass"] = values["x_floor"] <= EXT_TARGET and all(v["x_ext"] > 1.0 for v in ran)
-        if ctx.cuda and label in run.activations:
-            bound = (k + 1) * run.largest_block + run.non_block_bytes + run.activations[label] + MEM_SLACK_BYTES
-            values.update(peak_mib=run.ext_peak[label] / MiB, mem_bound_mib=bound / MiB,
-                          mem_ok=run.ext_peak[label] <= bound)
-        rows.append(({**base, "backend": "ext"}, values, None, None))
+            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0},
+            None, None))
+        for config in run.configs:
+            transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
+            if transfer and peak_gbps:
+                floor = {**floor_row(config, resident, transfer, peak_gbps), "compute_over_copy": resident_ms / transfer}
+                rows.append(({**base, "backend": config.floor_name}, floor, None, None))
+        for config in run.configs:
+            rows.append(({**base, "backend": config.name},
+                         _ext_values(ctx, run, result, config, label, peak_gbps), None, None))
     return rows
+
+
+def _budget_plan(ctx: Context, run: ModelRun, label: str,
+                 peak_gbps: float | None) -> tuple[float, OffloadPlan] | None:
+    """(floor ms, plan) where ext with every list misses the floor target and the schedule bound says why."""
+    widest = run.configs[-1]
+    transfer = transfer_ms(widest.offloaded_bytes, peak_gbps)
+    if not transfer or not peak_gbps or run.first is None:
+        return None
+    resident, ext = run.first.rounds[f"resident|{label}"], run.first.rounds[f"{widest.name}|{label}"]
+    floor = floors(resident, transfer)
+    floor_ms = float(statistics.median(floor))
+    copies = [transfer_ms(size, peak_gbps) for name in run.lists for size in run.block_bytes[name]]
+    bounds = run.clocks[label].round_bounds(copies, ctx.options.prefetch_depth)
+    if not bounds or ratio([e / f for e, f in zip(ext, floor)])[0] <= EXT_TARGET or \
+            statistics.median(bounds) <= EXT_TARGET * floor_ms:
+        return None
+    clock = run.clocks[label]
+    compute = clock.block_medians()
+    other = float(statistics.median(total for _, _, total in clock.rounds)) - sum(compute)
+    costs = block_costs(run.blocks(), compute, other, peak_gbps, run.activations.get(label, 0))
+    plan = least_budget_plan(costs, EXT_TARGET * floor_ms)
+    return (floor_ms, plan) if plan is not None else None
+
+
+def _budget_rows(ctx: Context, run: ModelRun, peak_gbps: float | None, deadline_s: float) -> list[PendingRow]:
+    """Per token count where the floor is out of reach at depth 1: ext with every list under the least
+    device budget the planner predicts at or under the floor target (``benchmarks/model_budget.py``)."""
+    rows: list[PendingRow] = []
+    widest = run.configs[-1]
+    for label in run.inputs:
+        found = _budget_plan(ctx, run, label, peak_gbps)
+        if found is None:
+            continue
+        floor_ms, plan = found
+        labels = {"model": run.spec.name, "tokens": _tokens_label(run, label),
+                  "backend": f"{widest.name}, budget {plan.device_budget / GB:.1f} GB"}
+        elapsed, slowest = run.log.elapsed_s(), max(run.peer_seconds, default=0.0)
+        if elapsed + slowest > deadline_s:
+            rows.append((labels, None, f"not run: at {elapsed:.0f} s it would not finish within {run.spec.name}'s "
+                                       f"share of the time budget ({deadline_s:.0f} s)", None))
+            continue
+        try:
+            values = _budget_session(ctx, run, label, plan, floor_ms, peak_gbps)
+        except Exception as error:
+            error.__traceback__ = None
+            rows.append((labels, None, None, error))
+            continue
+        rows.append((labels, values, None, None))
+    return rows
+
+
+def _budget_session(ctx: Context, run: ModelRun, label: str, plan: OffloadPlan, floor_ms: float,
+                    peak_gbps: float | None) -> dict[str, Any]:
+    widest = run.configs[-1]
+    holder: dict[str, Any] = {}
+    try:
+        holder["model"] = host_copy(run.master, widest.lists, _ensure_source(run))
+        before = _allocated(ctx)
+        enable_layerwise_offload(holder["model"], device=ctx.device, plan=plan, **widest.kwargs)
+        forward = _forward(holder["model"], run.inputs[label])
+        _reset_peak(ctx)
+        equal = bool(torch.equal(forward().to("cpu"), run.references[label]))
+        peak = max(0, _peak(ctx) - before)
+        forward()
+        iters, rounds = _iterations(ctx, run)
+        name = f"budget|{label}"
+        result = _session(ctx, run, [f"resident|{label}", f"{widest.name}|{label}"],
+                          {name: _timer(ctx, forward, iters)}, rounds)
+    finally:
+        holder.clear()
+        free_memory()
+        empty_host_cache()
+        run.log.mark(f"{run.spec.name} {label}: planned budget timed and released")
+    transfer = transfer_ms(widest.offloaded_bytes, peak_gbps) or 0.0
+    x_floor, spread = ratio([b / f for b, f in zip(result.rounds[name], floors(result.rounds[f"resident|{label}"],
+                                                                              transfer))])
+    bound = plan.device_bytes + (run.model_bytes - widest.offloaded_bytes) + MEM_SLACK_BYTES
+    return {"ms": result.median_ms(name), "spread": result.spread(name),
+            "x_resident": result.ratio(name, f"resident|{label}"), "x_floor": x_floor, "range": spread,
+            "x_ext": result.ratio(name, f"{widest.name}|{label}"), "vs_ext": widest.name, "bit_equal": equal,
+            "pass": x_floor <= EXT_TARGET, "peak_mib": peak / MiB, "mem_ok": peak <= bound,
+            "note": f"plan_offload on this run's per-block compute: the least device_budget predicted at <= "
+                    f"{EXT_TARGET:.2f}x floor ({floor_ms:.1f} ms) keeps {len(plan.resident)} block(s) resident "
+                    f"({', '.join(map(str, plan.resident))}), depth {plan.prefetch_depth}, predicted "
+                    f"{plan.predicted_step_ms:.1f} ms; x ext is against {widest.name}"}
 
 
 def _budget_s(ctx: Context) -> float:
@@ -529,26 +799,25 @@ def _peers_in_run_order() -> list[peer_setups.Peer]:
 
 
 def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None, deadline_s: float) -> None:
+    """ext's rows once its rounds are done, each peer's as soon as its session ends: a run cut short (the
+    command's time limit, SIGTERM) keeps every row measured before it."""
     try:
         model_run = _prepare(ctx, spec, enable_layerwise_offload, log)
+        result = _first_session(ctx, model_run)
     except Exception as error:
         error.__traceback__ = None
         ctx.run_row("models", {"model": spec.name, "backend": "all"}, lambda error=error: _raise(error))
         return
-    _session(ctx, model_run, {})
+    model_run.first = result
+    model_run.medians = {name: result.median_ms(name) for name in result.rounds}
     log.mark(f"{spec.name}: resident and ext timed")
+    _write(ctx, _own_rows(ctx, model_run, result, peak))
     ctx.progress.finish()
-    pending: list[PendingRow] = []
     for peer in _peers_in_run_order():
-        pending.extend(_peer_rows(ctx, model_run, peer, deadline_s))
+        _write(ctx, _peer_rows(ctx, model_run, peer, deadline_s, peak))
         ctx.progress.finish()
-    own = _own_rows(ctx, model_run, peak, ctx.options.prefetch_depth, pending)
-    order = {peer.name: index for index, peer in enumerate(peer_setups.PEERS)}
-    pending.sort(key=lambda row: order.get(row[0]["backend"], len(order)))  # the table keeps PEERS' order
-    # Per token count: resident, floor, ext, then the peers.
-    for label in model_run.inputs:
-        tokens = _tokens_label(model_run, label)
-        _write(ctx, [row for row in own + pending if row[0]["tokens"] == tokens])
+        if peer.name == BUDGET_ROW_AFTER:
+            _write(ctx, _budget_rows(ctx, model_run, peak, deadline_s))
 
 
 def run(ctx: Context) -> None:
@@ -578,28 +847,24 @@ def run(ctx: Context) -> None:
     ctx.note(log.summary())
 
 
+def arrange_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as the table shows them: per model and token count, resident, the floors, ext, then the peers
+    in PEERS' order (the journal has them in the order they were measured)."""
+    models = list(dict.fromkeys(row.get("model") for row in rows))
+    tokens = list(dict.fromkeys(row.get("tokens") for row in rows))
+    rank = {peer.name: index for index, peer in enumerate(peer_setups.PEERS)}
+
+    def backend(row: dict[str, Any]) -> tuple[int, int]:
+        name = str(row.get("backend", ""))
+        for group, prefix in enumerate(("resident", "floor", "ext")):
+            if name.startswith(prefix):
+                return group, 0
+        return 3, rank.get(name, len(rank))
+
+    return sorted(rows, key=lambda row: (models.index(row.get("model")), tokens.index(row.get("tokens")), backend(row)))
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
-    """Per model and token count: ext against its floor, and the fastest peer that ran with its ratio to ext."""
-    lines = []
-    keys = list(dict.fromkeys((row.get("model"), row.get("tokens")) for row in rows if row.get("backend") == "ext"))
-    for model, tokens in keys:
-        group = [row for row in rows if row.get("model") == model and row.get("tokens") == tokens]
-        ext = next(row for row in group if row.get("backend") == "ext")
-        if not ext.get("ms"):
-            continue
-        ran = [row for row in group if row.get("backend") not in ("ext", "resident", "floor") and row.get("ms")]
-        head = f"{model} {tokens}: ext {ext['ms']:.2f} ms"
-        if ext.get("x_floor") is not None:
-            verdict = "meets" if ext["x_floor"] <= EXT_TARGET else "MISSES"
-            head += f" = {ext['x_floor']:.3f}x floor {ext.get('range', '')} ({verdict} <={EXT_TARGET:.2f}x)"
-        if ext.get("bit_equal") is False:
-            head += ", NOT bit-equal"
-        lines.append(head)
-        if ran:
-            best = min(ran, key=lambda row: row["ms"])
-            exact = "" if best.get("bit_equal") is not False else ", not bit-equal"
-            faster = all(row.get("x_ext", 0) > 1.0 for row in ran)
-            lines.append(f"{model} {tokens}: fastest peer {best['backend']} {best['ms']:.2f} ms{exact}, "
-                         f"{best.get('x_ext', float('nan')):.2f}x ext {best.get('range', '')}; ext faster than "
-                         f"every peer that ran: {'yes' if faster else 'NO'}")
-    return lines
+    """Per model, token count and ext configuration: ext against its floor and schedule bound, and the fastest
+    peer compared with that configuration (``benchmarks/model_rows.py``)."""
+    return model_rows.summarize(rows)

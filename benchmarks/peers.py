@@ -15,6 +15,15 @@ inside a wheel in ``.whl/`` at the repository root (pure-Python modules import f
 
 Each setup takes the model (on the host), the device and the names of the model's block lists, and
 returns a teardown; a peer that cannot run raises :class:`PeerUnavailable` with the reason.
+
+What a peer offloads is read from its hooks, not its documentation, and checked after its set-up
+(:func:`offloaded_parts`): FastVideo hooks the blocks of the first direct-child ``ModuleList`` only
+(``enable_layerwise_offload`` breaks out of its loop after it) and leaves the rest resident; SGLang
+gets one ``LayerwiseOffloadManager`` per list, as its own Flux and Wan models declare in
+``layer_names`` (both of Flux's lists); diffusers' block level groups every direct-child
+``ModuleList`` and puts everything else into one more group that it onloads synchronously at the
+top-level forward, so the whole model moves; leaf level, accelerate's ``cpu_offload`` and mmgp's
+profile move every module's weights.
 """
 from __future__ import annotations
 
@@ -53,12 +62,52 @@ class PeerUnavailable(RuntimeError):
     """The peer cannot run here; the message says why (the row shows it)."""
 
 
+# What a peer moves each forward (a part is a block list's name, or REST for everything outside the lists).
+FIRST_LIST, EVERY_LIST, WHOLE_MODEL = "first list", "every list", "whole model"
+REST = "rest"
+
+
 @dataclass(frozen=True)
 class Peer:
     name: str
     setup: Callable[[nn.Module, torch.device, list[str]], Teardown]
     # What the row's note says about how the peer was set up.
     how: str
+    # What its hooks offload (FIRST_LIST, EVERY_LIST or WHOLE_MODEL): used where the check after set-up
+    # cannot tell (on the host every tensor is "on the device").
+    offloads: str = WHOLE_MODEL
+
+
+def declared_parts(peer: Peer, lists: list[str]) -> frozenset[str]:
+    """The parts ``peer`` offloads by its hooks' rule."""
+    if peer.offloads == FIRST_LIST:
+        return frozenset(lists[:1])
+    if peer.offloads == EVERY_LIST:
+        return frozenset(lists)
+    return frozenset([*lists, REST])
+
+
+def _held(tensor: torch.Tensor, device: torch.device, shape: torch.Size) -> bool:
+    """Whether ``tensor`` holds its full weight on ``device`` (not a placeholder, meta or host tensor)."""
+    if tensor.is_meta or tensor.device != device or tensor.shape != shape:
+        return False
+    return tensor.untyped_storage().nbytes() >= tensor.numel() * tensor.element_size()
+
+
+def offloaded_parts(model: nn.Module, device: torch.device, shapes: dict[str, torch.Size],
+                    lists: list[str]) -> frozenset[str]:
+    """The parts of ``model`` with a parameter not held on ``device`` after a peer's set-up.
+
+    ``shapes`` are the parameters' shapes before the set-up (by name): FastVideo and SGLang swap a
+    hooked weight for an empty placeholder on the device, diffusers leaves it on the host, accelerate
+    makes it a meta tensor.
+    """
+    parts: set[str] = set()
+    for name, param in model.named_parameters():
+        if name in shapes and not _held(param, device, shapes[name]):
+            head = name.split(".", 1)[0]
+            parts.add(head if head in lists else REST)
+    return frozenset(parts)
 
 
 def _add_wheels(package: str) -> None:
@@ -249,8 +298,9 @@ def accelerate(model: nn.Module, device: torch.device, lists: list[str]) -> Tear
 
 
 PEERS = (
-    Peer("fastvideo", fastvideo, "fastvideo.hooks.layerwise_offload.enable_layerwise_offload (first list only)"),
-    Peer("sglang", sglang, "SGLang LayerwiseOffloadManager per list, prefetch 1, pinned"),
+    Peer("fastvideo", fastvideo, "fastvideo.hooks.layerwise_offload.enable_layerwise_offload (first list only)",
+         FIRST_LIST),
+    Peer("sglang", sglang, "SGLang LayerwiseOffloadManager per list, prefetch 1, pinned", EVERY_LIST),
     Peer("mmgp", mmgp, "mmgp offload.profile HighRAM_LowVRAM, no quantization"),
     Peer("diffusers", _diffusers_group("block_level"), "apply_group_offloading block_level, 1 block/group, stream"),
     Peer("diffusers leaf", _diffusers_group("leaf_level"), "apply_group_offloading leaf_level, stream"),

@@ -336,6 +336,10 @@ def assemble(name: str, records: list[dict[str, Any]], status: dict[str, Any]) -
             {**open_row["labels"], "error": f"section process {status.get('status')} during this row"})
     if status.get("status") not in ("ok", None):
         section["notes"].append(f"section process {status['status']}: rows after the last one shown did not run")
+    # A section that writes rows as soon as each is measured may order them for reading (arrange_rows).
+    arrange = getattr(importlib.import_module(f"benchmarks.{name}"), "arrange_rows", None)
+    if arrange is not None:
+        section["tables"] = {table: arrange(rows) for table, rows in section["tables"].items()}
     return section
 
 

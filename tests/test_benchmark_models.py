@@ -2,6 +2,7 @@
 ext bit-equal, every GPU-only peer row saying why it did not run; and its summary lines."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -15,9 +16,9 @@ import torch
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
-from benchmarks import models, peer_diff, peers  # noqa: E402
+from benchmarks import model_rows, models, peer_diff, peers  # noqa: E402
 from benchmarks.phases import PhaseLog  # noqa: E402
-from benchmarks.utils import Context, Options, read_journal  # noqa: E402
+from benchmarks.utils import GB, Context, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
 
@@ -31,46 +32,68 @@ def test_the_section_runs_on_the_host_bit_equal(tmp_path: Path, monkeypatch: pyt
         ctx.close()
     rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
     ext = [row for row in rows if row["backend"] == "ext"]
-    assert len(ext) == 4 and all(row["bit_equal"] is True for row in ext), json.dumps(ext)[:2000]
-    assert {row["model"] for row in ext} == {"wan-1.3b", "flux"}
+    every_list = [row for row in rows if row["backend"] == "ext all lists"]
+    # Wan at three token counts (the "mid" one too), Flux at two, each Flux count with both selections.
+    assert [row["tokens"] for row in ext] == ["16 (small)", "64 (large)", "32 (mid)", "16 (small)", "64 (large)"]
+    assert len(every_list) == 2 and all(row["bit_equal"] is True for row in ext + every_list), json.dumps(rows)[:2000]
     flux = next(row for row in ext if row["model"] == "flux")
-    assert "2 list(s) offloaded: transformer_blocks, single_transformer_blocks" in flux["note"]
+    assert flux["note"].startswith("1 list(s) offloaded: transformer_blocks (default settings)")
+    assert every_list[0]["note"].startswith("2 list(s) offloaded: transformer_blocks, single_transformer_blocks "
+                                            "(block_lists='all')")
     skipped = [row for row in rows if row["backend"] in {peer.name for peer in peers.PEERS}]
-    assert len(skipped) == 4 * len(peers.PEERS) and all(row["skipped"] == "needs a CUDA device" for row in skipped)
-    assert all(row.get("ms", 0) > 0 for row in rows if row["backend"] in ("resident", "ext"))
+    assert len(skipped) == 5 * len(peers.PEERS) and all(row["skipped"] == "needs a CUDA device" for row in skipped)
+    assert all(row.get("ms", 0) > 0 for row in rows if row["backend"] in ("resident", "ext", "ext all lists"))
 
 
-def test_summary_names_the_fastest_peer_and_its_ratio_to_ext() -> None:
-    rows = [
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "resident", "ms": 200.0},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "floor", "ms": 430.0},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "ext", "ms": 440.0, "x_floor": 1.023,
+def _summary_rows() -> list[dict[str, Any]]:
+    tokens = "9216 (balanced)"
+    return [
+        {"model": "flux", "tokens": tokens, "backend": "resident", "ms": 400.0},
+        {"model": "flux", "tokens": tokens, "backend": "ext", "ms": 440.0, "x_floor": 1.023,
          "range": "[1.010, 1.040]", "bit_equal": True},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "sglang", "ms": 480.0, "x_ext": 1.09,
-         "range": "[1.05, 1.12]", "bit_equal": True},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "mmgp", "ms": 900.0, "x_ext": 2.05,
-         "range": "[2.0, 2.1]", "bit_equal": False},
-        {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "fastvideo", "skipped": "why"},
-    ]
-    assert models.summarize(rows) == [
-        "flux 1024 (transfer-bound): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
-        "flux 1024 (transfer-bound): fastest peer sglang 480.00 ms, 1.09x ext [1.05, 1.12]; ext faster than every "
-        "peer that ran: yes",
+        {"model": "flux", "tokens": tokens, "backend": "ext all lists", "ms": 497.0, "x_floor": 1.165,
+         "range": "[1.160, 1.168]", "bit_equal": True, "bound_ms": 497.0, "x_bound": 1.0},
+        {"model": "flux", "tokens": tokens, "backend": "fastvideo", "ms": 430.0, "x_ext": 0.98,
+         "range": "[0.97, 0.99]", "bit_equal": True, "vs_ext": "ext"},
+        {"model": "flux", "tokens": tokens, "backend": "sglang", "ms": 519.0, "x_ext": 1.04,
+         "range": "[1.04, 1.05]", "bit_equal": True, "vs_ext": "ext all lists"},
+        {"model": "flux", "tokens": tokens, "backend": "mmgp", "ms": 900.0, "x_ext": 1.81,
+         "range": "[1.8, 1.9]", "bit_equal": False, "vs_ext": "ext all lists"},
+        {"model": "flux", "tokens": tokens, "backend": "accelerate", "skipped": "why"},
     ]
 
 
-def test_summary_flags_a_miss_and_a_faster_peer() -> None:
-    rows = [
-        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
-         "range": "[1.06, 1.10]", "bit_equal": False},
-        {"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "sglang", "ms": 48.0, "x_ext": 0.96,
-         "range": "[0.95, 0.97]", "bit_equal": True},
+def test_summary_compares_each_peer_with_the_ext_that_offloads_the_same_lists() -> None:
+    assert models.summarize(_summary_rows()) == [
+        "flux 9216 (balanced): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
+        "flux 9216 (balanced): fastest peer vs ext: fastvideo 430.00 ms, 0.98x ext [0.97, 0.99]; ext faster than "
+        "every peer offloading the same lists: NO",
+        "flux 9216 (balanced): ext all lists 497.00 ms = 1.165x floor [1.160, 1.168] (MISSES <=1.05x), 1.000x "
+        "schedule bound 497.0 ms (the bound is above the floor target)",
+        "flux 9216 (balanced): fastest peer vs ext all lists: sglang 519.00 ms, 1.04x ext all lists [1.04, 1.05]; "
+        "ext all lists faster than every peer offloading the same lists: yes",
     ]
+
+
+def test_summary_flags_a_row_that_is_not_bit_equal_and_holds_the_host_bound_rows_to_their_target() -> None:
+    rows = [{"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
+             "range": "[1.06, 1.10]", "bit_equal": False},
+            {"model": "wan-1.3b", "tokens": "4096 (mid)", "backend": "ext", "ms": 60.0, "x_floor": 1.03,
+             "range": "[1.02, 1.04]", "bit_equal": True, "target": 1.02}]
     assert models.summarize(rows) == [
         "wan-1.3b 1560 (transfer-bound): ext 50.00 ms = 1.080x floor [1.06, 1.10] (MISSES <=1.05x), NOT bit-equal",
-        "wan-1.3b 1560 (transfer-bound): fastest peer sglang 48.00 ms, 0.96x ext [0.95, 0.97]; ext faster than every "
-        "peer that ran: NO",
-    ]
+        "wan-1.3b 4096 (mid): ext 60.00 ms = 1.030x floor [1.02, 1.04] (MISSES <=1.02x)"]
+    assert models.MODELS["wan-1.3b"].tight == ("mid",) and models.MODELS["flux"].tight == ("transfer-bound",)
+
+
+def test_rows_are_shown_per_token_count_in_a_fixed_order() -> None:
+    rows = _summary_rows()
+    measured = [rows[4], rows[1], rows[0], rows[6], rows[3], rows[2], rows[5]]  # as a run might journal them
+    measured.insert(2, {"model": "flux", "tokens": "1024 (transfer-bound)", "backend": "ext", "ms": 1.0})
+    arranged = models.arrange_rows(measured)
+    assert [(row["tokens"][:4], row["backend"]) for row in arranged] == [
+        ("9216", "resident"), ("9216", "ext"), ("9216", "ext all lists"), ("9216", "fastvideo"), ("9216", "sglang"),
+        ("9216", "mmgp"), ("9216", "accelerate"), ("1024", "ext")]
 
 
 def test_fastvideo_offload_module_imports_without_its_runtime() -> None:
@@ -120,7 +143,7 @@ def test_a_host_copy_moves_only_the_listed_block_lists_and_keeps_every_value() -
 def _run_for(spec: models.ModelSpec, elapsed_s: float) -> models.ModelRun:
     log = PhaseLog("models", echo=False)
     log.started -= elapsed_s
-    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log)
+    return models.ModelRun(spec, torch.nn.Module(), ["blocks"], {}, log, models.ext_configs(["blocks"], None))
 
 
 def _cuda_ctx() -> Context:
@@ -137,7 +160,7 @@ def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch
     try:
         assert models._peer_skip_reason(ctx, run, by_name["sglang"], 480.0) is None
         reason = models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0)
-        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one 600 s")
+        assert reason is not None and reason.startswith("not run on wan-14b so that the section fits one GPU command")
         assert "BENCHMARK_MODEL_PEERS=all runs it" in reason
         monkeypatch.setenv(models.ENV_PEERS, "all")
         assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
@@ -156,9 +179,24 @@ def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
                       "480 s and it was 500 s; the stronger peers ran first")
 
 
+def test_a_peer_that_would_outlast_the_budget_is_not_started() -> None:
+    run = _run_for(models.MODELS["flux"], 400.0)
+    run.peer_seconds = [30.0, 55.0]
+    ctx = _cuda_ctx()
+    try:
+        assert models._peer_skip_reason(ctx, run, peers.PEERS[0], 460.0) is None
+        reason = models._peer_skip_reason(ctx, run, peers.PEERS[0], 450.0)
+    finally:
+        ctx.close()
+    assert reason == ("not run: flux's share of the section's time budget (BENCHMARK_MODELS_BUDGET_S) ends at 450 s; "
+                      "at 400 s the slowest peer so far (55 s) would not finish before it; the stronger peers ran "
+                      "first")
+
+
 def test_peers_are_set_up_strongest_first() -> None:
     assert [peer.name for peer in models._peers_in_run_order()] == list(models.RUN_ORDER)
     assert set(models.RUN_ORDER) == {peer.name for peer in peers.PEERS}
+    assert models.BUDGET_ROW_AFTER in models.RUN_ORDER[:3]  # the planned-budget row comes before the weakest peers
 
 
 def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,7 +209,8 @@ def test_phase_lines_carry_time_rss_and_text(capsys: pytest.CaptureFixture[str])
 
 
 def _fake_peers() -> tuple[peers.Peer, ...]:
-    """Three peers on the host: one exact, one that nudges a weight, one that cannot run."""
+    """Four peers on the host: one exact, one that nudges a weight (in the host copy it is given), one that
+    cannot run, one exact again (given a fresh host copy)."""
     def exact(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
         return lambda: None
 
@@ -186,7 +225,7 @@ def _fake_peers() -> tuple[peers.Peer, ...]:
         raise peers.PeerUnavailable("absent: not installed")
 
     return (peers.Peer("fastvideo", exact, "exact"), peers.Peer("sglang", nudged, "nudged"),
-            peers.Peer("mmgp", absent, "absent"))
+            peers.Peer("mmgp", absent, "absent"), peers.Peer("diffusers", exact, "exact after"))
 
 
 def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
@@ -209,8 +248,9 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     copies: list[weakref.ref[torch.nn.Module]] = []
     real_copy = models.host_copy
 
-    def tracked_copy(master: torch.nn.Module, lists: list[str] | None = None) -> torch.nn.Module:
-        model = real_copy(master, lists)
+    def tracked_copy(master: torch.nn.Module, lists: list[str] | None = None,
+                     source: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+        model = real_copy(master, lists, source)
         if lists is None:  # a peer's copy, not ext's
             copies.append(weakref.ref(model))
         return model
@@ -234,12 +274,145 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     by_backend = {(row["backend"], row.get("tokens")): row for row in rows}
     assert ("all", None) not in by_backend, by_backend
     exact, nudged = by_backend[("fastvideo", "16 (small)")], by_backend[("sglang", "16 (small)")]
-    assert exact["bit_equal"] is True and exact["note"] == "exact"
+    assert exact["bit_equal"] is True and exact["note"] == "exact; offloads blocks, rest"
+    assert exact["vs_ext"] == "ext" and isinstance(exact["pass"], bool)
     assert nudged["bit_equal"] is False
     assert "its set-up changed torch's numerics (matmul.allow_bf16_reduced_precision_reduction True -> False); " \
            "put back for its rows" in nudged["note"]
-    assert "not bit-equal: op " in nudged["note"] and "a weight holds other values than the resident's" in nudged["note"]
+    assert "not bit-equal: op " in nudged["note"]
+    assert "a weight holds other values than the resident's" in nudged["note"]
     assert by_backend[("mmgp", "64 (large)")]["skipped"] == "absent: not installed"
     assert peer_diff.numerics_settings() == before
-    assert len(copies) == 3 and all(ref() is None for ref in copies)  # every peer's model was freed
+    assert "it wrote into the host copy of the weights it was given; the next peer gets a fresh one" in nudged["note"]
+    assert by_backend[("diffusers", "16 (small)")]["bit_equal"] is True  # not the nudged copy
+    assert len(copies) == 4 and all(ref() is None for ref in copies)  # every peer's model was freed
     assert any("fastvideo: released" in line for line in log.lines)
+
+
+class _TwoLists(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+        self.doubles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.singles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+def test_what_a_peer_offloads_is_read_from_where_its_weights_are_after_set_up() -> None:
+    model = _TwoLists()
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    lists = ["doubles", "singles"]
+    cpu = torch.device("cpu")
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset()
+    model.doubles[1].weight.data = torch.empty(0)  # FastVideo's and SGLang's placeholder
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset({"doubles"})
+    model.singles[0].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # accelerate's meta weight
+    model.head.bias.data = torch.zeros(1).expand(4)  # the right shape, but no storage behind it
+    assert peers.offloaded_parts(model, cpu, shapes, lists) == frozenset({"doubles", "singles", peers.REST})
+    by_name = {peer.name: peer for peer in peers.PEERS}
+    assert peers.declared_parts(by_name["fastvideo"], lists) == frozenset({"doubles"})
+    assert peers.declared_parts(by_name["sglang"], lists) == frozenset(lists)
+    assert peers.declared_parts(by_name["diffusers"], lists) == frozenset([*lists, peers.REST])
+
+
+def test_each_peer_is_matched_with_the_ext_that_offloads_the_same_lists() -> None:
+    configs = models.ext_configs(["doubles", "singles"], "all")
+    assert [config.name for config in configs] == ["ext", "ext all lists"]
+    match = model_rows.matching_config
+    assert match(configs, frozenset({"doubles"})).name == "ext"
+    assert match(configs, frozenset({"doubles", "singles"})).name == "ext all lists"
+    assert match(configs, frozenset({"doubles", "singles", peers.REST})).name == "ext all lists"
+    assert match(configs, frozenset({"singles"})).name == "ext all lists"  # a tie goes to the wider
+    assert [config.name for config in models.ext_configs(["blocks"], None)] == ["ext"]
+
+
+def _host_run(tmp_path: Path, spec: models.ModelSpec) -> tuple[Context, models.ModelRun]:
+    ctx = Context("models", Options(device="cpu", progress=False), str(tmp_path / "journal.jsonl"))
+    return ctx, models._prepare(ctx, spec, models.enable_layerwise_offload, PhaseLog("models", echo=False))
+
+
+def test_ext_rows_carry_their_own_floor_and_the_schedule_bound(tmp_path: Path) -> None:
+    ctx, run = _host_run(tmp_path, models.MODELS["flux"])
+    try:
+        result = models._first_session(ctx, run)
+        # A slow imaginary link, so that the copies (not the host's compute) set the floors.
+        rows = models._own_rows(ctx, run, result, peak_gbps=1e-5)
+    finally:
+        ctx.close()
+    by_backend = {labels["backend"]: values for labels, values, _, _ in rows if labels["tokens"] == "16 (small)"}
+    assert list(by_backend) == ["resident", "floor", "floor all lists", "ext", "ext all lists"]
+    first, every = run.configs
+    assert every.offloaded_bytes > first.offloaded_bytes > 0
+    assert by_backend["floor all lists"]["ms"] == pytest.approx(every.offloaded_bytes / (1e-5 * GB) * 1e3)
+    # Each floor row says how compute-bound its own configuration is: resident time / its copy time.
+    assert by_backend["floor"]["compute_over_copy"] > by_backend["floor all lists"]["compute_over_copy"] > 0
+    for name in ("ext", "ext all lists"):
+        values = by_backend[name]
+        assert values["bit_equal"] is True and values["bound_ms"] > 0 and values["x_bound"] > 0
+        assert values["pass"] is (values["x_floor"] <= model_rows.EXT_TARGET)
+    # All copies at one depth-1 ring cost at least what the copies alone take.
+    assert by_backend["ext all lists"]["bound_ms"] >= by_backend["floor all lists"]["ms"] * 0.999
+
+
+def test_rows_measured_before_an_interruption_are_in_the_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run cut short (SIGTERM ends the child) keeps ext's rows and every finished peer's."""
+    def interrupted(model: torch.nn.Module, device: torch.device, lists: list[str]) -> peers.Teardown:
+        raise KeyboardInterrupt
+
+    fake = (_fake_peers()[0], peers.Peer("sglang", interrupted, "interrupted"))
+    monkeypatch.setattr(models, "_peers_in_run_order", lambda: list(fake))
+    monkeypatch.setattr(models, "_peer_skip_reason", lambda *args: None)
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            models._run_model(ctx, models.MODELS["wan-1.3b"], PhaseLog("models", echo=False), None, 1e9)
+    finally:
+        ctx.close()
+    rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+    backends = [(row["backend"], row["tokens"].split()[0]) for row in rows]
+    assert backends == [(backend, tokens) for tokens in ("16", "64", "32") for backend in ("resident", "ext")] + [
+        ("fastvideo", tokens) for tokens in ("16", "64", "32")]
+
+
+def test_the_planned_budget_row_is_bit_equal_and_says_what_the_planner_chose(tmp_path: Path) -> None:
+    from benchmarks.model_budget import block_costs, least_budget_plan
+
+    ctx, run = _host_run(tmp_path, models.MODELS["flux"])
+    try:
+        run.first = models._first_session(ctx, run)
+        clock = run.clocks["small"]
+        compute = clock.block_medians()
+        costs = block_costs(run.blocks(), compute, 0.0, 0.001, 0)
+        plan = least_budget_plan(costs, 1e9)
+        assert plan is not None
+        values = models._budget_session(ctx, run, "small", plan, floor_ms=10.0, peak_gbps=0.001)
+    finally:
+        ctx.close()
+    assert values["bit_equal"] is True and values["vs_ext"] == "ext all lists" and values["ms"] > 0
+    assert values["note"].startswith("plan_offload on this run's per-block compute: the least device_budget")
+    assert f"depth {plan.prefetch_depth}" in values["note"]
+    # Where ext reaches its floor target (on the host it does: no copy is timed), no budget row is made.
+    assert models._budget_plan(ctx, run, "small", None) is None
+
+
+def test_the_peers_models_share_one_host_copy_and_a_write_into_it_shows() -> None:
+    from benchmarks.host_source import bind, fingerprint, host_source
+
+    master = _tiny_wan()
+    source = host_source(master)
+    first, second = models.host_copy(master, source=source), models.host_copy(master, source=source)
+    pairs = zip(first.state_dict(keep_vars=True).items(), second.state_dict(keep_vars=True).values())
+    for (name, mine), theirs in pairs:
+        assert mine.data_ptr() == theirs.data_ptr() == source[name].data_ptr(), name
+        assert torch.equal(mine, master.state_dict()[name]) and mine.data_ptr() != master.state_dict()[name].data_ptr()
+    printed = fingerprint(source)
+    with torch.no_grad():
+        first.blocks[0].ffn.net[0].proj.weight.mul_(2.0)
+    assert fingerprint(source) != printed
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    tied_source = host_source(tied)
+    bound = copy.deepcopy(tied)
+    bind(bound, tied_source)
+    assert bound[0].weight is bound[1].weight and bound[0].weight.data_ptr() == tied_source["0.weight"].data_ptr()
