@@ -258,6 +258,13 @@ void CopyEngine::synchronize_copies() {
 #endif
 }
 
+void CopyEngine::staging_after_current() {
+  if (is_host()) return;
+  ensure_decode_stream();
+  for (auto& e : decoded_)
+    if (e != nullptr) record_on_current(*e);
+}
+
 void CopyEngine::record_on_copy(Event& event) {
   if (is_host()) return;
 #ifdef FASTOFFLOAD_WITH_CUDA

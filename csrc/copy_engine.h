@@ -66,6 +66,9 @@ class CopyEngine {
   double elapsed_ms(Event& start, Event& end) const;
   // Host blocks until every copy issued so far has completed.
   void synchronize_copies();
+  // The next copy into either decode staging buffer waits for the work queued on the current stream
+  // so far (called when the buffers are new: their memory may still be in use by queued kernels).
+  void staging_after_current();
   // Record `event` on the copy stream (after the copies issued so far).
   void record_on_copy(Event& event);
   // Host blocks until `event` (if ever recorded) has completed. Safe from any thread.

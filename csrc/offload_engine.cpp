@@ -470,6 +470,8 @@ void OffloadEngine::order_copies_after_current() {
   // activations, freed by Python but not yet computed). The copy stream writes into it only after
   // everything queued here so far: each slot's first copy waits for its "free" event, recorded now.
   for (size_t i = 0; i < ring_.size(); ++i) copy_.record_on_current(*ring_.slot(i).free);
+  // A compressed block's bytes land in a staging buffer first, ordered only after the decoder's last read.
+  if (staging_[0].defined()) copy_.staging_after_current();
 }
 
 void OffloadEngine::check_grad(size_t block) const {

@@ -455,6 +455,31 @@ def test_first_forward_exact_when_resident_blocks_run_ahead(backend: str, reside
     assert params_equal(model, reference)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("resident", [4, (0, 2, 4, 6)], ids=["first4", "even"])
+def test_first_compressed_forward_exact_when_resident_blocks_run_ahead(resident) -> None:
+    # As above, with the host copies compressed: the decode's staging buffers are new memory too.
+    model, reference, _ = _setup(8, "cuda", dtype=torch.bfloat16, d=256)
+    x = torch.randn(1, 65536, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to("cuda")
+    with torch.no_grad():
+        want = reference(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    group = fo.enable_layerwise_offload(model, backend="ext", resident_blocks=resident, compress=True)
+    assert group.compress_mode == "on"
+    delay = model.blocks[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(100_000_000))
+    try:
+        with torch.no_grad():
+            first = model(x)
+            second = model(x)
+    finally:
+        delay.remove()
+    assert torch.equal(first, want)
+    assert torch.equal(second, want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 def test_transformers_decoder_layers_offload_bit_exact() -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is installed by scripts/setup_env.sh")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
