@@ -215,7 +215,7 @@ MODELS = {
                           dict(_WAN_COMMON, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
                                num_layers=30),
                           _WAN_TINY, {"transfer-bound": 1560, "mid": 4096, "balanced": 6240},
-                          {"small": 16, "large": 64, "mid": 32}, None,
+                          {"small": 16, "mid": 32, "large": 64}, None,
                           _wan_inputs, tight=("mid",)),
     "flux": ModelSpec("flux", "FluxTransformer2DModel",
                       dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
