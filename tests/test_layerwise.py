@@ -427,6 +427,30 @@ def test_ext_peak_gpu_memory_is_bounded_by_slots() -> None:
     assert torch.equal(out, reference(x))
 
 
+def _check_first_forwards_run_ahead(dtype: torch.dtype, **options):
+    """Enable on 8 blocks with large activations, delay the GPU in block 0 so the host runs far ahead,
+    and check the first two forwards and the restored weights bit for bit; returns the group."""
+    model, reference, _ = _setup(8, "cuda", dtype=dtype, d=256)
+    x = torch.randn(1, 65536, 256, generator=torch.Generator().manual_seed(3)).to(dtype).to("cuda")
+    with torch.no_grad():
+        want = reference(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    group = fo.enable_layerwise_offload(model, **options)
+    delay = model.blocks[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(100_000_000))
+    try:
+        with torch.no_grad():
+            first = model(x)
+            second = model(x)
+    finally:
+        delay.remove()
+    assert torch.equal(first, want)
+    assert torch.equal(second, want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    return group
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("resident", [4, (0, 2, 4, 6), (1, 5)], ids=["first4", "even", "odd2"])
@@ -435,49 +459,15 @@ def test_first_forward_exact_when_resident_blocks_run_ahead(backend: str, reside
     # Resident blocks before the first offloaded one free large activations whose kernels are still
     # queued (a GPU delay keeps the host far ahead); the slots the first acquire allocates may be that
     # memory, so the first copy into them must wait for the work already queued on the stream.
-    model, reference, _ = _setup(8, "cuda", d=256)
-    x = torch.randn(1, 65536, 256, generator=torch.Generator().manual_seed(3)).to("cuda")
-    with torch.no_grad():
-        want = reference(x)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    fo.enable_layerwise_offload(model, backend=backend, resident_blocks=resident, prefetch_depth=depth)
-    delay = model.blocks[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(100_000_000))
-    try:
-        with torch.no_grad():
-            first = model(x)
-            second = model(x)
-    finally:
-        delay.remove()
-    assert torch.equal(first, want)
-    assert torch.equal(second, want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _check_first_forwards_run_ahead(torch.float32, backend=backend, resident_blocks=resident, prefetch_depth=depth)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("resident", [4, (0, 2, 4, 6)], ids=["first4", "even"])
 def test_first_compressed_forward_exact_when_resident_blocks_run_ahead(resident) -> None:
     # As above, with the host copies compressed: the decode's staging buffers are new memory too.
-    model, reference, _ = _setup(8, "cuda", dtype=torch.bfloat16, d=256)
-    x = torch.randn(1, 65536, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to("cuda")
-    with torch.no_grad():
-        want = reference(x)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    group = fo.enable_layerwise_offload(model, backend="ext", resident_blocks=resident, compress=True)
+    group = _check_first_forwards_run_ahead(torch.bfloat16, backend="ext", resident_blocks=resident, compress=True)
     assert group.compress_mode == "on"
-    delay = model.blocks[0].register_forward_pre_hook(lambda module, args: torch.cuda._sleep(100_000_000))
-    try:
-        with torch.no_grad():
-            first = model(x)
-            second = model(x)
-    finally:
-        delay.remove()
-    assert torch.equal(first, want)
-    assert torch.equal(second, want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
 
 
 def test_transformers_decoder_layers_offload_bit_exact() -> None:
