@@ -515,9 +515,14 @@ class HostShare:
         self._unlink()
 
     def abort(self, error: BaseException) -> None:
-        """This rank failed during enable: tell the others (so nobody waits forever), then unlink."""
+        """This rank failed during enable: tell the others (so nobody waits forever), then unlink.
+
+        Before step 2 nobody has mapped a segment, so the owner unlinks first: a rank that learns of the
+        failure finds none of this job's names left in /dev/shm.
+        """
         try:
             if self._packed is None:
+                self._unlink()
                 self._step_two(error, None, None)
             elif self._packed and self.active and self._attached is None:
                 self._attached = False
