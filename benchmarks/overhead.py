@@ -19,6 +19,9 @@ each is (slowest - fastest round) / median.
 Parameter counts 4, 16, 64, 136 (a W3 block: 4 Linears x 2 + 64 LayerNorms x 2) and 512
 (``--quick``: 4, 136, 512), each parameter a 128-byte bf16 tensor (the copy is not what is measured). On
 the host the engine runs with ``device="cpu"``; on a GPU machine the same rows run on CUDA too.
+
+The second table (``benchmarks/block_cost.py``) is the same cost inside whole forwards of real blocks,
+offloaded against resident, with the copy separated from the fixed cost.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import block_cost
 from benchmarks.interleave import run_interleaved
 from benchmarks.utils import Column, Context, Table, median, time_host_runs_ns
 from fastoffload_ext import ModuleHookManager, disable_layerwise_offload, enable_layerwise_offload
@@ -54,6 +58,7 @@ TABLES = {
             Column("pass", "pass"),
         ],
     ),
+    **block_cost.TABLES,
 }
 
 PARAM_COUNTS = (4, 16, 64, 136, 512)
@@ -191,3 +196,4 @@ def run(ctx: Context) -> None:
                         disable(model)
 
                 ctx.run_row("overhead", labels, row, cleanup=cleanup)
+    block_cost.run(ctx, devices)

@@ -1,14 +1,30 @@
 #include "binder.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
 namespace fastoffload {
 namespace {
 
+// The whole cost of acquiring and releasing a block with many small parameters is this function,
+// twice per parameter per step. shallow_copy_from (what `param.data = t` does underneath) copies every
+// metadata field and re-assigns the parameter's own version counter to itself. Between a parameter and
+// the views and placeholders built for it only the storage, sizes, strides and offset differ, so when
+// the dispatch keys and the dtype already agree those four are set and nothing else, at about half the
+// cost. Anything else (a parameter cast or moved by someone, an inference tensor, symbolic shapes) takes
+// the full copy, exactly as before.
 inline void rebind(const at::Tensor& param, const at::Tensor& data) {
-  param.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+  c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+  const c10::TensorImpl* source = data.unsafeGetTensorImpl();
+  if (impl->key_set() == source->key_set() && impl->dtype() == source->dtype() &&
+      !impl->has_symbolic_sizes_strides() && !source->has_symbolic_sizes_strides()) {
+    impl->set_storage_keep_dtype(source->unsafe_storage());
+    impl->set_sizes_and_strides(source->sizes(), source->strides(), source->storage_offset());
+    return;
+  }
+  impl->shallow_copy_from(data.getIntrusivePtr());
 }
 
 inline uint32_t version_of(const at::Tensor& param) {
@@ -25,6 +41,9 @@ void Binder::set_block(size_t index, const StoredBlock& block) {
   bound.views.clear();
   bound.placeholders.clear();
   bound.placeholders.reserve(block.layout.size());
+  // Ordinary tensors even when offload is enabled inside inference_mode(): a parameter bound to an
+  // inference tensor would lose its version counting (see build_views).
+  c10::InferenceMode normal_tensors(false);
   for (const auto& entry : block.layout) {
     std::vector<int64_t> shape(std::max<size_t>(entry.sizes.size(), 1), 0);
     bound.placeholders.push_back(at::empty(shape, at::TensorOptions().dtype(entry.dtype).device(device_)));
@@ -33,6 +52,12 @@ void Binder::set_block(size_t index, const StoredBlock& block) {
 
 void Binder::build_views(size_t index, const StoredBlock& block, const SlotRing& ring) {
   Bound& bound = blocks_.at(index);
+  // Slots are often (re)built inside the first forward, under inference_mode(). Views made there would
+  // be inference tensors, and rebinding a parameter to one gives it their dispatch keys: it would stop
+  // counting versions, so an in-place write to it inside an inference_mode forward would be silently
+  // lost, where the resident model keeps it. Ordinary views keep the parameter an ordinary tensor, as on
+  // the resident model, and keep the cheap rebind above.
+  c10::InferenceMode normal_tensors(false);
   bound.views.assign(ring.size(), {});
   for (size_t s = 0; s < ring.size(); ++s) {
     const at::Tensor& buffer = ring.slot(s).buffer;

@@ -56,6 +56,47 @@ def test_in_place_edit_of_an_offloaded_parameter_is_never_lost_silently(backend:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_in_place_edit_during_a_forward_is_never_lost_silently(backend: str, mode: str) -> None:
+    # Inside inference_mode() the parameters must stay ordinary tensors while their block runs: bound to an
+    # inference tensor they would count no versions, and the write would vanish with the slot.
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    writes: list[bool] = []
+
+    def write_once(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if not writes:
+            writes.append(module.weight.is_inference())
+            module.weight.mul_(2)
+
+    model.blocks[1].o.register_forward_pre_hook(write_once)
+    with getattr(torch, mode)():
+        model(_x())  # the edit lands on the block's device copy, while it runs
+        with pytest.raises(RuntimeError) as raised:
+            model(_x())
+    assert writes == [False]
+    assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)  # the host copy was never touched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_parameters_stay_ordinary_tensors_while_their_block_runs(backend: str, mode: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    seen: list[bool] = []
+    model.blocks[2].o.register_forward_pre_hook(lambda module, args: seen.append(module.weight.is_inference()))
+    with getattr(torch, mode)():
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    assert seen == [False, False]
+    assert not model.blocks[2].o.weight.is_inference()  # the placeholder between steps too
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_in_place_edit_inside_mutate_params_scope_is_kept(backend: str) -> None:
     model, reference = _frozen_pair()
     fo.enable_layerwise_offload(model, device="cpu", backend=backend)

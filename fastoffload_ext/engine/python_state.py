@@ -20,9 +20,13 @@ Deliberate differences from the seed, each tested:
   since the block last ran raises at the next acquire instead of running on stale values; restore
   follows a cast, so ``.half()`` then disable gives float16, as on the resident model.
 - A restored (detached) block refuses acquire with the core's "detached" message.
+- The device copies and placeholders are ordinary tensors even when made inside ``inference_mode()``:
+  a parameter rebound to an inference tensor stops counting versions, so an in-place write to it in
+  an inference_mode forward would be silently lost (the resident model keeps it; here it raises).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -36,6 +40,11 @@ from fastoffload_ext.errors import OffloadStateError
 logger = logging.getLogger(__name__)
 
 __all__ = ["LayerwiseOffloadState"]
+
+
+def _ordinary_tensors() -> contextlib.AbstractContextManager[object]:
+    """Tensors made in this scope are ordinary ones, inside ``inference_mode()`` too (see the module docstring)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 class LayerwiseOffloadState(SeedEntryPoints):
@@ -119,40 +128,46 @@ class LayerwiseOffloadState(SeedEntryPoints):
         named = list(self.module_ref.named_parameters())
         for name, param in named:
             self._check_binding(name, param, self.cpu_named_parameters[name])
-        for name, param in named:
-            loaded = gpu.get(name)
-            if loaded is None:
-                # Nothing prefetched this block: load it now, on the current stream.
-                loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
-                gpu[name] = loaded
-            param.data = loaded
-            self._versions[name] = param._version
+        with _ordinary_tensors():
+            for name, param in named:
+                loaded = gpu.get(name)
+                if loaded is None:
+                    # Nothing prefetched this block: load it now, on the current stream.
+                    loaded = self.cpu_named_parameters[name].to(self.device, copy=True)
+                    gpu[name] = loaded
+                param.data = loaded
+                self._versions[name] = param._version
 
     def prefetch(self) -> None:
         if self.gpu_named_parameters or self._detached:
             return  # already loaded or prefetched, or detached
         self.gate.check()
         try:
-            if self.async_copy_stream is None:
-                for name, host in self.cpu_named_parameters.items():
-                    self.gpu_named_parameters[name] = host.to(self.device, copy=True)
-                return
-            compute_stream = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self.async_copy_stream):
-                for name, host in self.cpu_named_parameters.items():
-                    gpu_param = host.to(self.device, non_blocking=True)
-                    gpu_param.record_stream(compute_stream)  # keep it alive until the compute stream used it
-                    self.gpu_named_parameters[name] = gpu_param
+            with _ordinary_tensors():
+                self._copy_to_device()
         except BaseException:
             self.gpu_named_parameters.clear()  # a half prefetch is dropped; the block loads when it runs
             raise
 
+    def _copy_to_device(self) -> None:
+        if self.async_copy_stream is None:
+            for name, host in self.cpu_named_parameters.items():
+                self.gpu_named_parameters[name] = host.to(self.device, copy=True)
+            return
+        compute_stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.async_copy_stream):
+            for name, host in self.cpu_named_parameters.items():
+                gpu_param = host.to(self.device, non_blocking=True)
+                gpu_param.record_stream(compute_stream)  # keep it alive until the compute stream used it
+                self.gpu_named_parameters[name] = gpu_param
+
     def release(self) -> None:
         if self.module_ref is None:
             return
-        for name, param in self.module_ref.named_parameters():
-            if name in self.cpu_named_parameters:
-                param.data = tensor_placeholder(param.data, self.device)
+        with _ordinary_tensors():
+            for name, param in self.module_ref.named_parameters():
+                if name in self.cpu_named_parameters:
+                    param.data = tensor_placeholder(param.data, self.device)
         self.gpu_named_parameters.clear()
         self.gate.end(id(self))
 
