@@ -76,8 +76,9 @@ void Binder::drop_block(size_t index) {
 void Binder::bind_slot(size_t index, size_t slot) {
   Bound& bound = blocks_[index];
   const auto& views = bound.views[slot];
+  // No record_versions: rebinding keeps a parameter's version counter and its value, and the caller
+  // has just checked (first_unexpected) that every version is the recorded one.
   for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], views[j]);
-  record_versions(index);
 }
 
 void Binder::bind_buffer(size_t index, const StoredBlock& block, const at::Tensor& buffer) {
@@ -111,6 +112,19 @@ void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) co
   TORCH_CHECK(values.size() == bound.tensors.size(), "fastoffload: internal error: ", std::to_string(values.size()),
               " values for ", std::to_string(bound.tensors.size()), " parameters");
   for (size_t j = 0; j < bound.tensors.size(); ++j) bound.tensors[j].set_data(values[j]);
+}
+
+int64_t Binder::first_unexpected(size_t index) const {
+  const Bound& bound = blocks_[index];
+  const size_t versions = bound.versions.size();
+  for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    const c10::TensorImpl* impl = bound.tensors[j].unsafeGetTensorImpl();
+    if (impl->unsafe_storage().unsafeGetStorageImpl() !=
+            bound.placeholders[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ||
+        (j < versions && impl->version_counter().current_version() != bound.versions[j]))
+      return static_cast<int64_t>(j);
+  }
+  return -1;
 }
 
 int64_t Binder::first_foreign(size_t index) const {

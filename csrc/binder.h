@@ -31,6 +31,7 @@ class Binder {
   void build_views(size_t index, const StoredBlock& block, const SlotRing& ring);
   void drop_block(size_t index);
 
+  // Call only right after first_unexpected() found nothing: the recorded versions stay as they are.
   void bind_slot(size_t index, size_t slot);
   // Binds the parameters to views of `buffer` (a private copy of the block's packed bytes, laid out
   // as `block.layout` says) instead of a slot.
@@ -38,6 +39,9 @@ class Binder {
   void bind_placeholders(size_t index) const;
   // Binds arbitrary tensors through the full `set_data` (device changes, autograd bookkeeping).
   void bind_values(size_t index, const std::vector<at::Tensor>& values) const;
+  // first_foreign and first_written in one pass: the index of the first parameter that either finds, or
+  // -1 (the per-step check; the two below say which it was, for the message).
+  int64_t first_unexpected(size_t index) const;
   // Index of the first parameter that was rebound by someone else while holding its placeholder,
   // or -1 when all still hold their placeholders.
   int64_t first_foreign(size_t index) const;

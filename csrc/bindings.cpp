@@ -467,6 +467,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("block"))
       .def(
+          "acquire_and_prefetch",
+          [](OffloadEngine& e, int64_t block, const py::tuple& targets) {
+            const size_t b = checked_block(e, block);
+            c10::SmallVector<size_t, 4> checked;
+            for (const py::handle target : targets) checked.push_back(checked_block(e, target.cast<int64_t>()));
+            // As acquire: the GIL is dropped only when a disk read may make it wait.
+            if (e.acquire_may_wait(b)) without_gil([&] { e.acquire_and_prefetch(b, checked.data(), checked.size()); });
+            else warnings_to_python([&] { e.acquire_and_prefetch(b, checked.data(), checked.size()); });
+          },
+          py::arg("block"), py::arg("targets"))
+      .def(
           "prefetch",
           [](OffloadEngine& e, int64_t block) {
             return warnings_to_python([&] { return e.prefetch(checked_block(e, block)); });

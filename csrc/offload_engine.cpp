@@ -519,6 +519,7 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
 }
 
 void OffloadEngine::check_bindings(size_t block) const {
+  if (binder_.first_unexpected(block) < 0) return;
   const StoredBlock& stored = store_.block(block);
   const int64_t foreign = binder_.first_foreign(block);
   if (foreign >= 0) {
@@ -599,6 +600,20 @@ void OffloadEngine::acquire(size_t block) {
   bind_for_run(block, static_cast<size_t>(slot));
   ring_.acquire(static_cast<size_t>(slot));
   if (travel_[block] == Travel::kMeasuring) chooser_.compute_started(block);
+}
+
+void OffloadEngine::acquire_and_prefetch(size_t block, const size_t* targets, size_t count) {
+  acquire(block);
+  try {
+    for (size_t k = 0; k < count; ++k) prefetch(targets[k]);
+  } catch (...) {
+    try {
+      release(block);
+    } catch (...) {
+      // The prefetch's error is the one the caller sees.
+    }
+    throw;
+  }
 }
 
 bool OffloadEngine::prefetch(size_t block) {

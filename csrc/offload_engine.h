@@ -148,6 +148,10 @@ class OffloadEngine {
   void acquire(size_t block);
   bool prefetch(size_t block);
   bool release(size_t block);
+  // acquire(block), then prefetch() of each of the `count` blocks at `targets`, in order: the offload
+  // hook's one call per block per step instead of 1 + prefetch_depth. When a prefetch fails the block is
+  // released again before the error propagates (the hook's cleanup runs only after its entry completed).
+  void acquire_and_prefetch(size_t block, const size_t* targets, size_t count);
 
   // Mutation support: the block's parameters become ordinary device tensors (out of the rotation)
   // until repack() packs whatever parameters the block has then.

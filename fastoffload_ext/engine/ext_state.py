@@ -46,6 +46,10 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.shared_by = 0
         # Another rank's block whose segment the owner filled compressed: (compressed bytes, checksum).
         self.shared_encoded: tuple[int, int] = (0, 0)
+        # acquire_and_prefetch's handles of prefetch_targets, and the list they were read from.
+        self._target_handles: tuple[int, ...] | None = None
+        self._targets_seen: list[BlockOffloadState] | None = None
+        self._targets_len = -1
 
     def _attached(self) -> bool:
         return self.handle is not None and not self.engine.is_removed(self.handle)
@@ -81,6 +85,40 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
 
     def acquire(self) -> None:
         self.engine.acquire(self.handle)
+
+    def acquire_and_prefetch(self) -> None:
+        """``acquire``, then ``prefetch`` of every target: one engine call when the targets are this engine's
+        blocks (the hook's per-step entry; on a host-bound model each call across the boundary counts)."""
+        targets = self.prefetch_targets
+        if targets is not self._targets_seen or len(targets) != self._targets_len:
+            self._resolve_targets(targets)
+        handles = self._target_handles
+        if handles is not None:
+            self.engine.acquire_and_prefetch(self.handle, handles)
+            return
+        self.acquire()
+        try:
+            for target in targets:
+                target.prefetch()
+        except BaseException:
+            self.release()  # the hook's cleanup runs only once its entry completed
+            raise
+
+    def _resolve_targets(self, targets: list[BlockOffloadState]) -> None:
+        # Keyed on the list object and its length: the list is replaced when prefetching is rewired. An
+        # edit in place that keeps the length can only leave a prefetch stale, never a block wrong (acquire
+        # loads whatever was not prefetched).
+        handles: list[int] = []
+        for target in targets:
+            if not isinstance(target, ExtLayerwiseOffloadState) or target.engine is not self.engine or \
+                    target.handle is None or type(target).prefetch is not ExtLayerwiseOffloadState.prefetch:
+                self._target_handles = None
+                return  # the general path, tried again next time: a target may be attached later
+            handles.append(target.handle)
+        same = type(self).acquire is ExtLayerwiseOffloadState.acquire and \
+            type(self).release is ExtLayerwiseOffloadState.release and self.handle is not None
+        self._target_handles = tuple(handles) if same else None
+        self._targets_seen, self._targets_len = targets, len(targets)
 
     def prefetch(self) -> None:
         self.engine.prefetch(self.handle)

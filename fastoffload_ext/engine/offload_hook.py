@@ -29,6 +29,9 @@ class LayerwiseOffloadHook(ForwardHook):
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
+        # The ext state acquires and prefetches in one call into the compiled core; any other state
+        # (the python backend, one built by hand) through its acquire and prefetch.
+        self._acquire_and_prefetch = getattr(state, "acquire_and_prefetch", None) or self._acquire_then_prefetch
         cls = type(self)
         if cls.pre_forward is LayerwiseOffloadHook.pre_forward and cls.post_forward is LayerwiseOffloadHook.post_forward:
             # A subclass that changes either entry point keeps the general path.
@@ -62,6 +65,10 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
+        self._acquire_and_prefetch()
+        self.saved_tensors.enter()
+
+    def _acquire_then_prefetch(self) -> None:
         state = self.state
         state.acquire()
         try:
@@ -70,7 +77,6 @@ class LayerwiseOffloadHook(ForwardHook):
         except BaseException:
             state.release()  # the manager only cleans up hooks whose pre_forward completed
             raise
-        self.saved_tensors.enter()
 
     def _leave(self) -> None:
         self.saved_tensors.leave()
