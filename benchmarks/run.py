@@ -38,7 +38,7 @@ SECTION_TIMEOUTS = {
     "graphs": (240, 120),
     "compile": (600, 240),
     "startup": (300, 150),
-    "overhead": (150, 60),
+    "overhead": (240, 120),
     "lazy": (120, 60),
     "ranks": (600, 300),
     "codec": (600, 300),

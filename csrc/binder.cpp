@@ -27,6 +27,46 @@ inline void rebind(const at::Tensor& param, const at::Tensor& data) {
   impl->shallow_copy_from(data.getIntrusivePtr());
 }
 
+// After the block's forward (and before it, after the blocks in between) the parameters' TensorImpls and
+// their sources' are mostly out of the cache, and each loop below walks a few cache lines per parameter,
+// one dependent load after another: measured in a real forward, the loops cost about twice what they
+// cost back to back. Asking for the lines a few parameters ahead lets those misses overlap.
+constexpr size_t kPrefetchAhead = 4;
+// A storage's reference count is reached through a TensorImpl: asked for once that TensorImpl (fetched
+// kPrefetchAhead parameters earlier) has had time to arrive.
+constexpr size_t kStorageAhead = 2;
+
+inline void prefetch_impl(const at::Tensor& tensor) {
+#if defined(__GNUC__)
+  // Every field a rebind reads or writes: the whole TensorImpl, three or four cache lines.
+  const char* impl = reinterpret_cast<const char*>(tensor.unsafeGetTensorImpl());
+  for (size_t offset = 0; offset < sizeof(c10::TensorImpl); offset += 64) __builtin_prefetch(impl + offset);
+  __builtin_prefetch(impl + sizeof(c10::TensorImpl) - 1);
+#else
+  (void)tensor;
+#endif
+}
+
+inline void prefetch_storage(const at::Tensor& tensor) {
+#if defined(__GNUC__)
+  __builtin_prefetch(tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+#else
+  (void)tensor;
+#endif
+}
+
+// Before parameter j is rebound to sources[j]: the TensorImpls of both a few parameters ahead, and the
+// storage whose count changes (`counted`: the parameters before a bind, whose storages are the
+// placeholders' it drops; the placeholders before a release, whose storages it takes).
+inline void prefetch_ahead(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& sources,
+                           const std::vector<at::Tensor>& counted, size_t j) {
+  if (j + kPrefetchAhead < tensors.size()) {
+    prefetch_impl(tensors[j + kPrefetchAhead]);
+    prefetch_impl(sources[j + kPrefetchAhead]);
+  }
+  if (j + kStorageAhead < tensors.size()) prefetch_storage(counted[j + kStorageAhead]);
+}
+
 inline uint32_t version_of(const at::Tensor& param) {
   return param.unsafeGetTensorImpl()->version_counter().current_version();
 }
@@ -78,7 +118,10 @@ void Binder::bind_slot(size_t index, size_t slot) {
   const auto& views = bound.views[slot];
   // No record_versions: rebinding keeps a parameter's version counter and its value, and the caller
   // has just checked (first_unexpected) that every version is the recorded one.
-  for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], views[j]);
+  for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    prefetch_ahead(bound.tensors, views, bound.tensors, j);
+    rebind(bound.tensors[j], views[j]);
+  }
 }
 
 void Binder::bind_buffer(size_t index, const StoredBlock& block, const at::Tensor& buffer) {
@@ -104,7 +147,10 @@ int64_t Binder::first_written(size_t index) const {
 
 void Binder::bind_placeholders(size_t index) const {
   const Bound& bound = blocks_[index];
-  for (size_t j = 0; j < bound.tensors.size(); ++j) rebind(bound.tensors[j], bound.placeholders[j]);
+  for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    prefetch_ahead(bound.tensors, bound.placeholders, bound.placeholders, j);
+    rebind(bound.tensors[j], bound.placeholders[j]);
+  }
 }
 
 void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) const {
@@ -118,6 +164,10 @@ int64_t Binder::first_unexpected(size_t index) const {
   const Bound& bound = blocks_[index];
   const size_t versions = bound.versions.size();
   for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    if (j + kPrefetchAhead < bound.tensors.size()) {
+      prefetch_impl(bound.tensors[j + kPrefetchAhead]);
+      prefetch_impl(bound.placeholders[j + kPrefetchAhead]);
+    }
     const c10::TensorImpl* impl = bound.tensors[j].unsafeGetTensorImpl();
     if (impl->unsafe_storage().unsafeGetStorageImpl() !=
             bound.placeholders[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ||
