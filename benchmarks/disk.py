@@ -22,6 +22,13 @@ Tables:
   disk's speed drifts between minutes; the row is the median run ("x bound" = enable / bound), with the
   range of the runs. "reader idle s" is the wall time from the reader's creation (early in enable) to
   the end with no read request in flight, "reads in flight" their mean over that time (worst-RSS run).
+  What the bound leaves out and enable still does: parsing the headers' JSON and checking them against
+  the model, making the reader, pinning the host tier's regions and the staging ring, registering the
+  blocks; so the row also says where the time went (run at the median enable time; every run's figures
+  in the JSON, "phases_ms" and "timeline_ms"): "head ms" from enable's start to the first read request,
+  "reads x read/bw" the host tier's read window against its bytes at the bandwidth (above 1: the disk
+  was not kept busy, e.g. reads waiting for pins), "tail ms" from the last read's end to enable's
+  return, and in the note the build's phases (``CheckpointSource.phases``) and the deferred pins' cost.
 - stream: a model at twice its host budget, step time against max(compute, H2D of every offloaded block,
   disk-tier bytes / read bandwidth) (target <= 1.05 x), the disk-tier stream rate against the read
   bandwidth (target >= 0.90 when the step is disk-bound) and bit-exactness against the resident model.
@@ -61,7 +68,9 @@ TABLES = {
                  Column("time_ok", "time ok"),
                  Column("rss_over_base_gib", "peak RSS-base GiB", ".3f"), Column("rss_bound_gib", "bound GiB", ".3f"),
                  Column("rss_ok", "RSS ok"), Column("direct_share", "O_DIRECT share", ".2f"),
-                 Column("reader_idle_s", "reader idle s", ".3f"), Column("in_flight", "reads in flight", ".2f")],
+                 Column("reader_idle_s", "reader idle s", ".3f"), Column("in_flight", "reads in flight", ".2f"),
+                 Column("head_ms", "head ms", ".1f"), Column("reads_x", "reads x read/bw", ".3f"),
+                 Column("tail_ms", "tail ms", ".1f")],
     ),
     "stream": Table(
         title="disk tier at twice the host budget",
@@ -302,7 +311,34 @@ def _startup_row(config: dict[str, Any], path: Path, timeout: float) -> dict[str
                x_read_bound=median(ratios), time_ok=median(ratios) <= 1.0,
                bw_gb_s=median([r["bandwidth"] for r in runs]) / 1e9, bw_gb_s_reads=[b / 1e9 for b in reads],
                rss_ok=all(r["rss_ok"] for r in runs))
+    row.update(phase_summary(runs))
     return row
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def phase_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-phase figures of the run at the (lower) median enable time, for the row, its note and the
+    JSON: "head ms" (enable's start to the first read request), "reads x read/bw" (the host tier's read
+    window against its bytes at the bandwidth measured around that run: above 1, the disk was not kept
+    busy), "tail ms" (the last read's end to enable's return); every run's phases go to the JSON."""
+    ordered = sorted((r for r in runs if "phases_ms" in r), key=lambda r: r["enable_s"])
+    if not ordered:
+        return {}
+    run = ordered[(len(ordered) - 1) // 2]
+    timeline, phases, pins = run["timeline_ms"], run["phases_ms"], run["pins"]
+    ideal_ms = run["reader_bytes_at_start"] / run["bandwidth"] * 1e3
+    reads_x = timeline["reads"] / ideal_ms if timeline["reads"] is not None and ideal_ms > 0 else None
+    shown = ", ".join(f"{name} {ms:.1f}" for name, ms in phases.items() if ms >= 0.05 or name == "other")
+    note = (f"phases ms (median run): {shown}; host-tier reads {_ms(timeline['reads'])} ms against "
+            f"{ideal_ms:.1f} ms at bw, head {_ms(timeline['head'])}, tail {_ms(timeline['tail'])}; "
+            f"{pins['count']} deferred pins: populate {pins['populate_ms']:.1f} + register {pins['register_ms']:.1f} ms "
+            "(summed over threads)")
+    return {"head_ms": timeline["head"], "tail_ms": timeline["tail"], "reads_x": reads_x, "reads_ideal_ms": ideal_ms,
+            "phases_ms": phases, "timeline_ms": timeline, "pins": pins, "note": note,
+            "phases_ms_runs": [r.get("phases_ms") for r in runs], "timeline_ms_runs": [r.get("timeline_ms") for r in runs]}
 
 
 def _range(values: list[float]) -> str:

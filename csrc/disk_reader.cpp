@@ -430,6 +430,7 @@ ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t o
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
     if (in_flight_ == 0) stats_.idle_seconds += std::chrono::duration<double>(start - idle_since_).count();
+    if (stats_.first_read_seconds < 0) stats_.first_read_seconds = std::chrono::duration<double>(start - made_).count();
     in_flight_ += 1;
     stats_.max_in_flight = std::max(stats_.max_in_flight, in_flight_);
   }
@@ -441,6 +442,8 @@ ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t o
     in_flight_ -= 1;
     if (in_flight_ == 0) idle_since_ = end;
     stats_.read_seconds += std::chrono::duration<double>(end - start).count();
+    stats_.last_read_end_seconds =
+        std::max(stats_.last_read_end_seconds, std::chrono::duration<double>(end - made_).count());
   }
   {
     // Given back only once counted out, so that in_flight_ never exceeds the slots.

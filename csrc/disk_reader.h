@@ -80,6 +80,10 @@ struct ReaderStats {
   double wall_seconds = 0.0;    // wall time since the reader was made
   uint64_t max_in_flight = 0;   // most read system calls in flight at once
   uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers, allocated on first use
+  // When the first read system call began and the last one ended, in seconds since the reader was
+  // made (-1: none yet): with wall_seconds, how long a start-up spent before and after its reads.
+  double first_read_seconds = -1.0;
+  double last_read_end_seconds = -1.0;
 };
 
 class ReadJob;

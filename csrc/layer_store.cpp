@@ -352,16 +352,18 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
 std::shared_future<std::shared_ptr<ReadJob>> LayerStore::pin_then_read(std::shared_ptr<PoolAllocation> host,
                                                                        std::shared_ptr<DiskReader> reader,
                                                                        std::vector<FileRange> ranges) {
-  std::shared_future<std::shared_ptr<ReadJob>> previous = last_pin_;
+  std::shared_future<std::shared_ptr<ReadJob>>& lane = pin_lanes_[next_lane_];
+  next_lane_ = (next_lane_ + 1) % kPinLanes;
+  std::shared_future<std::shared_ptr<ReadJob>> previous = lane;
   std::shared_ptr<PinnedPool> pool = pool_;
-  last_pin_ = std::async(std::launch::async,
-                         [pool, host, reader, ranges = std::move(ranges), previous]() -> std::shared_ptr<ReadJob> {
-                           if (previous.valid()) previous.wait();  // its failure is its own load's to report
-                           pool->pin(*host);
-                           if (reader == nullptr) return nullptr;
-                           return reader->submit(ranges, static_cast<uint8_t*>(host->data()));
-                         }).share();
-  return last_pin_;
+  lane = std::async(std::launch::async,
+                    [pool, host, reader, ranges = std::move(ranges), previous]() -> std::shared_ptr<ReadJob> {
+                      if (previous.valid()) previous.wait();  // its failure is its own load's to report
+                      pool->pin(*host);
+                      if (reader == nullptr) return nullptr;
+                      return reader->submit(ranges, static_cast<uint8_t*>(host->data()));
+                    }).share();
+  return lane;
 }
 
 std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes) {

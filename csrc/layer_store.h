@@ -121,8 +121,8 @@ class LayerStore {
                      const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                      const DiskReader& reader);
   // Pool memory of `nbytes` for the caller to fill later (the disk tier's staging buffers), pinned in
-  // the background after the loads' pins, so that its pinning too runs while the loads read. Its pin
-  // is waited for by finish_pins.
+  // the background on a pin lane after the loads' pins queued there, so that its pinning too runs
+  // while the loads read. Its pin is waited for by finish_pins.
   std::shared_ptr<PoolAllocation> allocate_pinned_later(size_t nbytes);
   // Waits for every read and pin that add_from_file and allocate_pinned_later started, and throws the
   // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
@@ -200,8 +200,10 @@ class LayerStore {
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                              const DiskReader& reader) const;
 
-  // The pin of `host`, queued after the pins queued before it (registrations run one at a time, in
-  // order); then `reader` (when set) reads `ranges` into it.
+  // The pin of `host`, queued on the next of kPinLanes lanes after the pins queued there before it;
+  // then `reader` (when set) reads `ranges` into it. Pinning a fresh region (its pages faulted in,
+  // then registered) runs at about the speed of a disk read, so one lane would hold the reads back;
+  // with several, the pins keep ahead of the reads, which go out nearly in the order queued.
   std::shared_future<std::shared_ptr<ReadJob>> pin_then_read(std::shared_ptr<PoolAllocation> host,
                                                              std::shared_ptr<DiskReader> reader,
                                                              std::vector<FileRange> ranges);
@@ -220,7 +222,9 @@ class LayerStore {
   mutable std::vector<PendingLoad> pending_;
   // Waits for `load`, returning its failure instead of throwing it.
   static std::exception_ptr wait_load(const PendingLoad& load);
-  std::shared_future<std::shared_ptr<ReadJob>> last_pin_;  // the tail of the pin queue
+  static constexpr size_t kPinLanes = 2;
+  std::shared_future<std::shared_ptr<ReadJob>> pin_lanes_[kPinLanes];  // the tail of each lane's queue
+  size_t next_lane_ = 0;
 };
 
 // A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`

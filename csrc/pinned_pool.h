@@ -55,6 +55,11 @@ struct PoolStats {
   size_t shared_bytes = 0;         // of reserved_bytes: mapped from shared segments (see allocate_shared)
   size_t shared_owned_bytes = 0;   // of shared_bytes: in segments this process created (the host's one copy)
   double pin_seconds = 0.0;        // wall time spent obtaining and pinning slabs
+  // Of the deferred pins (pin()), summed over the threads that ran them: faulting the slab's pages in
+  // before registering them, and the registration itself (cudaHostRegister).
+  double populate_seconds = 0.0;
+  double register_seconds = 0.0;
+  size_t deferred_pins = 0;        // deferred pins that ran
   std::string backing;
 };
 
