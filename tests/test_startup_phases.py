@@ -114,3 +114,25 @@ def test_phase_summary_reports_the_median_run() -> None:
     no_reads = phase_summary([_run(0.05, None)])
     assert no_reads["reads_x"] is None and "host-tier reads - ms" in no_reads["note"]
     assert phase_summary([{"enable_s": 0.1}]) == {}  # a child without the figures (an older build) adds nothing
+
+
+@pytest.mark.cuda
+def test_pin_failure_beside_the_reads_leaves_nothing_half_built(tmp_path: Path) -> None:
+    import gc
+    import os
+
+    from fastoffload_ext import get_offload_group
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(6)
+    threads = len(os.listdir("/proc/self/task"))
+    # Room for two regions: a later pin fails while the reads into the regions still run.
+    with pytest.raises(RuntimeError, match="fastoffload: pinning [0-9.]+ MiB of host memory \\(register\\) failed: "
+                                           "the pool's limit of [0-9.]+ MiB would be exceeded"):
+        enable_layerwise_offload(model, device="cuda", weights=path, pinned_limit_bytes=2 * block_bytes(reference) + 8192)
+    assert all(p.is_meta for p in model.parameters()) and get_offload_group(model) is None
+    gc.collect()
+    assert len(os.listdir("/proc/self/task")) <= threads  # the reader's and the pins' threads ended
+    group = enable_layerwise_offload(model, device="cuda", weights=path)  # and the model builds as before
+    assert group.engine.pool.stats()["deferred_pins"] == 6
+    _assert_bit_exact(model, reference, "cuda")
