@@ -32,16 +32,6 @@ void* map_pages(size_t nbytes) {
   return base == MAP_FAILED ? nullptr : base;
 }
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it (EINVAL) and nothing is done
-#endif
-
-// Faults in every page of a private mapping that is about to be registered. cudaHostRegister would
-// fault the missing pages itself, inside the driver's call; done here first, the faults of pins that
-// run on several threads overlap whatever the driver serializes, and the pool's stats tell the two
-// costs apart. A refusal (an old kernel) leaves the faulting to the registration.
-void populate_pages(void* base, size_t nbytes) { (void)madvise(base, nbytes, MADV_POPULATE_WRITE); }
-
 void* map_pages_or_fail(size_t nbytes, size_t reserved_bytes) {
   void* base = map_pages(nbytes);
   TORCH_CHECK(base != nullptr, "fastoffload: could not map ", mib(nbytes), " MiB of host memory (", mib(reserved_bytes),
@@ -50,6 +40,28 @@ void* map_pages_or_fail(size_t nbytes, size_t reserved_bytes) {
 }
 
 #ifdef FASTOFFLOAD_WITH_CUDA
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it (EINVAL) and nothing is done
+#endif
+
+// Populated per call: each call holds the process's mmap lock for reading while it faults its range in,
+// and an mmap elsewhere in the process (the next block's region, any allocation) waits for it; about
+// 10 ms of faults at a time.
+constexpr size_t kPopulateStep = 32 << 20;
+
+// Faults in every page of a private mapping that is about to be registered. cudaHostRegister would
+// fault the missing pages itself, inside the driver's call, which holds the mmap lock for the whole
+// range: done here first, in steps, the registration only pins pages that are there (and holds the
+// lock briefly), the faults of pins that run on several threads overlap whatever the driver
+// serializes, and the pool's stats tell the two costs apart. A refusal (a kernel older than 5.14)
+// leaves the faulting to the registration.
+void populate_pages(void* base, size_t nbytes) {
+  auto* at = static_cast<uint8_t*>(base);
+  for (size_t done = 0; done < nbytes; done += kPopulateStep) {
+    if (madvise(at + done, std::min(kPopulateStep, nbytes - done), MADV_POPULATE_WRITE) != 0) return;
+  }
+}
+
 // A failed pin: an error by default; with allow_pageable_fallback a warning, and the caller keeps the
 // memory pageable.
 void fail_or_warn_pin(bool allow_pageable_fallback, size_t nbytes, const char* backing, const std::string& error,
