@@ -46,8 +46,8 @@ void* map_pages_or_fail(size_t nbytes, size_t reserved_bytes) {
 
 // Populated per call: each call holds the process's mmap lock for reading while it faults its range in,
 // and an mmap elsewhere in the process (the next block's region, any allocation) waits for it; about
-// 10 ms of faults at a time.
-constexpr size_t kPopulateStep = 32 << 20;
+// 2-3 ms of faults at a time.
+constexpr size_t kPopulateStep = 8 << 20;
 
 // Faults in every page of a private mapping that is about to be registered. cudaHostRegister would
 // fault the missing pages itself, inside the driver's call, which holds the mmap lock for the whole
