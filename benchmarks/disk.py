@@ -310,6 +310,11 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
     ctx.note("startup 'GiB read' = host-tier blocks + tensors outside the offloaded blocks + safetensors headers; "
              "the disk-tier blocks (budget 'half') are not read at enable: their first staging fill is queued "
              "after the host tier and runs once enable has returned")
+    ctx.note("startup bound = 1.2 x 'GiB read' / the bracketing reads' bandwidth (two 256 MiB pieces in flight): it "
+             "budgets reads only; what enable does besides (header parsing, model checks, pinning the host tier and "
+             "the staging ring, registering blocks) must hide behind the reads or fit in the 20 %. 'head ms' (before "
+             "the first read), 'reads x read/bw' (the read window against the bandwidth) and 'tail ms' (after the "
+             "last read) say where it did not; the note has the phases and the pins' populate/register split")
     for compress in (False, True):
         # compress=True: the disk tier streams the compressed blocks from a spill file next to the checkpoint.
         config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "compress": compress}
