@@ -136,3 +136,28 @@ def test_pin_failure_beside_the_reads_leaves_nothing_half_built(tmp_path: Path) 
     group = enable_layerwise_offload(model, device="cuda", weights=path)  # and the model builds as before
     assert group.engine.pool.stats()["deferred_pins"] == 6
     _assert_bit_exact(model, reference, "cuda")
+
+
+_READER_UNDER_LIMIT = """
+import resource
+from fastoffload_ext import _C
+with open("/proc/self/status") as status:
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
+_C.DiskReader(4, 1 << 26, "buffered")  # buffered reads need no aligned buffers
+print("BUFFERED OK")
+try:
+    _C.DiskReader(4, 1 << 30, "auto")
+except RuntimeError as error:
+    print("REFUSED", error)
+"""
+
+
+def test_reader_buffers_that_cannot_be_allocated_are_refused() -> None:
+    import subprocess
+    import sys
+    # In a child: its address space is capped below the eight 1 GiB buffers the reader would reserve.
+    done = subprocess.run([sys.executable, "-c", _READER_UNDER_LIMIT], capture_output=True, text=True, timeout=300)
+    assert "BUFFERED OK" in done.stdout, done.stderr
+    assert ("REFUSED fastoffload: cannot allocate the reader's 8 read buffers of 1073741824 bytes; lower "
+            "DiskOptions.read_threads or chunk_bytes") in done.stdout, done.stdout + done.stderr
