@@ -161,3 +161,16 @@ def test_reader_buffers_that_cannot_be_allocated_are_refused() -> None:
     assert "BUFFERED OK" in done.stdout, done.stderr
     assert ("REFUSED fastoffload: cannot allocate the reader's 8 read buffers of 1073741824 bytes; lower "
             "DiskOptions.read_threads or chunk_bytes") in done.stdout, done.stdout + done.stderr
+
+
+def test_header_prefetch_leaves_refusals_to_open_checkpoint(tmp_path: Path) -> None:
+    from fastoffload_ext.errors import CheckpointError
+    from fastoffload_ext.storage.checkpoint import prefetch_headers
+    (tmp_path / "bad.safetensors.index.json").write_text("not json")
+    for weights in (tmp_path / "missing.safetensors", tmp_path / "bad.safetensors.index.json", tmp_path):
+        prefetch_headers(weights)  # best effort: nothing raised here
+    model = meta_stack(2)
+    with pytest.raises(CheckpointError, match="fastoffload: checkpoint .*missing.safetensors does not exist; pass "
+                                              "weights= a .safetensors file"):
+        enable_layerwise_offload(model, device="cpu", weights=tmp_path / "missing.safetensors")
+    assert all(p.is_meta for p in model.parameters())
