@@ -174,3 +174,27 @@ def test_header_prefetch_leaves_refusals_to_open_checkpoint(tmp_path: Path) -> N
                                               "weights= a .safetensors file"):
         enable_layerwise_offload(model, device="cpu", weights=tmp_path / "missing.safetensors")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_resident_tensors_are_read_while_the_blocks_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.storage.source import CheckpointSource
+    reference = reference_stack(4)
+    for i, block in enumerate(reference.blocks):  # a buffer inside each offloaded block, from the checkpoint
+        block.register_buffer("scale", torch.full((3,), float(i + 1), dtype=torch.bfloat16))
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(4)
+    for block in model.blocks:
+        block.register_buffer("scale", torch.empty(3, dtype=torch.bfloat16, device="meta"))
+    jobs_then: list[int] = []
+    load = CheckpointSource.load_resident
+
+    def recording(self: CheckpointSource, *args: object) -> None:
+        jobs_then.append(self.reader.stats()["jobs"])
+        load(self, *args)
+
+    monkeypatch.setattr(CheckpointSource, "load_resident", recording)
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=1)
+    assert jobs_then == [3]  # the three offloaded blocks' reads were queued before proj_in, proj_out, block 0
+    for block, expected in zip(model.blocks, reference.blocks):  # the blocks' buffers were read before attaching
+        assert torch.equal(block.scale, expected.scale)
+    _assert_bit_exact(model, reference, "cpu")

@@ -86,6 +86,9 @@ class CheckpointSource:
         self.reader: Any = None
         self.file_index: dict[str, int] = {}
         self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
+        self._replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        self._loaded: set[str] = set()  # resident names already read
+        self.block_buffers: set[str] = set()  # resident names that are buffers of offloaded blocks
         self._next_block = 0
         # For promotions (next_block): each block's packed bytes, the budget, the engine's codec mode.
         self.block_bytes: list[int] = []
@@ -125,6 +128,8 @@ class CheckpointSource:
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         source = cls(checkpoint, sources, resident, tiers, options)
         source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
+        prefixes = tuple(f"{list_name}.{i}." for i in offloaded)
+        source.block_buffers = {name for name in resident if name.startswith(prefixes)}
         source.phases["checkpoint"] = opened - started
         source.phases["match"] = time.perf_counter() - opened
         return source
@@ -246,19 +251,28 @@ class CheckpointSource:
         held = int(engine.pool.stats()["in_use_bytes"])
         return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
 
+    def load_block_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """The buffers inside the offloaded blocks, read onto ``device``: attaching a block moves its
+        buffers to the device, so they need their values before the blocks are attached."""
+        self._load(model, device, sorted(self.block_buffers - self._loaded))
+
     def load_resident(self, model: nn.Module, device: torch.device) -> None:
-        """Every non-offloaded parameter and every buffer, read from the checkpoint onto ``device``."""
+        """Every non-offloaded parameter and every buffer not read yet, from the checkpoint onto
+        ``device``. Called once the blocks are attached, so that it runs while their reads do."""
+        self._load(model, device, [name for name in self.resident if name not in self._loaded])
+        logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
+
+    def _load(self, model: nn.Module, device: torch.device, names: list[str]) -> None:
         by_file: dict[str, list[str]] = {}
-        for name, entry in self.resident.items():
-            by_file.setdefault(entry.path, []).append(name)
-        replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        for name in names:
+            by_file.setdefault(self.resident[name].path, []).append(name)
         safe_open = safetensors_module().safe_open
         with self.timed("resident"):
-            for path, names in by_file.items():
+            for path, in_file in by_file.items():
                 with safe_open(path, framework="pt", device=str(device)) as handle:
-                    for name in names:
-                        self._assign(model, name, lambda n=name: handle.get_tensor(n), replaced)
-        logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
+                    for name in in_file:
+                        self._assign(model, name, lambda n=name: handle.get_tensor(n), self._replaced)
+                        self._loaded.add(name)
 
     def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, nn.Parameter]) -> None:
         prefix, _, leaf = name.rpartition(".")
@@ -292,3 +306,5 @@ class CheckpointSource:
         for module, kind, key, old in reversed(self._undo):
             (module._parameters if kind == "parameter" else module._buffers)[key] = old
         self._undo.clear()
+        self._replaced.clear()
+        self._loaded.clear()
