@@ -300,6 +300,8 @@ class CheckpointSource:
                 engine.start_disk_tier(self.tiers.staging_buffers)
             else:
                 engine.finish_loading()
+        logger.info("Start-up from %s, ms per phase: %s", self.checkpoint.source,
+                    ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.phases.items()))
 
     def roll_back(self) -> None:
         """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""
