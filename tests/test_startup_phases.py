@@ -26,12 +26,15 @@ def _assert_bit_exact(model: torch.nn.Module, reference: torch.nn.Module, device
             assert torch.equal(model(x), expected)
 
 
-def test_build_records_every_phase(tmp_path: Path) -> None:
+def test_build_records_every_phase(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     reference = reference_stack(4)
     path = write_single(reference, tmp_path / "model.safetensors")
     model = meta_stack(4)
-    group = enable_layerwise_offload(model, device="cpu", weights=path)
+    with caplog.at_level("INFO", logger="fastoffload_ext.storage.source"):
+        group = enable_layerwise_offload(model, device="cpu", weights=path)
     phases = group.checkpoint.phases
+    logged = [r.getMessage() for r in caplog.records if "ms per phase" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith(f"Start-up from {path}, ms per phase: checkpoint ")
     assert tuple(phases) == PHASES
     ran = {"checkpoint", "match", "reader", "resident", "attach", "finish"}  # no spill file without compression
     assert all(phases[name] > 0 for name in ran) and phases["spill"] == 0.0
