@@ -56,8 +56,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,7 +96,8 @@ TABLES = {
             Column("plan", "plan"), Column("predicted_ms", "pred ms", ".2f"), Column("ms", "ms", ".2f"),
             Column("x_predicted", "x pred", ".3f"), Column("spread", "spread", ".1%"), Column("best", "best grid"),
             Column("x_best", "x best", ".3f"), Column("resident_ms", "resident ms", ".2f"),
-            Column("x_ideal", "x ideal", ".3f"), Column("hooks_ms", "hooks ms", ".2f"),
+            Column("x_ideal", "x ideal", ".3f"),
+            Column("x_ideal_rounds", "x ideal rounds"), Column("hooks_ms", "hooks ms", ".2f"),
             Column("x_ideal_hooks", "x ideal+hooks", ".3f"), Column("x_floor", "x floor", ".3f"),
             Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
             Column("pass", "pass"),
@@ -347,16 +349,46 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
         free_memory()
 
 
+def round_ratios(mine: Sequence[float], reference: Sequence[float], *, add_ms: float = 0.0,
+                 at_least_ms: float = 0.0) -> list[float]:
+    """Round by round, ``mine`` over max(``reference`` + ``add_ms``, ``at_least_ms``).
+
+    The host speed can flip between two levels within one run (10 and 18 ms a step seen on the H200), so
+    a ratio of two medians can pair a fast round of one side with a slow round of the other; within a
+    round both sides ran at nearly the same host speed (``benchmarks.interleave``).
+    """
+    if len(mine) != len(reference) or not mine:
+        raise ValueError(f"per-round ratios need the same number of rounds on both sides, got {len(mine)} and "
+                         f"{len(reference)}")
+    return [m / max(r + add_ms, at_least_ms) for m, r in zip(mine, reference)]
+
+
+def _median_range(values: Sequence[float]) -> tuple[float, list[float]]:
+    return float(statistics.median(values)), [float(min(values)), float(max(values))]
+
+
+def _rounds_ms(row: dict[str, Any], name: str) -> list[float]:
+    return list(row["rounds"][name]["rounds_ms"])
+
+
 def _ideals(row: dict[str, Any], plan: Any, peak_gbps: float, total_bytes: int) -> None:
-    """The ideal, the ideal with the hooks' fixed cost, and today's floor, against the plan's median."""
+    """The ideal, the ideal with the hooks' fixed cost, and today's floor, against the plan, per round.
+
+    Each ratio is taken within a round (the plan over max(the resident model of that round, the copy))
+    and the median of the rounds is reported, with the lowest and highest round beside it.
+    """
     compute = row["resident_ms"]
     copy_ms = plan.host_bytes / (peak_gbps * GB) * 1e3  # the bytes that move (compressed where they are)
+    all_ms = total_bytes / (peak_gbps * GB) * 1e3
     hooks = plan.overhead_ms
-    ideal = max(compute, copy_ms)
-    floor = max(compute, total_bytes / (peak_gbps * GB) * 1e3)
-    row.update(ideal_ms=ideal, x_ideal=row["ms"] / ideal, hooks_ms=hooks,
-               ideal_hooks_ms=max(compute + hooks, copy_ms), x_ideal_hooks=row["ms"] / max(compute + hooks, copy_ms),
-               floor_ms=floor, x_floor=row["ms"] / floor, copy_ms=copy_ms)
+    mine, resident = _rounds_ms(row, "plan"), _rounds_ms(row, RESIDENT)
+    x_ideal, ideal_range = _median_range(round_ratios(mine, resident, at_least_ms=copy_ms))
+    x_hooks, hooks_range = _median_range(round_ratios(mine, resident, add_ms=hooks, at_least_ms=copy_ms))
+    x_floor, floor_range = _median_range(round_ratios(mine, resident, at_least_ms=all_ms))
+    row.update(ideal_ms=max(compute, copy_ms), x_ideal=x_ideal, x_ideal_range=ideal_range,
+               x_ideal_rounds=f"{ideal_range[0]:.3f}..{ideal_range[1]:.3f}", hooks_ms=hooks,
+               ideal_hooks_ms=max(compute + hooks, copy_ms), x_ideal_hooks=x_hooks, x_ideal_hooks_range=hooks_range,
+               floor_ms=max(compute, all_ms), x_floor=x_floor, x_floor_range=floor_range, copy_ms=copy_ms)
 
 
 def _misses(row: dict[str, Any], label: str, workload: Workload) -> list[str]:
@@ -499,7 +531,7 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
                    staging_mib=applied.staging_bytes / MiB, raw_predicted_ms=plans["raw"].predicted_step_ms,
                    predicted_ms=applied.predicted_step_ms, ms=rounds.median_ms("coded"), raw_ms=rounds.median_ms("raw"),
                    x_raw=rounds.ratio("coded", "raw"), x_raw_range=rounds.ratio_spread("coded", "raw"),
-                   auto_ms=rounds.median_ms(auto), x_auto_raw=rounds.ratio(auto, "raw"),
+                   auto_ms=rounds.median_ms(auto), auto_config=auto, x_auto_raw=rounds.ratio(auto, "raw"),
                    x_auto_coded=rounds.ratio(auto, "coded"), resident_ms=rounds.median_ms(RESIDENT),
                    rounds=rounds.as_dict(), why=applied.why, auto_why=plans["auto"].why,
                    bit_equal=live["coded"].bit_equal(shared["reference"])
@@ -520,8 +552,11 @@ def _judge_compressed(ctx: Context, row: dict[str, Any], worst: int | None, budg
         checks.append(row["mem_ok"])
     peak_gbps = shared.get("peak_gbps")
     if ctx.cuda and peak_gbps:
-        floor = max(row["resident_ms"], sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3)
-        row.update(x_floor=row["ms"] / floor, x_floor_auto=row["auto_ms"] / floor)
+        all_ms = sum(shared["block_bytes"]) / (peak_gbps * GB) * 1e3
+        resident = _rounds_ms(row, RESIDENT)
+        row["x_floor"] = statistics.median(round_ratios(_rounds_ms(row, "coded"), resident, at_least_ms=all_ms))
+        row["x_floor_auto"] = statistics.median(round_ratios(_rounds_ms(row, row.get("auto_config", "auto")),
+                                                             resident, at_least_ms=all_ms))
     row["pass"] = all(checks) if ctx.cuda else None
     return row
 
