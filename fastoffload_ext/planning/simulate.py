@@ -53,7 +53,7 @@ class StepTimeline:
 
     step_ms: float
     compute_ms: float        # block compute + other_ms
-    exposed_ms: float        # step_ms - compute_ms: time compute waited for copies
+    exposed_ms: float        # step_ms - compute_ms: time compute waited (for copies; with host figures, the host)
     copies: int              # copies issued in the step
     copied_bytes: int
     block_start: tuple[float, ...]
