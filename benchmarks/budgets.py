@@ -94,7 +94,8 @@ TABLES = {
         columns=[
             Column("workload", "workload"), Column("budget", "budget"), Column("budget_mib", "MiB", ".0f"),
             Column("plan", "plan"), Column("predicted_ms", "pred ms", ".2f"), Column("ms", "ms", ".2f"),
-            Column("x_predicted", "x pred", ".3f"), Column("spread", "spread", ".1%"), Column("best", "best grid"),
+            Column("x_predicted", "x pred", ".3f"), Column("x_predicted_resident", "x pred/res", ".3f"),
+            Column("spread", "spread", ".1%"), Column("best", "best grid"),
             Column("x_best", "x best", ".3f"), Column("resident_ms", "resident ms", ".2f"),
             Column("x_ideal", "x ideal", ".3f"),
             Column("x_ideal_rounds", "x ideal rounds"), Column("hooks_ms", "hooks ms", ".2f"),
@@ -342,6 +343,7 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
                       resident_ms=rounds.median_ms(RESIDENT), x_resident=rounds.ratio("plan", RESIDENT),
                       rounds=rounds.as_dict(), why=plan.why, bit_equal=live["plan"].bit_equal(shared["reference"]))
         result["x_predicted"] = result["ms"] / plan.predicted_step_ms if plan.predicted_step_ms > 0 else None
+        result.update(_against_resident(rounds, plan))
         return result
     finally:
         for config in live.values():
@@ -371,6 +373,25 @@ def _rounds_ms(row: dict[str, Any], name: str) -> list[float]:
     return list(row["rounds"][name]["rounds_ms"])
 
 
+def _against_resident(rounds: Any, plan: Any) -> dict[str, Any]:
+    """The prediction as a ratio to the all-resident prediction, against the measured per-round ratio.
+
+    The host speed can change between the calibration and the rounds (a launch-bound step ran 10 ms and
+    18 ms in one process), which moves every measured step, and so ``x_predicted``, with it; the plan
+    over the resident model of the same round does not move, nor does the predicted plan over the
+    predicted resident step, so their quotient checks the model with the drift taken out.
+    """
+    from fastoffload_ext.planning import simulate_step
+
+    resident_predicted = simulate_step(plan.costs, range(plan.blocks), 1).step_ms
+    figures: dict[str, Any] = {"resident_predicted_ms": resident_predicted, "host_bound": plan.host_bound,
+                               "host_ms": plan.host_ms, "host_hooks_ms": plan.host_hooks_ms}
+    if resident_predicted > 0 and plan.predicted_step_ms > 0:
+        figures["x_predicted_resident"] = (rounds.ratio("plan", RESIDENT)
+                                           / (plan.predicted_step_ms / resident_predicted))
+    return figures
+
+
 def _ideals(row: dict[str, Any], plan: Any, peak_gbps: float, total_bytes: int) -> None:
     """The ideal, the ideal with the hooks' fixed cost, and today's floor, against the plan, per round.
 
@@ -380,7 +401,8 @@ def _ideals(row: dict[str, Any], plan: Any, peak_gbps: float, total_bytes: int) 
     compute = row["resident_ms"]
     copy_ms = plan.host_bytes / (peak_gbps * GB) * 1e3  # the bytes that move (compressed where they are)
     all_ms = total_bytes / (peak_gbps * GB) * 1e3
-    hooks = plan.overhead_ms
+    # The hooks cost time on the device's timeline and on the host's; whichever the plan is bound by.
+    hooks = max(plan.overhead_ms, plan.host_hooks_ms)
     mine, resident = _rounds_ms(row, "plan"), _rounds_ms(row, RESIDENT)
     x_ideal, ideal_range = _median_range(round_ratios(mine, resident, at_least_ms=copy_ms))
     x_hooks, hooks_range = _median_range(round_ratios(mine, resident, add_ms=hooks, at_least_ms=copy_ms))
@@ -402,6 +424,10 @@ def _misses(row: dict[str, Any], label: str, workload: Workload) -> list[str]:
         if row["x_ideal_hooks"] <= TARGET_X_IDEAL:
             notes.append(f"x ideal {row['x_ideal']:.3f}: the hooks' fixed cost ({row['hooks_ms']:.2f} ms a step) "
                          "accounts for it")
+        elif row.get("host_bound"):
+            notes.append(f"x ideal {row['x_ideal']:.3f}: host-bound; the host was predicted to dispatch the step in "
+                         f"{row['host_ms']:.2f} ms, {row['host_hooks_ms']:.2f} ms of it the offload hooks, and the "
+                         f"plan ran {row['x_ideal_hooks']:.3f}x the resident model plus those hooks")
         elif row.get("plan_ideal_ms") and row["predicted_ms"] > TARGET_X_IDEAL * row["plan_ideal_ms"]:
             # The simulation itself puts the layout above the ideal: uneven blocks, not the engine.
             notes.append(f"x ideal {row['x_ideal']:.3f}: the per-block schedule; the plan was predicted "
@@ -604,7 +630,9 @@ def _run_workload(ctx: Context, workload: Workload, peak: float | None, depth_sw
         free_memory()
         return
     ctx.note(f"{name}: calibrated compute {costs.total_compute_ms():.2f} ms, copies at the block size "
-             f"{costs.h2d_gbps:.1f} GB/s, hooks' fixed cost {1e3 * costs.block_overhead_ms:.1f} us per offloaded block")
+             f"{costs.h2d_gbps:.1f} GB/s, hooks' fixed cost {1e3 * costs.block_overhead_ms:.1f} us per offloaded block"
+             + (f"; host dispatch {costs.total_host_ms():.2f} ms a step, the hooks' host cost "
+                f"{1e3 * costs.host_overhead_ms:.1f} us per offloaded block" if costs.host_timed else ""))
     for label, budget in _budgets(ctx, workload, costs):
         def row(label: str = label, budget: int | str = budget) -> dict[str, Any]:
             plan, budget_bytes = _plan_for(ctx, budget, costs, master, workload)

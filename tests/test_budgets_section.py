@@ -36,6 +36,7 @@ def test_summary_lines() -> None:
 class _Plan:
     host_bytes = 2 * 10**9
     overhead_ms = 1.0
+    host_hooks_ms = 0.0
 
 
 def _row(**figures) -> dict:
@@ -61,6 +62,7 @@ def test_ideals_put_the_hooks_on_the_compute_side() -> None:
 class _SmallPlan:
     host_bytes = 0  # 100 %: nothing moves, the ideal is the resident model of the same round
     overhead_ms = 0.0
+    host_hooks_ms = 0.0
 
 
 def test_ideal_is_the_median_of_per_round_ratios_when_the_host_speed_flips() -> None:
@@ -91,6 +93,7 @@ def test_each_round_is_held_to_the_copy_when_the_copy_is_longer() -> None:
     class _Moving:
         host_bytes = 4 * 10**8  # 8 ms at 50 GB/s
         overhead_ms = 1.0
+        host_hooks_ms = 0.5  # below the device's: the larger of the two counts
 
     row = _row(ms=12.0, resident_ms=8.0, rounds=_rounds(plan=[12.0, 12.0, 9.0], resident=[10.0, 6.0, 9.0]))
     _ideals(row, _Moving(), peak_gbps=50.0, total_bytes=8 * 10**8)  # 16 ms to move every block
@@ -104,6 +107,34 @@ def test_round_ratios_refuse_unmatched_rounds() -> None:
 
     with pytest.raises(ValueError, match="per-round ratios need the same number of rounds on both sides, got 2 and 1"):
         round_ratios([1.0, 2.0], [1.0])
+
+
+def test_the_hooks_host_cost_counts_where_the_plan_is_host_bound() -> None:
+    from benchmarks.budgets import _ideals
+
+    class _HostBound:
+        host_bytes = 0
+        overhead_ms = 0.0
+        host_hooks_ms = 1.76  # W3 at 75 %: 16 offloaded blocks at 110 us of host time each
+
+    row = _row(ms=12.7, resident_ms=10.88, rounds=_rounds(plan=[12.7, 12.25], resident=[10.88, 10.59]))
+    _ideals(row, _HostBound(), peak_gbps=50.0, total_bytes=10**8)
+    assert row["hooks_ms"] == 1.76 and row["x_ideal_hooks"] == (12.7 / 12.64 + 12.25 / 12.35) / 2
+
+
+def test_against_resident_takes_the_host_drift_out_of_the_prediction() -> None:
+    from benchmarks.budgets import _against_resident
+    from benchmarks.interleave import Interleaved
+    from fastoffload_ext.planning import BlockCosts, plan_offload
+
+    costs = BlockCosts([0.05] * 8, [10 * MiB] * 8, 50.0, host_ms=[1.0] * 8, host_overhead_ms=0.1)
+    plan = plan_offload(costs, 6 * 10 * MiB)  # 4 resident + 2 slots: predicted 8.4 ms, all resident 8.0
+    # The host ran twice as slow in the rounds as in the calibration, on both sides alike.
+    rounds = Interleaved({"plan": [16.8, 16.8, 16.8], "resident": [16.0, 16.0, 16.0]})
+    figures = _against_resident(rounds, plan)
+    assert figures["resident_predicted_ms"] == 8.0 and figures["host_bound"] is True
+    assert figures["host_hooks_ms"] == pytest.approx(0.4) and figures["host_ms"] == pytest.approx(8.4)
+    assert figures["x_predicted_resident"] == pytest.approx(1.0, rel=1e-12)
 
 
 def test_notes_name_each_missed_target_and_its_reason() -> None:
@@ -123,6 +154,11 @@ def test_notes_name_each_missed_target_and_its_reason() -> None:
     assert notes[2] == "peak 101.5 MiB over the 100.0 MiB budget"
     mixed = _row(x_ideal=1.19, x_ideal_hooks=1.18, copy_ms=88.0, resident_ms=84.0, predicted_ms=107.0,
                  plan_ideal_ms=88.0, mem_ok=True)
+    host = _row(x_ideal=1.17, x_ideal_hooks=1.08, copy_ms=7.3, resident_ms=10.9, predicted_ms=11.8,
+                plan_ideal_ms=10.0, host_bound=True, host_ms=11.76, host_hooks_ms=1.76)
+    assert _misses(host, "75%", w1) == [
+        "x ideal 1.170: host-bound; the host was predicted to dispatch the step in 11.76 ms, 1.76 ms of it the "
+        "offload hooks, and the plan ran 1.080x the resident model plus those hooks"]
     assert _misses(mixed, "0%", w1) == [
         "x ideal 1.190: the per-block schedule; the plan was predicted 107.00 ms = 1.216x its ideal: copy-bound "
         "blocks expose their copies and compute-bound ones leave the copy stream idle, and the budget keeps too few "

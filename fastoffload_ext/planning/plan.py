@@ -54,6 +54,7 @@ class OffloadPlan:
     overhead_ms: float = 0.0
     host_ms: float = 0.0    # the host's predicted time to dispatch a step, hooks included (0: not timed)
     device_ms: float = 0.0  # the step the device timelines alone give (compute, exposed copies)
+    host_hooks_ms: float = 0.0  # of host_ms, the offload hooks' host cost per step
     tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
 
     @property
@@ -97,7 +98,7 @@ class OffloadPlan:
             "compressed": self.compressed, "compressed_blocks": self.compressed_blocks,
             "raw_offloaded_bytes": self.raw_offloaded_bytes, "staging_bytes": self.staging_bytes,
             "overhead_ms": self.overhead_ms, "host_ms": self.host_ms, "device_ms": self.device_ms,
-            "host_bound": self.host_bound,
+            "host_hooks_ms": self.host_hooks_ms, "host_bound": self.host_bound,
         }
 
     def explain(self) -> str:

@@ -301,6 +301,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         compressed_blocks=sum(1 for b in offloaded if costs.is_coded(b)),
         staging_bytes=costs.staging_bytes(offloaded), overhead_ms=costs.block_overhead_ms * len(offloaded),
         host_ms=host_ms, device_ms=device_ms,
+        host_hooks_ms=costs.host_overhead_ms * len(offloaded) if costs.host_timed else 0.0,
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget,
                  _host_clause(costs, len(offloaded), host_ms, device_ms)), costs=costs)
     logger.debug("%s", plan)
