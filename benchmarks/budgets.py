@@ -13,13 +13,18 @@ count and Flux with both block lists in one ring, ``benchmarks/dit_workloads.py`
    plan runs against a grid of (resident set, depth): for each depth 1..3 the most evenly spread blocks
    that fit, plus today's ``resident_blocks=N`` (the first N) at depth 1. Every configuration and the
    resident model are alive at once and timed in interleaved rounds (``benchmarks.interleave``). The
-   planner's row reports its median over its prediction, over the best grid configuration's (target <=
-   1.03), over the ideal max(resident compute in the same rounds, moved bytes / peak H2D) (target <=
-   1.05), the hooks' fixed cost per step and the ideal with it (max(compute + hooks, moved / peak):
-   what the hook path alone keeps a plan above), over today's floor max(compute, all block bytes / peak
-   H2D) (at 50 % on W1 and W4: target <= 0.55), the per-round spread, its peak device memory measured
-   alone (must stay within the budget), bit-equality with the resident output, and a note naming every
-   target the row misses with the figure that explains it.
+   planner's row reports its median over its prediction, and the same with the host's drift taken out
+   (the plan over the resident model per round, against the predicted plan over the predicted resident
+   step), over the best grid configuration's (target <= 1.03), over the ideal max(resident compute,
+   moved bytes / peak H2D) (target <= 1.05), the hooks' fixed cost per step (on the device's timeline
+   or, host-bound, the host's) and the ideal with it (max(compute + hooks, moved / peak): what the hook
+   path alone keeps a plan above), over today's floor max(compute, all block bytes / peak H2D) (at 50 %
+   on W1 and W4: target <= 0.55), the per-round spread, its peak device memory measured alone (must stay
+   within the budget), bit-equality with the resident output, and a note naming every target the row
+   misses with the figure that explains it. Every ratio to the resident model is taken within each
+   round (the resident step of that round) and the median over rounds is reported, with the lowest and
+   highest round beside the ideal: the host's speed can flip mid-run, and a ratio of medians would then
+   pair a fast round of one side with a slow round of the other.
 3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
    beyond 2 %.
 

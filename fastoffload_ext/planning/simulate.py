@@ -5,10 +5,10 @@ then prefetch of the next ``depth`` offloaded blocks; release after the block ra
 the engine's slot ring: ``depth + 1`` slots; a copy goes into an empty slot, else the least recently
 touched cached one, else the least recently touched ready one, never into one in use; a copy into a
 slot waits for the slot's "free" event (the end of the compute that last used it) and for the copies
-issued before it (one copy stream). A block whose slot still holds it costs no copy. The host is
-assumed to run ahead of the device within a step, so only the two device timelines constrain each
-other; between steps the host waits for the device (a scheduler step, a readback), so no copy a step
-issues starts before that step begins.
+issued before it (one copy stream). A block whose slot still holds it costs no copy. Without host
+figures the host is assumed to run ahead of the device within a step, so only the two device
+timelines constrain each other; between steps the host waits for the device (a scheduler step, a
+readback), so no copy a step issues starts before that step begins.
 
 Several steps are simulated back to back and the last is reported, so the cyclic wrap-around (the
 last block prefetching the first of the next step) is in its steady state. Compute outside the block
