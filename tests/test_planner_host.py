@@ -218,6 +218,27 @@ def test_host_bound_tables_are_planned_optimally_by_brute_force(seed: int) -> No
         assert plan.device_bytes == footprint(costs, frozenset(plan.resident), plan.prefetch_depth) <= budget
 
 
+@pytest.mark.parametrize("n, hooks_ms", [(9, 0.0), (10, 0.05), (10, 0.3)])
+def test_the_heuristic_search_on_host_bound_tables_is_within_3_percent_of_brute_force(n: int, hooks_ms: float) -> None:
+    costs = dataclasses.replace(launch_bound(n, host_ms=0.3, hooks_ms=hooks_ms), h2d_gbps=GBPS / 2)  # 0.42 ms copies
+    for resident_fraction in (0.2, 0.5, 0.8):
+        budget = int(resident_fraction * n) * BLOCK + 3 * BLOCK
+        plan = plan_offload(costs, budget, exhaustive_limit=0)
+        assert plan.predicted_step_ms <= 1.03 * brute_force(costs, budget)
+
+
+def test_a_w3_shaped_table_predicts_the_host_and_its_hooks() -> None:
+    # The H200's W3: 64 blocks, 5.25 ms of device compute, ~10 ms of host dispatch, 0.46 ms copies.
+    block = int(0.46e-3 * GBPS * 1e9)
+    costs = BlockCosts([5.25 / 64] * 64, [block] * 64, GBPS, host_ms=[10.0 / 64] * 64, host_overhead_ms=0.11)
+    plan = plan_offload(costs, 50 * block)  # 75 %: 48 resident + 2 slots
+    assert len(plan.resident) == 48 and plan.host_bound
+    assert plan.predicted_step_ms == pytest.approx(10.0 + 16 * 0.11, rel=1e-9)  # not the device's 7.4 ms
+    assert plan.device_ms == pytest.approx(7.36, abs=0.01)
+    everything = plan_offload(costs, 64 * block)
+    assert everything.predicted_step_ms == pytest.approx(10.0, rel=1e-12)  # not the device's 5.25 ms
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_host_bound_plans_are_monotone_in_budget_and_never_over_it(seed: int) -> None:
     rng = random.Random(500 + seed)

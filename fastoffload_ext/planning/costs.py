@@ -130,6 +130,13 @@ class BlockCosts:
             return self
         return dataclasses.replace(self, host_ms=None, host_other_ms=0.0, host_overhead_ms=0.0)
 
+    def window_ms(self, block: int) -> float:
+        """How long an offloaded ``block`` runs, what the next copy can hide behind: its compute, or
+        with host figures its dispatch and hooks when the host is slower."""
+        if not self.host_timed:
+            return self.compute_ms[block]
+        return max(self.compute_ms[block], self.host_dispatch_ms(block) + self.host_overhead_ms)
+
     def total_host_ms(self) -> float:
         """The host's dispatch time of a step with every block resident (no hooks)."""
         return (sum(self.host_ms) if self.host_ms is not None else 0.0) + self.host_other_ms

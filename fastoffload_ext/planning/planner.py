@@ -87,12 +87,13 @@ def _spread_sets(n: int) -> Iterable[frozenset[int]]:
 
 
 def _bound_spread_sets(costs: BlockCosts) -> Iterable[frozenset[int]]:
-    """Resident sets spread evenly over the copy-bound blocks (copy slower than their compute), then those
+    """Resident sets spread evenly over the copy-bound blocks (copy slower than their compute, or than the
+    host's dispatch and hooks where the host is slower), then those
     plus spread others: with two kinds of block in one ring (Flux's copy-bound double-stream blocks and
     compute-bound single-stream ones) a resident compute-bound block saves little while copy-bound ones
     are still copied, and spreading over the whole ring would put most resident blocks among the wrong kind."""
     n = costs.blocks
-    bound = [b for b in range(n) if costs.copy_ms(b) > costs.compute_ms[b]]
+    bound = [b for b in range(n) if costs.copy_ms(b) > costs.window_ms(b)]
     if not bound or len(bound) == n:
         return
     rest = sorted(set(range(n)) - set(bound))
