@@ -179,6 +179,8 @@ def test_a_launch_bound_plan_predicts_the_host_bound_and_says_so() -> None:
     assert re.search(r"^host-bound: the host dispatches the step in 8\.500 ms \(0\.500 ms of it the hooks of 5 "
                      r"offloaded blocks, 100 us each\), the GPU computes it in \d+\.\d{3} ms; ", plan.why)
     assert plan.as_dict()["host_bound"] is True and plan.as_dict()["host_ms"] == plan.host_ms
+    assert plan.explain().splitlines()[3] == (f"host: dispatches a step in 8.500 ms (0.500 ms of it the hooks), the "
+                                              f"device's timelines alone {plan.device_ms:.3f} ms: host-bound")
     everything = plan_offload(costs, 8 * BLOCK)
     assert everything.predicted_step_ms == 8.0 and everything.why == (
         "every block fits the budget: nothing is copied; host-bound: the host dispatches the step in 8.000 ms, "

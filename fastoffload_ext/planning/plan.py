@@ -102,11 +102,12 @@ class OffloadPlan:
         }
 
     def explain(self) -> str:
-        """The plan in a few lines: layout, memory, bytes moved (compressed or raw), prediction and why."""
+        """The plan in a few lines: layout, memory, bytes moved (compressed or raw), the host's dispatch where
+        it was timed, prediction and why."""
         moved = (f"{format_bytes(self.host_bytes)} compressed from {format_bytes(self.raw_offloaded_bytes)} "
                  f"({self.compressed_blocks} coded blocks, {format_bytes(self.staging_bytes)} device staging)"
                  if self.compressed else f"{format_bytes(self.host_bytes)} raw")
-        return "\n".join([
+        lines = [
             f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
             f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",
             f"device {format_bytes(self.device_bytes)} of budget {format_bytes(self.device_budget)} (activation "
@@ -114,7 +115,12 @@ class OffloadPlan:
             f"moved per step: {moved}",
             f"predicted {self.predicted_step_ms:.3f} ms/step, ideal {self.ideal_ms:.3f} ms, hook overhead "
             f"{self.overhead_ms:.3f} ms; {self.why}",
-        ])
+        ]
+        if self.host_ms > 0:
+            lines.insert(3, f"host: dispatches a step in {self.host_ms:.3f} ms ({self.host_hooks_ms:.3f} ms of it the "
+                            f"hooks), the device's timelines alone {self.device_ms:.3f} ms"
+                            + (": host-bound" if self.host_bound else ""))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return (f"OffloadPlan: {len(self.resident)} of {self.blocks} blocks resident {list(self.resident)}, "
