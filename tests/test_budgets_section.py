@@ -222,8 +222,10 @@ def test_compressed_row_passes_when_auto_is_as_fast_as_the_faster_kind() -> None
                                        "auto_config": "raw"}, 90 * MiB, 100 * MiB, shared)
     assert same["x_floor_auto"] == 40.0 / 80.0
     slow = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.17, "x_auto_coded": 1.0, "ms": 40.0,
-                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 90 * MiB, 100 * MiB, shared)
+                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 90 * MiB, 100 * MiB,
+                             shared)
     assert slow["pass"] is False
     over = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 1.0, "ms": 40.0,
-                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 101 * MiB, 100 * MiB, shared)
+                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 101 * MiB, 100 * MiB,
+                             shared)
     assert over["pass"] is False and over["mem_ok"] is False

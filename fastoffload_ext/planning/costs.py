@@ -105,9 +105,9 @@ class BlockCosts:
         if self.host_ms is not None:
             object.__setattr__(self, "host_ms", tuple(float(h) for h in self.host_ms))
             if len(self.host_ms) != len(self.block_bytes) or any(not h >= 0 for h in self.host_ms):
-                raise OffloadConfigError(f"fastoffload: BlockCosts host_ms needs one dispatch time >= 0 (ms) per block: "
-                                         f"got {list(self.host_ms)} for {len(self.block_bytes)} blocks; pass None "
-                                         "when the host was not timed")
+                raise OffloadConfigError("fastoffload: BlockCosts host_ms needs one dispatch time >= 0 (ms) per "
+                                         f"block: got {list(self.host_ms)} for {len(self.block_bytes)} blocks; pass "
+                                         "None when the host was not timed")
         if not (self.host_other_ms >= 0 and self.host_overhead_ms >= 0):
             raise OffloadConfigError(f"fastoffload: BlockCosts host_other_ms and host_overhead_ms must be >= 0 (ms), "
                                      f"got {self.host_other_ms} and {self.host_overhead_ms}")
