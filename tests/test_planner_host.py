@@ -316,6 +316,28 @@ def test_host_figures_go_into_a_gpu_table_only() -> None:
     assert with_host_figures(host, measured, ()) is host
 
 
+def test_a_starved_device_s_gaps_are_the_host_s_hooks_not_device_overhead() -> None:
+    from fastoffload_ext.planning.calibration import fit_block_overhead
+
+    # A launch-bound step measured on CUDA: the device waits for the host, so its gaps between blocks are
+    # the hooks' host time (0.1 ms); the host's gaps say so directly.
+    truth = dataclasses.replace(launch_bound(10, hooks_ms=0.1, host_other_ms=0.2), h2d_gbps=10 * GBPS)  # copies hide
+    timeline = simulate_step(truth, (), 1)
+    device_gaps = (0.0,) + tuple(timeline.block_start[i] - timeline.block_end[i - 1] for i in range(1, 10))
+    assert device_gaps[1:] == pytest.approx((0.1,) * 9)
+    measured = Measurement(block_ms=truth.compute_ms, step_ms=timeline.step_ms, other_ms=0.0, activation_bytes=None,
+                           repeats=5, spread=0.0, gap_ms=device_gaps, host_block_ms=truth.host_ms,
+                           host_step_ms=timeline.step_ms, host_other_ms=0.2, host_gap_ms=(0.0,) + (0.1,) * 9)
+    bare = BlockCosts(truth.compute_ms, truth.block_bytes, truth.h2d_gbps)
+    # Without the host's figures the device's gaps read as device overhead; with them they are explained.
+    assert fit_block_overhead(bare, measured, (), 1) == pytest.approx(0.1)
+    fitted = with_host_figures(bare, measured, ())
+    assert fitted.host_overhead_ms == pytest.approx(0.1)
+    assert fit_block_overhead(fitted, measured, (), 1) == pytest.approx(0.0, abs=1e-9)
+    for resident in ((), (2, 7), tuple(range(10))):
+        assert simulate_step(fitted, resident, 1).step_ms == pytest.approx(simulate_step(truth, resident, 1).step_ms)
+
+
 def test_on_the_cpu_the_host_clock_is_the_device_clock() -> None:
     model, _ = make_pair(4)
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
