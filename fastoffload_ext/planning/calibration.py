@@ -15,7 +15,9 @@ Every mark also reads the host clock. On CUDA the calibration step runs an offlo
 device waits for copies and the host runs ahead, so the events see only the device's time; a
 launch-bound model (many small blocks) is set by the host's dispatch instead, which only the host
 readings show: each block's dispatch, the step from ``step()`` called to returned, and the host gaps
-between blocks where the offload hooks run. With the host as the device the two clocks are one.
+between blocks where the offload hooks run. The per-block host figures come from a host pass on CUDA,
+steps that drain the device after every block, so a host that ran far ahead and waited for a full
+launch queue is not taken for a slow host. With the host as the device the two clocks are one.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class _Mark:
     def __init__(self, device: torch.device) -> None:
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         self.host = 0.0
+        self.resumed: float | None = None  # the host clock after a drain (the host pass), else None
 
     def record(self) -> None:
         self.host = time.perf_counter()
@@ -67,11 +70,17 @@ class _Mark:
 
 
 class BlockTimer(ForwardHook):
-    """Marks the start and end of one block's forward, once per call (a block may run several times)."""
+    """Marks the start and end of one block's forward, once per call (a block may run several times).
+
+    With ``drain`` set (the host pass, CUDA) it waits for the device after each block's end mark and
+    reads the host clock again: the next block is then dispatched into an empty launch queue, so its
+    host span is its dispatch alone, never a wait for a queue the device has not emptied yet.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.spans: list[tuple[_Mark, _Mark]] = []
+        self.drain = False
 
     @classmethod
     def name(cls) -> str:
@@ -87,7 +96,12 @@ class BlockTimer(ForwardHook):
     @torch.compiler.disable
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.spans:
-            self.spans[-1][1].record()
+            end = self.spans[-1][1]
+            end.record()
+            if self.drain:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                end.resumed = time.perf_counter()
         return output
 
 
@@ -97,8 +111,9 @@ class Measurement:
 
     The ``host_`` figures are the same spans on the host clock: each block's dispatch (its forward as
     the host ran it), the step from ``step()`` called to returned (before the sync), the host's time
-    outside the blocks, and the gaps between blocks (where the offload hooks run). With the host as the
-    device they equal the device figures.
+    outside the blocks, and the gaps between blocks (where the offload hooks run); on CUDA all but the
+    step come from the host pass (``measure_blocks``). With the host as the device they equal the
+    device figures.
     """
 
     block_ms: tuple[float, ...]
@@ -205,6 +220,49 @@ def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch
     return _Sample(_clock(timers, begin, end, _Mark.ms_until), _clock(timers, begin, end, _Mark.host_ms_until), peak)
 
 
+def _drained_host_clock(timers: list[BlockTimer], begin: _Mark, end: _Mark) -> _Clock:
+    """One host-pass step on the host clock, the drains left out: each block's dispatch, the gaps from
+    the previous block's drain to the next block's start (the hooks), the host before the first block
+    and after the last one; its step is the sum of those, the host's busy time."""
+    block_ms = [sum(s.host_ms_until(e) for s, e in timer.spans) for timer in timers]
+    gaps = None
+    if all(len(t.spans) == 1 for t in timers):
+        gaps = [0.0] + [1e3 * (timer.spans[0][0].host - _resumed(previous.spans[0][1]))
+                        for previous, timer in zip(timers, timers[1:])]
+    first = min(t.spans[0][0].host for t in timers)
+    last = max(_resumed(t.spans[-1][1]) for t in timers)
+    other = max(0.0, 1e3 * (first - begin.host)) + max(0.0, 1e3 * (end.host - last))
+    return _Clock(block_ms, sum(block_ms) + sum(gaps or ()) + other, other, gaps)
+
+
+def _resumed(mark: _Mark) -> float:
+    return mark.resumed if mark.resumed is not None else mark.host
+
+
+def _host_pass(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device, repeats: int) -> list[_Clock]:
+    """``repeats`` steps with the device drained after every block (see ``BlockTimer``), on the host clock."""
+    clocks = []
+    for timer in timers:
+        timer.drain = True
+    try:
+        for _ in range(repeats):
+            for timer in timers:
+                timer.spans.clear()
+            begin, end = _Mark(device), _Mark(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            begin.record()
+            step()
+            end.record()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            clocks.append(_drained_host_clock(timers, begin, end))
+    finally:
+        for timer in timers:
+            timer.drain = False
+    return clocks
+
+
 def _medians(clocks: list[_Clock], blocks: int) -> tuple[tuple[float, ...], float, float, tuple[float, ...] | None]:
     """(per-block ms, step ms, other ms, gaps) as medians over the repeats of one clock."""
     block_ms = tuple(statistics.median(c.block_ms[i] for c in clocks) for i in range(blocks))
@@ -216,13 +274,22 @@ def _medians(clocks: list[_Clock], blocks: int) -> tuple[tuple[float, ...], floa
 
 
 def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device, *,
-                   repeats: int = 5, max_repeats: int = 15, warmup: int = 1) -> Measurement:
-    """Runs ``step`` (one forward of the model that holds ``blocks``) and times every block."""
+                   repeats: int = 5, max_repeats: int = 15, warmup: int = 1,
+                   host_pass: bool | None = None) -> Measurement:
+    """Runs ``step`` (one forward of the model that holds ``blocks``) and times every block.
+
+    ``host_pass`` (default: on CUDA) takes the per-block host figures from ``repeats`` more steps that
+    drain the device after every block: in the timed steps a host far ahead of a device waiting for
+    copies can fill the launch queue and wait inside a block's dispatch, which would read as host time.
+    The host step (``step()`` called to returned) is always the timed steps'. Without it (and with the
+    host as the device, one clock) the host figures come from the timed steps themselves.
+    """
     if repeats < 1 or max_repeats < repeats:
         raise OffloadConfigError(f"fastoffload: calibration needs 1 <= repeats <= max_repeats, got repeats={repeats}, "
                                  f"max_repeats={max_repeats}")
     timers = _attach_timers(blocks, device)
     samples: list[_Sample] = []
+    drained: list[_Clock] | None = None
     try:
         with torch.inference_mode():
             for _ in range(warmup):
@@ -230,10 +297,14 @@ def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device:
             while len(samples) < repeats or (spread_of([s.device.step_ms for s in samples]) > SPREAD_LIMIT
                                              and len(samples) < max_repeats):
                 samples.append(_one_repeat(step, timers, device))
+            drained = (_host_pass(step, timers, device, repeats)
+                       if (device.type == "cuda" if host_pass is None else host_pass) else None)
     finally:
         _detach_timers(blocks)
     block_ms, step_ms, other_ms, gaps = _medians([s.device for s in samples], len(blocks))
     host_block, host_step, host_other, host_gaps = _medians([s.host for s in samples], len(blocks))
+    if drained is not None:
+        host_block, _, host_other, host_gaps = _medians(drained, len(blocks))
     peaks = [s.peak for s in samples if s.peak is not None]
     return Measurement(block_ms=block_ms, step_ms=step_ms, other_ms=other_ms,
                        activation_bytes=max(peaks) + ALLOCATOR_SLACK_BYTES if peaks else None, repeats=len(samples),
