@@ -101,6 +101,23 @@ def test_the_step_is_the_later_of_the_host_and_the_device() -> None:
     assert simulate_step(fast_copies, (), 1).step_ms == pytest.approx(6.0, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_host_only_ever_adds_to_the_step(seed: int) -> None:
+    rng = random.Random(700 + seed)
+    for _ in range(40):
+        n = rng.randint(1, 9)
+        costs = BlockCosts([rng.uniform(0.0, 2.0) for _ in range(n)], [rng.choice((1, 2, 3)) * 20 * MiB for _ in range(n)],
+                           GBPS, other_ms=rng.uniform(0.0, 1.0), block_overhead_ms=rng.uniform(0.0, 0.1),
+                           host_ms=[rng.uniform(0.0, 2.0) for _ in range(n)], host_overhead_ms=rng.uniform(0.0, 0.3),
+                           host_other_ms=rng.uniform(0.0, 1.0))
+        resident = [b for b in range(n) if rng.random() < 0.4]
+        depth, cyclic = rng.randint(0, 3), rng.random() < 0.7
+        timeline = simulate_step(costs, resident, depth, cyclic=cyclic)
+        device = simulate_step(costs.device_only(), resident, depth, cyclic=cyclic)
+        # The step holds the host's busy time and is never shorter than the device's timelines alone.
+        assert timeline.step_ms >= timeline.host_ms - 1e-9 and timeline.step_ms >= device.step_ms - 1e-9
+
+
 def test_host_figures_of_zero_predict_what_no_host_figures_do() -> None:
     rng = random.Random(5)
     for _ in range(6):
