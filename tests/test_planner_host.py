@@ -108,7 +108,8 @@ def test_the_host_only_ever_adds_to_the_step(seed: int) -> None:
         n = rng.randint(1, 9)
         sizes = [rng.choice((1, 2, 3)) * 20 * MiB for _ in range(n)]
         costs = BlockCosts([rng.uniform(0.0, 2.0) for _ in range(n)], sizes, GBPS, other_ms=rng.uniform(0.0, 1.0),
-                           block_overhead_ms=rng.uniform(0.0, 0.1), host_ms=[rng.uniform(0.0, 2.0) for _ in range(n)], host_overhead_ms=rng.uniform(0.0, 0.3),
+                           block_overhead_ms=rng.uniform(0.0, 0.1), host_ms=[rng.uniform(0.0, 2.0) for _ in range(n)],
+                           host_overhead_ms=rng.uniform(0.0, 0.3),
                            host_other_ms=rng.uniform(0.0, 1.0))
         resident = [b for b in range(n) if rng.random() < 0.4]
         depth, cyclic = rng.randint(0, 3), rng.random() < 0.7
