@@ -87,7 +87,35 @@ def _startup(config: dict[str, Any]) -> dict[str, Any]:
               "reader_idle_s": reader["idle_seconds"], "in_flight": reader["read_seconds"] / reader["wall_seconds"],
               "reader_wall_s": reader["wall_seconds"],
               "disk_blocks": sum(1 for s in group.states if s.on_disk)}
+    result.update(startup_phases(group, started, enable_s))
     return result  # the parent judges the time against the bandwidth it measures around this child
+
+
+def startup_phases(group: Any, started: float, enable_s: float) -> dict[str, Any]:
+    """Where a start-up's time went: the build's own phases (``CheckpointSource.phases``, ms) and what
+    enable spent outside them ("other": argument and model checks, the engine, the hooks), and the
+    host tier's reads placed in it from the reader's counters: "head" from the call to the first read
+    request, "reads" from the first request to the last one's end, "tail" from then to the return.
+    With a disk tier the reader's counters are the ones taken when its staging ring started, i.e.
+    before the ring's first fill, which is not part of the start-up. "pins" are the pool's deferred
+    pins, summed over the threads that ran them (faulting the pages in, then registering them)."""
+    source = group.checkpoint
+    reader = group.engine.reader.stats()
+    disk = group.engine.disk_stats()
+    ring = disk["staging_count"] > 0
+    made = source.reader_made_at - started  # the reader's clock starts here, in enable's
+    first = reader["first_read_seconds"]
+    last = disk["start_reader_last_read_end_seconds"] if ring else reader["last_read_end_seconds"]
+    read_bytes = disk["start_reader_bytes"] if ring else reader["bytes_read"]
+    phases = {name: seconds * 1e3 for name, seconds in source.phases.items()}
+    phases["other"] = enable_s * 1e3 - sum(phases.values())
+    pool = group.engine.pool.stats()
+    timeline = {"head": (made + first) * 1e3 if first >= 0 else None,
+                "reads": (last - first) * 1e3 if first >= 0 and last >= 0 else None,
+                "tail": (enable_s - made - last) * 1e3 if last >= 0 else None}
+    return {"phases_ms": phases, "timeline_ms": timeline, "reader_bytes_at_start": read_bytes,
+            "pins": {"count": pool["deferred_pins"], "populate_ms": pool["populate_seconds"] * 1e3,
+                     "register_ms": pool["register_seconds"] * 1e3, "pin_total_ms": pool["pin_seconds"] * 1e3}}
 
 
 def enable_read_bytes(source: Any) -> dict[str, int]:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from typing import Any
 
@@ -48,13 +49,32 @@ SECTION_TIMEOUTS = {
 }
 
 
+# The sections' environment variables, shown by --help (tests/test_benchmark_cli.py checks that every
+# BENCHMARK_* variable a section reads is listed here).
+ENVIRONMENT = {
+    "BENCHMARK_BUDGETS_WORKLOADS": "budgets: only these workloads, in this order (W1,W2,W3,W4,wan-1.3b,flux); "
+                                   "the full section fits two GPU commands: W1,W2,W3,W4 then flux,wan-1.3b",
+    "BENCHMARK_MODELS": "models: only these models (wan-1.3b,flux,wan-14b; default all, --quick: wan-1.3b)",
+    "BENCHMARK_MODEL_PEERS": "models: 'all' runs every peer on every model (default: fewer on the 14B model)",
+    "BENCHMARK_MODELS_BUDGET_S": "models: seconds within which every peer must finish (default 360); a peer "
+                                 "that would not is skipped and its rows say so",
+}
+
+
+def _epilog() -> str:
+    lines = ["environment variables:"]
+    for name, text in ENVIRONMENT.items():
+        lines += textwrap.wrap(text, width=100, initial_indent=f"  {name}  ", subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog="python -m benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog(),
         description="fastoffload_ext benchmark suite: bandwidth, forward (W1-W4 + a transformers model vs "
-                    "floor), CUDA graphs, torch.compile, startup, host overhead, lazy pipeline, several ranks "
-                    "of one host, residency planner under device budgets. Tables on stdout, results.json + "
-                    "PNGs in --out.")
+                    "floor), CUDA graphs, torch.compile, start-up, host overhead, lazy pipeline, several ranks "
+                    "of one host, codec, residency planner under device budgets, disk tier and start-up from "
+                    "a checkpoint, real models against peers. Tables on stdout, results.json + PNGs in --out.")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 3 min on an H200)")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT if set, else ./results)")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="K",

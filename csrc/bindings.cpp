@@ -35,6 +35,9 @@ py::dict pool_stats(const PinnedPool& pool) {
   d["shared_bytes"] = s.shared_bytes;
   d["shared_owned_bytes"] = s.shared_owned_bytes;
   d["pin_seconds"] = s.pin_seconds;
+  d["populate_seconds"] = s.populate_seconds;
+  d["register_seconds"] = s.register_seconds;
+  d["deferred_pins"] = s.deferred_pins;
   d["backing"] = s.backing;
   return d;
 }
@@ -203,6 +206,8 @@ py::dict reader_stats(const DiskReader& reader) {
   d["wall_seconds"] = s.wall_seconds;
   d["max_in_flight"] = s.max_in_flight;
   d["bounce_bytes"] = s.bounce_bytes;
+  d["first_read_seconds"] = s.first_read_seconds;
+  d["last_read_end_seconds"] = s.last_read_end_seconds;
   d["threads"] = reader.threads();
   d["workers"] = reader.workers();
   d["chunk_bytes"] = reader.chunk_bytes();
@@ -221,6 +226,9 @@ py::dict disk_stats(const OffloadEngine& engine) {
   d["copy_wait_seconds"] = s.copy_wait_seconds;
   d["staging_count"] = s.staging_count;
   d["staging_bytes"] = s.staging_bytes;
+  d["start_reader_bytes"] = s.start_reader_bytes;
+  d["start_reader_wall_seconds"] = s.start_reader_wall_seconds;
+  d["start_reader_last_read_end_seconds"] = s.start_reader_last_read_end_seconds;
   return d;
 }
 

@@ -82,8 +82,18 @@ DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
       read_slots_(threads), free_slots_(threads), made_(std::chrono::steady_clock::now()), idle_since_(made_) {
   TORCH_CHECK(threads >= 1 && threads <= 256, "fastoffload: read_threads must be between 1 and 256, got ",
               std::to_string(threads));
-  workers_.reserve(2 * threads);
-  for (size_t i = 0; i < 2 * threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  std::vector<Bounce> bounces(2 * threads);
+  if (mode_ != ReadMode::kBuffered) {
+    for (auto& bounce : bounces) {
+      bounce.data = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlignment, chunk_bytes_ + 2 * kDirectAlignment));
+      if (bounce.data != nullptr) continue;
+      for (auto& made : bounces) std::free(made.data);
+      TORCH_CHECK(false, "fastoffload: cannot allocate the reader's ", std::to_string(bounces.size()), " read buffers of ",
+                  std::to_string(chunk_bytes_), " bytes; lower DiskOptions.read_threads or chunk_bytes");
+    }
+  }
+  workers_.reserve(bounces.size());
+  for (const Bounce& bounce : bounces) workers_.emplace_back([this, bounce] { worker_loop(bounce); });
 }
 
 DiskReader::~DiskReader() {
@@ -272,7 +282,7 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
   auto shared_chunks = std::make_shared<std::vector<Chunk>>(std::move(chunks));
   auto enqueue_chunks = [this, shared_chunks, finish_one]() {
     for (size_t c = 0; c < shared_chunks->size(); ++c) {
-      push([this, shared_chunks, c, finish_one](uint8_t*& bounce) {
+      push([this, shared_chunks, c, finish_one](Bounce& bounce) {
         const Chunk& chunk = (*shared_chunks)[c];
         std::string error;
         try {
@@ -290,7 +300,7 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     enqueue_chunks();
     return job;
   }
-  push([job, prepare, enqueue_chunks, finish_one, n = shared_chunks->size()](uint8_t*&) {
+  push([job, prepare, enqueue_chunks, finish_one, n = shared_chunks->size()](Bounce&) {
     std::string error;
     try {
       prepare();
@@ -327,7 +337,7 @@ void DiskReader::read(std::vector<FileRange> ranges, uint8_t* dest) {
   wait(*job);
 }
 
-void DiskReader::push(std::function<void(uint8_t*&)> task) {
+void DiskReader::push(std::function<void(Bounce&)> task) {
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     queue_.push_back(std::move(task));
@@ -335,10 +345,9 @@ void DiskReader::push(std::function<void(uint8_t*&)> task) {
   queue_cv_.notify_one();
 }
 
-void DiskReader::worker_loop() {
-  uint8_t* bounce = nullptr;  // this worker's aligned buffer for O_DIRECT reads, made on first use
+void DiskReader::worker_loop(Bounce bounce) {
   for (;;) {
-    std::function<void(uint8_t*&)> task;
+    std::function<void(Bounce&)> task;
     {
       std::unique_lock<std::mutex> lock(queue_mutex_);
       queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -348,7 +357,7 @@ void DiskReader::worker_loop() {
     }
     task(bounce);
   }
-  std::free(bounce);
+  std::free(bounce.data);
 }
 
 void DiskReader::maybe_fail(const File& file, const Chunk& chunk) {
@@ -372,20 +381,18 @@ void DiskReader::maybe_fail(const File& file, const Chunk& chunk) {
               error_text(error_number), ". Check the disk; nothing was changed, and a later read tries again");
 }
 
-void DiskReader::run_chunk(const Chunk& chunk, uint8_t*& bounce) {
+void DiskReader::run_chunk(const Chunk& chunk, Bounce& bounce) {
   File& file = file_at(chunk.file);
   const auto start = std::chrono::steady_clock::now();
   maybe_fail(file, chunk);
   bool direct = file.direct_fd >= 0 && !file.direct_refused;
   if (direct) {
-    if (bounce == nullptr) {
-      bounce = static_cast<uint8_t*>(std::aligned_alloc(kDirectAlignment, chunk_bytes_ + 2 * kDirectAlignment));
-      TORCH_CHECK(bounce != nullptr, "fastoffload: cannot allocate a ", std::to_string(chunk_bytes_),
-                  "-byte read buffer");
+    if (!bounce.used) {
+      bounce.used = true;
       std::lock_guard<std::mutex> lock(stats_mutex_);
       stats_.bounce_bytes += chunk_bytes_ + 2 * kDirectAlignment;
     }
-    direct = read_direct(file, chunk, bounce);
+    direct = read_direct(file, chunk, bounce.data);
     if (!direct) file.direct_refused = true;  // benign race: every worker reaches the same answer
   }
   if (!direct) read_buffered(file, chunk);
@@ -430,6 +437,7 @@ ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t o
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
     if (in_flight_ == 0) stats_.idle_seconds += std::chrono::duration<double>(start - idle_since_).count();
+    if (stats_.first_read_seconds < 0) stats_.first_read_seconds = std::chrono::duration<double>(start - made_).count();
     in_flight_ += 1;
     stats_.max_in_flight = std::max(stats_.max_in_flight, in_flight_);
   }
@@ -441,6 +449,8 @@ ssize_t DiskReader::timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t o
     in_flight_ -= 1;
     if (in_flight_ == 0) idle_since_ = end;
     stats_.read_seconds += std::chrono::duration<double>(end - start).count();
+    stats_.last_read_end_seconds =
+        std::max(stats_.last_read_end_seconds, std::chrono::duration<double>(end - made_).count());
   }
   {
     // Given back only once counted out, so that in_flight_ never exceeds the slots.

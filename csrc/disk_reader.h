@@ -79,7 +79,11 @@ struct ReaderStats {
   double idle_seconds = 0.0;    // wall time with no read system call in flight
   double wall_seconds = 0.0;    // wall time since the reader was made
   uint64_t max_in_flight = 0;   // most read system calls in flight at once
-  uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers, allocated on first use
+  uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers that were used (touched)
+  // When the first read system call began and the last one ended, in seconds since the reader was
+  // made (-1: none yet): with wall_seconds, how long a start-up spent before and after its reads.
+  double first_read_seconds = -1.0;
+  double last_read_end_seconds = -1.0;
 };
 
 class ReadJob;
@@ -128,9 +132,16 @@ class DiskReader {
  private:
   struct File;
   struct Chunk;
+  // A worker's aligned buffer for O_DIRECT reads. Reserved when the reader is made, before any pin
+  // holds the process's mmap lock (a worker's first read would otherwise wait for it to map its
+  // buffer); its pages are faulted in by the first read that uses it, and counted then.
+  struct Bounce {
+    uint8_t* data = nullptr;
+    bool used = false;
+  };
 
-  void worker_loop();
-  void run_chunk(const Chunk& chunk, uint8_t*& bounce);
+  void worker_loop(Bounce bounce);
+  void run_chunk(const Chunk& chunk, Bounce& bounce);
   // read_direct answers false when the file system refuses O_DIRECT (the caller falls back); both
   // throw on any other failure.
   bool read_direct(File& file, const Chunk& chunk, uint8_t* bounce);
@@ -139,7 +150,7 @@ class DiskReader {
   // pread with the in-flight accounting of ReaderStats around it.
   ssize_t timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t offset);
   File& file_at(size_t index) const;
-  void push(std::function<void(uint8_t*&)> task);
+  void push(std::function<void(Bounce&)> task);
   // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
   std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
                                  const std::shared_ptr<ReadJob>& job, size_t limit) const;
@@ -156,7 +167,7 @@ class DiskReader {
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
-  std::deque<std::function<void(uint8_t*&)>> queue_;  // a task gets its worker's bounce buffer
+  std::deque<std::function<void(Bounce&)>> queue_;  // a task gets its worker's bounce buffer
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 

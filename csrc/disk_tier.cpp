@@ -59,6 +59,10 @@ void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_
   }
   stats_.staging_count = count;
   stats_.staging_bytes = bytes;
+  const ReaderStats before = reader_->stats();
+  stats_.start_reader_bytes = before.bytes_read;
+  stats_.start_reader_wall_seconds = before.wall_seconds;
+  stats_.start_reader_last_read_end_seconds = before.last_read_end_seconds;
   next_ = 0;
   refill();
 }

@@ -40,6 +40,11 @@ struct DiskTierStats {
   double copy_wait_seconds = 0.0;  // the tier's thread waiting for those copies before it could read
   size_t staging_count = 0;
   size_t staging_bytes = 0;    // each
+  // The reader's counters when the ring was (last) started, i.e. once the host tier was read: what a
+  // start-up read before the ring's first fill, and when (seconds since the reader was made).
+  uint64_t start_reader_bytes = 0;
+  double start_reader_wall_seconds = 0.0;
+  double start_reader_last_read_end_seconds = -1.0;
 };
 
 class DiskTier {

@@ -327,41 +327,27 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
     std::lock_guard<std::mutex> lock(pending_mutex_);
     PendingLoad load;
     load.block = blocks_.size();
-    if (!pins) {
-      load.read = reader->submit(block.ranges, dest);
-    } else if (pending_.empty()) {
-      // Nothing is being read yet that a pin could hide behind: read now into unpinned pages (which
-      // the read faults in), pin once the bytes are there, while the next blocks are read.
-      std::shared_ptr<ReadJob> read = reader->submit(block.ranges, dest);
-      std::shared_ptr<PinnedPool> pool = pool_;
-      load.read = read;
-      load.pin = std::async(std::launch::async, [pool, keep_alive, read]() -> std::shared_ptr<ReadJob> {
-                   DiskReader::wait(*read);
-                   pool->pin(*keep_alive);
-                   return nullptr;
-                 }).share();
-    } else {
-      load.pin = pin_then_read(keep_alive, reader, block.ranges);
-    }
+    // The read starts at once, whatever the pin: the disk never waits for a registration. The pin runs
+    // beside it on a pin lane; its page faults and the reader's copies land in the same pages, in
+    // whichever order, and the bytes the reader wrote stay where they are.
+    load.read = reader->submit(block.ranges, dest);
+    if (pins) load.pin = queue_pin(keep_alive);
     pending_.push_back(std::move(load));
   }
   blocks_.push_back(std::move(block));
   return blocks_.size() - 1;
 }
 
-std::shared_future<std::shared_ptr<ReadJob>> LayerStore::pin_then_read(std::shared_ptr<PoolAllocation> host,
-                                                                       std::shared_ptr<DiskReader> reader,
-                                                                       std::vector<FileRange> ranges) {
-  std::shared_future<std::shared_ptr<ReadJob>> previous = last_pin_;
+std::shared_future<void> LayerStore::queue_pin(std::shared_ptr<PoolAllocation> host) {
+  std::shared_future<void>& lane = pin_lanes_[next_lane_];
+  next_lane_ = (next_lane_ + 1) % kPinLanes;
+  std::shared_future<void> previous = lane;
   std::shared_ptr<PinnedPool> pool = pool_;
-  last_pin_ = std::async(std::launch::async,
-                         [pool, host, reader, ranges = std::move(ranges), previous]() -> std::shared_ptr<ReadJob> {
-                           if (previous.valid()) previous.wait();  // its failure is its own load's to report
-                           pool->pin(*host);
-                           if (reader == nullptr) return nullptr;
-                           return reader->submit(ranges, static_cast<uint8_t*>(host->data()));
-                         }).share();
-  return last_pin_;
+  lane = std::async(std::launch::async, [pool, host, previous] {
+           if (previous.valid()) previous.wait();  // its failure is its own load's to report
+           pool->pin(*host);
+         }).share();
+  return lane;
 }
 
 std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes) {
@@ -369,25 +355,26 @@ std::shared_ptr<PoolAllocation> LayerStore::allocate_pinned_later(size_t nbytes)
   std::shared_ptr<PoolAllocation> memory = pool_->allocate(nbytes, /*defer_pin=*/true);
   std::lock_guard<std::mutex> lock(pending_mutex_);
   PendingLoad load;
-  load.pin = pin_then_read(memory, nullptr, {});
+  load.pin = queue_pin(memory);
   pending_.push_back(std::move(load));
   return memory;
 }
 
 std::exception_ptr LayerStore::wait_load(const PendingLoad& load) {
+  std::exception_ptr failure;
   try {
-    std::shared_ptr<ReadJob> read = load.read;
-    if (load.pin.valid()) {
-      std::shared_ptr<ReadJob> after = load.pin.get();
-      if (after != nullptr) read = after;
-    }
-    if (read != nullptr) DiskReader::wait(*read);
+    if (load.pin.valid()) load.pin.get();
   } catch (...) {
-    // A pin that failed or never ran leaves its read unsubmitted, and a read that failed its pin
-    // unattempted.
-    return std::current_exception();
+    failure = std::current_exception();
   }
-  return nullptr;
+  // Waited for even when the pin failed: the read writes into the region until it ends, and the
+  // caller may free the region once this returns.
+  try {
+    if (load.read != nullptr) DiskReader::wait(*load.read);
+  } catch (...) {
+    if (!failure) failure = std::current_exception();
+  }
+  return failure;
 }
 
 void LayerStore::finish_pins() const {

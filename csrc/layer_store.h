@@ -106,10 +106,10 @@ class LayerStore {
   // `tensors[j]` (whose own values are ignored: they may be empty placeholders), and its bytes are
   // `spans[j]`, read into the block's region by `reader`; no other copy of them exists. It returns
   // once the read is under way: the reads of successive blocks queue back to back, so the disk never
-  // idles between blocks, and the pins run beside them (see finish_pins). The first block of a load
-  // is read first and pinned after; every later one is pinned first, while the blocks before it are
-  // read, and read after, so that no pin is left to run once the last byte has arrived. An error
-  // found before the read starts adds nothing; a read or pin failure is thrown by finish_pins.
+  // idles between blocks, and never waits for a pin either: each region's pin is queued on a pin lane
+  // at the same time and runs beside the reads (see queue_pin), ahead of them, so that little is left
+  // to pin once the last byte has arrived. An error found before the read starts adds nothing; a read
+  // or pin failure is thrown by finish_pins.
   // pin=false: the region stays pageable (a raw copy that is about to be compressed and dropped); the
   // read is still queued, and waited for, the same way.
   size_t add_from_file(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
@@ -121,8 +121,8 @@ class LayerStore {
                      const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                      const DiskReader& reader);
   // Pool memory of `nbytes` for the caller to fill later (the disk tier's staging buffers), pinned in
-  // the background after the loads' pins, so that its pinning too runs while the loads read. Its pin
-  // is waited for by finish_pins.
+  // the background on a pin lane after the loads' pins queued there, so that its pinning too runs
+  // while the loads read. Its pin is waited for by finish_pins.
   std::shared_ptr<PoolAllocation> allocate_pinned_later(size_t nbytes);
   // Waits for every read and pin that add_from_file and allocate_pinned_later started, and throws the
   // first failure (a CheckpointReadFailure for a read). Call it before any of those regions is read,
@@ -200,18 +200,17 @@ class LayerStore {
                              const std::vector<std::vector<int64_t>>& shapes, const std::vector<FileSpan>& spans,
                              const DiskReader& reader) const;
 
-  // The pin of `host`, queued after the pins queued before it (registrations run one at a time, in
-  // order); then `reader` (when set) reads `ranges` into it.
-  std::shared_future<std::shared_ptr<ReadJob>> pin_then_read(std::shared_ptr<PoolAllocation> host,
-                                                             std::shared_ptr<DiskReader> reader,
-                                                             std::vector<FileRange> ranges);
+  // The pin of `host`, queued on the next of kPinLanes lanes after the pins queued there before it.
+  // Pinning a fresh region (its pages faulted in, then registered) runs at about the speed of a disk
+  // read, so one lane could fall behind the reads it runs beside; with several it keeps ahead of them.
+  std::shared_future<void> queue_pin(std::shared_ptr<PoolAllocation> host);
 
-  // A load still running: the read submitted at once (or null), and the pin, which returns the read
-  // it submitted once it had pinned (or null).
+  // A load still running: its read (or null: a staging buffer) and its pin (or none: a region kept
+  // pageable), running side by side.
   struct PendingLoad {
     size_t block = SIZE_MAX;  // the block it fills (SIZE_MAX: a staging buffer's pin)
     std::shared_ptr<ReadJob> read;
-    std::shared_future<std::shared_ptr<ReadJob>> pin;
+    std::shared_future<void> pin;
   };
 
   std::shared_ptr<PinnedPool> pool_;
@@ -220,7 +219,9 @@ class LayerStore {
   mutable std::vector<PendingLoad> pending_;
   // Waits for `load`, returning its failure instead of throwing it.
   static std::exception_ptr wait_load(const PendingLoad& load);
-  std::shared_future<std::shared_ptr<ReadJob>> last_pin_;  // the tail of the pin queue
+  static constexpr size_t kPinLanes = 2;
+  std::shared_future<void> pin_lanes_[kPinLanes];  // the tail of each lane's queue
+  size_t next_lane_ = 0;
 };
 
 // A tensor of `layout`'s dtype, sizes and strides over `storage`, starting `base_offset + layout.offset`

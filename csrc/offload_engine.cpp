@@ -4,6 +4,7 @@
 #include <malloc.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 
 #include <ATen/core/grad_mode.h>
@@ -246,7 +247,7 @@ size_t OffloadEngine::add_block_from_file(const std::vector<std::string>& names,
   const size_t index = store_.add_from_file(names, params, shapes, spans, reader_, /*pin=*/!compress);
   travel_.push_back(Travel::kRaw);
   if (compress) pending_encode_.push_back(index);
-  finish_add(index);
+  finish_add(index, holds_storage(params));
   return index;
 }
 
@@ -304,7 +305,7 @@ size_t OffloadEngine::add_block_on_disk(const std::vector<std::string>& names, c
   } else {
     disk_->add_block(index, store_.block(index).ranges);
   }
-  finish_add(index);
+  finish_add(index, holds_storage(params));
   return index;
 }
 
@@ -419,7 +420,13 @@ void OffloadEngine::check_not_shared(size_t block, const char* what) const {
               "Mutate before enabling offload, or enable with share_host_copy=False");
 }
 
-void OffloadEngine::finish_add(size_t index) {
+bool OffloadEngine::holds_storage(const std::vector<at::Tensor>& params) {
+  return std::any_of(params.begin(), params.end(), [](const at::Tensor& p) {
+    return p.defined() && p.has_storage() && p.storage().nbytes() > 0;
+  });
+}
+
+void OffloadEngine::finish_add(size_t index, bool released_originals) {
   binder_.set_block(index, store_.block(index));
   materialized_.push_back(0);
   removed_.push_back(0);
@@ -429,8 +436,10 @@ void OffloadEngine::finish_add(size_t index) {
   binder_.record_versions(index);
 #if defined(__GLIBC__)
   // glibc keeps freed heap memory (its mmap threshold grows as large tensors are freed), which would
-  // leave the released originals counted in RSS until the end; hand it back to the OS now.
-  malloc_trim(0);
+  // leave the released originals counted in RSS until the end; hand it back to the OS now. A block
+  // built from a meta model had empty placeholders, nothing to hand back, and the trim (a walk over
+  // every arena, under their locks) would only take time beside the reader's threads.
+  if (released_originals) malloc_trim(0);
 #endif
   views_stale_ = true;
 }

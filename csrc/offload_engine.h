@@ -218,7 +218,9 @@ class OffloadEngine {
   void check_bindings(size_t block) const;
   void bind_for_run(size_t block, size_t slot);
   void choose_travel_held(size_t block, bool compressed);
-  void finish_add(size_t index);
+  // released_originals: the block's original tensors held memory, which binding it gave back.
+  void finish_add(size_t index, bool released_originals = true);
+  static bool holds_storage(const std::vector<at::Tensor>& params);
   void check_not_shared(size_t block, const char* what) const;
   void ensure_slots();
   void issue_copy(size_t block, size_t slot);

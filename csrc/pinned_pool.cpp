@@ -40,6 +40,28 @@ void* map_pages_or_fail(size_t nbytes, size_t reserved_bytes) {
 }
 
 #ifdef FASTOFFLOAD_WITH_CUDA
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it (EINVAL) and nothing is done
+#endif
+
+// Populated per call: each call holds the process's mmap lock for reading while it faults its range in,
+// and an mmap elsewhere in the process (the next block's region, any allocation) waits for it; about
+// 2-3 ms of faults at a time.
+constexpr size_t kPopulateStep = 8 << 20;
+
+// Faults in every page of a private mapping that is about to be registered. cudaHostRegister would
+// fault the missing pages itself, inside the driver's call, which holds the mmap lock for the whole
+// range: done here first, in steps, the registration only pins pages that are there (and holds the
+// lock briefly), the faults of pins that run on several threads overlap whatever the driver
+// serializes, and the pool's stats tell the two costs apart. A refusal (a kernel older than 5.14)
+// leaves the faulting to the registration.
+void populate_pages(void* base, size_t nbytes) {
+  auto* at = static_cast<uint8_t*>(base);
+  for (size_t done = 0; done < nbytes; done += kPopulateStep) {
+    if (madvise(at + done, std::min(kPopulateStep, nbytes - done), MADV_POPULATE_WRITE) != 0) return;
+  }
+}
+
 // A failed pin: an error by default; with allow_pageable_fallback a warning, and the caller keeps the
 // memory pageable.
 void fail_or_warn_pin(bool allow_pageable_fallback, size_t nbytes, const char* backing, const std::string& error,
@@ -390,6 +412,8 @@ void PinnedPool::pin(PoolAllocation& allocation) {
     // unlocked: a checkpoint build pins block k on another thread while block k+1 is allocated and read.
     stats_.pinned_bytes += slab.size;
     lock.unlock();
+    if (slab.segment == nullptr) populate_pages(slab.base, slab.size);  // a shared mapping has its pages
+    const auto registering = std::chrono::steady_clock::now();
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index_));
     unsigned int flags = cudaHostRegisterPortable;
     if (slab.segment != nullptr && slab.segment->read_only()) flags |= read_only_register_flag(device_index_);
@@ -398,8 +422,12 @@ void PinnedPool::pin(PoolAllocation& allocation) {
       error = cudaGetErrorString(status);
       (void)cudaGetLastError();
     }
+    const auto registered = std::chrono::steady_clock::now();
     lock.lock();
     if (!error.empty()) stats_.pinned_bytes -= slab.size;
+    stats_.populate_seconds += std::chrono::duration<double>(registering - start).count();
+    stats_.register_seconds += std::chrono::duration<double>(registered - registering).count();
+    stats_.deferred_pins += 1;
   }
   stats_.pin_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (error.empty()) {

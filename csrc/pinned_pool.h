@@ -55,6 +55,11 @@ struct PoolStats {
   size_t shared_bytes = 0;         // of reserved_bytes: mapped from shared segments (see allocate_shared)
   size_t shared_owned_bytes = 0;   // of shared_bytes: in segments this process created (the host's one copy)
   double pin_seconds = 0.0;        // wall time spent obtaining and pinning slabs
+  // Of the deferred pins (pin()), summed over the threads that ran them: faulting the slab's pages in
+  // before registering them, and the registration itself (cudaHostRegister).
+  double populate_seconds = 0.0;
+  double register_seconds = 0.0;
+  size_t deferred_pins = 0;        // deferred pins that ran
   std::string backing;
 };
 
@@ -102,8 +107,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // pinned yet; fill it, then call pin(). The fill faults the pages in with their final contents
   // (torch's copy does so on many threads), so registering them skips a separate zero-fill pass.
   std::shared_ptr<PoolAllocation> allocate(size_t nbytes, bool defer_pin = false);
-  // Pins the slab of an allocation made with defer_pin (no-op otherwise). On failure: the pool's
-  // error, or with allow_pageable_fallback a warning and the memory stays pageable.
+  // Pins the slab of an allocation made with defer_pin (no-op otherwise): faults in the pages not yet
+  // there (in steps, see populate_seconds), then registers them. Safe while another thread writes into
+  // the slab: neither step changes a byte. On failure: the pool's error, or with
+  // allow_pageable_fallback a warning and the memory stays pageable.
   void pin(PoolAllocation& allocation);
   // A slab of its own in the shared segment `name`, exactly aligned(nbytes) long. owner: creates the
   // segment (fill it, then pin()); otherwise: maps the existing one, which must have that size (its

@@ -1,6 +1,8 @@
 """The budgets benchmark section's grid and summary (pure parts; the section itself runs in the suite)."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.budgets import grid, summarize
 from fastoffload_ext.planning import BlockCosts
 
@@ -34,6 +36,7 @@ def test_summary_lines() -> None:
 class _Plan:
     host_bytes = 2 * 10**9
     overhead_ms = 1.0
+    host_hooks_ms = 0.0
 
 
 def _row(**figures) -> dict:
@@ -43,13 +46,95 @@ def _row(**figures) -> dict:
     return row
 
 
+def _rounds(**rounds_ms: list[float]) -> dict:
+    return {name: {"rounds_ms": values} for name, values in rounds_ms.items()}
+
+
 def test_ideals_put_the_hooks_on_the_compute_side() -> None:
     from benchmarks.budgets import _ideals
 
-    row = _row(ms=44.0, resident_ms=40.0)
+    row = _row(ms=44.0, resident_ms=40.0, rounds=_rounds(plan=[44.0], resident=[40.0]))
     _ideals(row, _Plan(), peak_gbps=50.0, total_bytes=4 * 10**9)  # copies: 40 ms moved, 80 ms all
     assert row["ideal_ms"] == 40.0 and row["ideal_hooks_ms"] == 41.0 and row["floor_ms"] == 80.0
     assert row["x_ideal"] == 44.0 / 40.0 and row["x_ideal_hooks"] == 44.0 / 41.0 and row["x_floor"] == 0.55
+
+
+class _SmallPlan:
+    host_bytes = 0  # 100 %: nothing moves, the ideal is the resident model of the same round
+    overhead_ms = 0.0
+    host_hooks_ms = 0.0
+
+
+def test_ideal_is_the_median_of_per_round_ratios_when_the_host_speed_flips() -> None:
+    from benchmarks.budgets import _ideals
+
+    # W3 at 100 % on the H200: the host flipped between ~10 and ~18 ms a step during the rounds.
+    plan = [18.78, 18.44, 18.47, 9.93, 9.81]
+    resident = [17.35, 18.21, 9.86, 9.78, 17.72]
+    row = _row(ms=18.44, resident_ms=17.35, rounds=_rounds(plan=plan, resident=resident))
+    _ideals(row, _SmallPlan(), peak_gbps=50.0, total_bytes=10**8)
+    assert row["x_ideal"] == 9.93 / 9.78  # ~1.015, where the ratio of the medians is 1.063
+    assert abs(row["x_ideal"] - 1.015) < 1e-3 and abs(18.44 / 17.35 - 1.063) < 1e-3
+    assert row["x_ideal_range"] == [9.81 / 17.72, 18.47 / 9.86]
+    assert row["x_ideal_rounds"] == f"{9.81 / 17.72:.3f}..{18.47 / 9.86:.3f}"
+    assert row["x_ideal_hooks"] == row["x_ideal"]  # no hooks at 100 %
+
+
+def test_each_round_is_held_to_the_copy_when_the_copy_is_longer() -> None:
+    from benchmarks.budgets import _ideals, round_ratios
+
+    # W3 at 75 %: 7.34 ms of copies, shorter than every resident round, so the resident round is the floor.
+    plan, resident = [12.7, 12.25, 13.94, 12.46, 13.48], [10.88, 10.59, 13.3, 11.0, 10.42]
+    assert round_ratios(plan, resident, at_least_ms=7.34) == [p / r for p, r in zip(plan, resident)]
+    # A round whose resident model ran under the copy is held to the copy instead.
+    assert round_ratios([12.0, 12.0], [10.0, 6.0], at_least_ms=8.0) == [1.2, 1.5]
+    assert round_ratios([12.0], [10.0], add_ms=2.0) == [1.0]
+
+    class _Moving:
+        host_bytes = 4 * 10**8  # 8 ms at 50 GB/s
+        overhead_ms = 1.0
+        host_hooks_ms = 0.5  # below the device's: the larger of the two counts
+
+    row = _row(ms=12.0, resident_ms=8.0, rounds=_rounds(plan=[12.0, 12.0, 9.0], resident=[10.0, 6.0, 9.0]))
+    _ideals(row, _Moving(), peak_gbps=50.0, total_bytes=8 * 10**8)  # 16 ms to move every block
+    assert row["x_ideal"] == 1.2 and row["x_ideal_range"] == [1.0, 1.5]
+    assert row["x_ideal_hooks"] == 12.0 / 11.0 and row["x_ideal_hooks_range"] == [9.0 / 10.0, 12.0 / 8.0]
+    assert row["x_floor"] == 12.0 / 16.0 and row["x_floor_range"] == [9.0 / 16.0, 12.0 / 16.0]
+
+
+def test_round_ratios_refuse_unmatched_rounds() -> None:
+    from benchmarks.budgets import round_ratios
+
+    with pytest.raises(ValueError, match="per-round ratios need the same number of rounds on both sides, got 2 and 1"):
+        round_ratios([1.0, 2.0], [1.0])
+
+
+def test_the_hooks_host_cost_counts_where_the_plan_is_host_bound() -> None:
+    from benchmarks.budgets import _ideals
+
+    class _HostBound:
+        host_bytes = 0
+        overhead_ms = 0.0
+        host_hooks_ms = 1.76  # W3 at 75 %: 16 offloaded blocks at 110 us of host time each
+
+    row = _row(ms=12.7, resident_ms=10.88, rounds=_rounds(plan=[12.7, 12.25], resident=[10.88, 10.59]))
+    _ideals(row, _HostBound(), peak_gbps=50.0, total_bytes=10**8)
+    assert row["hooks_ms"] == 1.76 and row["x_ideal_hooks"] == (12.7 / 12.64 + 12.25 / 12.35) / 2
+
+
+def test_against_resident_takes_the_host_drift_out_of_the_prediction() -> None:
+    from benchmarks.budgets import _against_resident
+    from benchmarks.interleave import Interleaved
+    from fastoffload_ext.planning import BlockCosts, plan_offload
+
+    costs = BlockCosts([0.05] * 8, [10 * MiB] * 8, 50.0, host_ms=[1.0] * 8, host_overhead_ms=0.1)
+    plan = plan_offload(costs, 6 * 10 * MiB)  # 4 resident + 2 slots: predicted 8.4 ms, all resident 8.0
+    # The host ran twice as slow in the rounds as in the calibration, on both sides alike.
+    rounds = Interleaved({"plan": [16.8, 16.8, 16.8], "resident": [16.0, 16.0, 16.0]})
+    figures = _against_resident(rounds, plan)
+    assert figures["resident_predicted_ms"] == 8.0 and figures["host_bound"] is True
+    assert figures["host_hooks_ms"] == pytest.approx(0.4) and figures["host_ms"] == pytest.approx(8.4)
+    assert figures["x_predicted_resident"] == pytest.approx(1.0, rel=1e-12)
 
 
 def test_notes_name_each_missed_target_and_its_reason() -> None:
@@ -69,6 +154,11 @@ def test_notes_name_each_missed_target_and_its_reason() -> None:
     assert notes[2] == "peak 101.5 MiB over the 100.0 MiB budget"
     mixed = _row(x_ideal=1.19, x_ideal_hooks=1.18, copy_ms=88.0, resident_ms=84.0, predicted_ms=107.0,
                  plan_ideal_ms=88.0, mem_ok=True)
+    host = _row(x_ideal=1.17, x_ideal_hooks=1.08, copy_ms=7.3, resident_ms=10.9, predicted_ms=11.8,
+                plan_ideal_ms=10.0, host_bound=True, host_ms=11.76, host_hooks_ms=1.76)
+    assert _misses(host, "75%", w1) == [
+        "x ideal 1.170: host-bound; the host was predicted to dispatch the step in 11.76 ms, 1.76 ms of it the "
+        "offload hooks, and the plan ran 1.080x the resident model plus those hooks"]
     assert _misses(mixed, "0%", w1) == [
         "x ideal 1.190: the per-block schedule; the plan was predicted 107.00 ms = 1.216x its ideal: copy-bound "
         "blocks expose their copies and compute-bound ones leave the copy stream idle, and the budget keeps too few "
@@ -120,12 +210,22 @@ def test_compressed_row_passes_when_auto_is_as_fast_as_the_faster_kind() -> None
         cuda = True
 
     shared = {"peak_gbps": 50.0, "block_bytes": [10**9] * 4}  # 80 ms floor
+    rounds = _rounds(coded=[40.0, 44.0, 40.0], raw=[40.0] * 3, resident=[10.0, 90.0, 10.0], auto=[34.0, 30.0, 36.0])
     good = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 0.85, "ms": 40.0,
-                                       "auto_ms": 34.0, "resident_ms": 10.0}, 90 * MiB, 100 * MiB, shared)
-    assert good["pass"] is True and good["mem_ok"] is True and good["x_floor_auto"] == 34.0 / 80.0
+                                       "auto_ms": 34.0, "resident_ms": 10.0, "rounds": rounds}, 90 * MiB, 100 * MiB,
+                             shared)
+    assert good["pass"] is True and good["mem_ok"] is True
+    # Per round: the second round's floor is its resident model (90 ms), not the copy of every block.
+    assert good["x_floor_auto"] == 34.0 / 80.0 and good["x_floor"] == 40.0 / 80.0
+    same = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 1.0, "ms": 40.0,
+                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds,
+                                       "auto_config": "raw"}, 90 * MiB, 100 * MiB, shared)
+    assert same["x_floor_auto"] == 40.0 / 80.0
     slow = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.17, "x_auto_coded": 1.0, "ms": 40.0,
-                                       "auto_ms": 40.0, "resident_ms": 10.0}, 90 * MiB, 100 * MiB, shared)
+                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 90 * MiB, 100 * MiB,
+                             shared)
     assert slow["pass"] is False
     over = _judge_compressed(_Cuda(), {"bit_equal": True, "x_auto_raw": 1.0, "x_auto_coded": 1.0, "ms": 40.0,
-                                       "auto_ms": 40.0, "resident_ms": 10.0}, 101 * MiB, 100 * MiB, shared)
+                                       "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 101 * MiB, 100 * MiB,
+                             shared)
     assert over["pass"] is False and over["mem_ok"] is False

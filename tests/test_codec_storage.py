@@ -151,8 +151,11 @@ def test_model_twice_the_host_budget_streams_compressed_bytes_from_a_spill_file(
     before = group.engine.reader.stats()["bytes_read"]
     assert _run_exact(model, reference, device)
     read = group.engine.reader.stats()["bytes_read"] - before
-    # Each step reads the compressed bytes of every disk block (not the checkpoint's raw tensors).
-    assert read >= 4 * len(disk) * info["compressed_bytes"] and read % info["compressed_bytes"] == 0
+    # Each step reads the compressed bytes of every disk block (not the checkpoint's raw tensors). The
+    # staging ring's reads ahead blur the window's start: its first fill, queued at enable, may have
+    # landed before `before` (and its refill for a fifth step may add to the count).
+    ring = group.engine.disk_stats()["staging_count"]
+    assert read >= (4 * len(disk) - ring) * info["compressed_bytes"] and read % info["compressed_bytes"] == 0
     assert group.engine.disk_stats()["reads"] >= 4 * len(disk)
     disable_layerwise_offload(model, device="cpu")
     assert _spills(tmp_path) == []

@@ -28,7 +28,7 @@ KiB = 1024
 MiB = 1024 * 1024
 STAT_KEYS = {"reserved_bytes", "pinned_bytes", "in_use_bytes", "peak_in_use_bytes", "peak_reserved_bytes",
              "slab_count", "allocation_count", "fallback_slabs", "shared_bytes", "shared_owned_bytes", "pin_seconds",
-             "backing"}
+             "populate_seconds", "register_seconds", "deferred_pins", "backing"}
 
 
 def aligned(nbytes: int) -> int:

@@ -638,8 +638,9 @@ def test_rank_failing_before_the_negotiation_makes_every_rank_raise_at_once(tmp_
         assert other.endswith("Fix that rank (its own error is in its log) and enable again on every rank"), other
     for rank in range(WORLD):
         for mode in (True, "auto"):
-            # Raised together, in the negotiation, not after the group's timeout of GROUP_TIMEOUT_S s.
-            assert done[rank][f"{mode}_seconds"] < 1.0, (rank, mode, done[rank][f"{mode}_seconds"])
+            # Raised in the negotiation, not by the group's timeout of GROUP_TIMEOUT_S s: a margin of ten
+            # leaves room for a loaded 2-core machine (this is not a speed check).
+            assert done[rank][f"{mode}_seconds"] < GROUP_TIMEOUT_S / 10, (rank, mode, done[rank][f"{mode}_seconds"])
             assert done[rank][f"{mode}_untouched"]
         assert done[rank]["then_shared"] and done[rank]["then_exact"]
 

@@ -294,12 +294,14 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
         if share is not None:
             share.before_attach(options.offloaded)  # other ranks wait here for the owner's packed copy
         if group.checkpoint is not None:
-            group.checkpoint.load_resident(group.model_ref, group.device)
+            group.checkpoint.load_block_buffers(group.model_ref, group.device)  # attaching moves them
         for block in options.offloaded:
             attached.append((block, _attach_one(group, block, stream)))
         if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
             group.share = None  # the ranks fell back to one copy each
         if group.checkpoint is not None:
+            # Everything outside the blocks is read while the blocks' reads, queued above, run.
+            group.checkpoint.load_resident(group.model_ref, group.device)
             group.checkpoint.start(group.engine)
     except BaseException as error:
         if share is not None:

@@ -10,6 +10,14 @@ start mark is taken once the block's weights are bound (on CUDA, an event record
 stream waited for the block's copy), so a block's time is its own compute whether its copy was
 exposed or not. Resident blocks are timed the same way. On CUDA the marks are events on the compute
 stream; with the host as the device they are ``perf_counter`` readings.
+
+Every mark also reads the host clock. On CUDA the calibration step runs an offloaded model, where the
+device waits for copies and the host runs ahead, so the events see only the device's time; a
+launch-bound model (many small blocks) is set by the host's dispatch instead, which only the host
+readings show: each block's dispatch, the step from ``step()`` called to returned, and the host gaps
+between blocks where the offload hooks run. The per-block host figures come from a host pass on CUDA,
+steps that drain the device after every block, so a host that ran far ahead and waited for a full
+launch queue is not taken for a slow host. With the host as the device the two clocks are one.
 """
 from __future__ import annotations
 
@@ -35,30 +43,44 @@ _BANDWIDTH_CACHE: dict[str, float] = {}
 
 
 class _Mark:
-    """A point on the device's compute timeline (a CUDA event) or on the host clock."""
+    """A point on the device's compute timeline (a CUDA event) and on the host clock.
+
+    Both are taken on CUDA: the event says when the device got there, the host reading when the host
+    dispatched it (on a launch-bound model the host, not the device, sets the step). With the host as
+    the device there is one clock, and both readings are the same ``perf_counter`` value.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         self.host = 0.0
+        self.resumed: float | None = None  # the host clock after a drain (the host pass), else None
 
     def record(self) -> None:
+        self.host = time.perf_counter()
         if self.event is not None:
             self.event.record()
-        else:
-            self.host = time.perf_counter()
 
     def ms_until(self, later: _Mark) -> float:
         if self.event is not None and later.event is not None:
             return float(self.event.elapsed_time(later.event))
+        return self.host_ms_until(later)
+
+    def host_ms_until(self, later: _Mark) -> float:
         return (later.host - self.host) * 1e3
 
 
 class BlockTimer(ForwardHook):
-    """Marks the start and end of one block's forward, once per call (a block may run several times)."""
+    """Marks the start and end of one block's forward, once per call (a block may run several times).
+
+    With ``drain`` set (the host pass, CUDA) it waits for the device after each block's end mark and
+    reads the host clock again: the next block is then dispatched into an empty launch queue, so its
+    host span is its dispatch alone, never a wait for a queue the device has not emptied yet.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.spans: list[tuple[_Mark, _Mark]] = []
+        self.drain = False
 
     @classmethod
     def name(cls) -> str:
@@ -74,13 +96,25 @@ class BlockTimer(ForwardHook):
     @torch.compiler.disable
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.spans:
-            self.spans[-1][1].record()
+            end = self.spans[-1][1]
+            end.record()
+            if self.drain:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                end.resumed = time.perf_counter()
         return output
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """Medians over the repeats of a calibration (ms, bytes) and how far the repeats spread."""
+    """Medians over the repeats of a calibration (ms, bytes) and how far the repeats spread.
+
+    The ``host_`` figures are the same spans on the host clock: each block's dispatch (its forward as
+    the host ran it), the step from ``step()`` called to returned (before the sync), the host's time
+    outside the blocks, and the gaps between blocks (where the offload hooks run); on CUDA all but the
+    step come from the host pass (``measure_blocks``). With the host as the device they equal the
+    device figures.
+    """
 
     block_ms: tuple[float, ...]
     step_ms: float
@@ -89,6 +123,10 @@ class Measurement:
     repeats: int
     spread: float                 # (slowest - fastest) / median step
     gap_ms: tuple[float, ...] | None = None  # per block: previous block's end to its start (None: a block re-ran)
+    host_block_ms: tuple[float, ...] | None = None
+    host_step_ms: float | None = None
+    host_other_ms: float | None = None
+    host_gap_ms: tuple[float, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,22 +159,45 @@ def _detach_timers(blocks: Sequence[nn.Module]) -> None:
             ModuleHookManager.remove_from_manager(block)
 
 
-_Sample = tuple[list[float], float, float, "int | None", "list[float] | None"]
+@dataclasses.dataclass(frozen=True)
+class _Clock:
+    """One repeat's figures on one clock (the device's or the host's)."""
+
+    block_ms: list[float]
+    step_ms: float
+    other_ms: float
+    gaps: list[float] | None
 
 
-def _gaps(timers: list[BlockTimer], begin: _Mark) -> list[float] | None:
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    device: _Clock
+    host: _Clock
+    peak: int | None
+
+
+def _gaps(timers: list[BlockTimer], span: Callable[[_Mark, _Mark], float]) -> list[float] | None:
     """Per block, the time from the previous block's end to its start (0 for the first block); None
     when a block ran other than once (the gaps then belong to no single block)."""
     if any(len(t.spans) != 1 for t in timers):
         return None
     gaps = [0.0]
     for previous, timer in zip(timers, timers[1:]):
-        gaps.append(previous.spans[0][1].ms_until(timer.spans[0][0]))
+        gaps.append(span(previous.spans[0][1], timer.spans[0][0]))
     return gaps
 
 
+def _clock(timers: list[BlockTimer], begin: _Mark, end: _Mark, span: Callable[[_Mark, _Mark], float]) -> _Clock:
+    block_ms = [sum(span(s, e) for s, e in timer.spans) for timer in timers]
+    step_ms = span(begin, end)
+    first = min((t.spans[0][0] for t in timers), key=lambda m: span(begin, m))
+    last = max((t.spans[-1][1] for t in timers), key=lambda m: span(begin, m))
+    other = max(0.0, step_ms - span(first, last))
+    return _Clock(block_ms, step_ms, other, _gaps(timers, span))
+
+
 def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device) -> _Sample:
-    """(per-block ms, step ms, ms outside the blocks, activation bytes, gaps before blocks) of one step."""
+    """One step timed on both clocks, with its activation peak (CUDA)."""
     for timer in timers:
         timer.spans.clear()
     begin, end = _Mark(device), _Mark(device)
@@ -147,50 +208,108 @@ def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch
         torch.cuda.reset_peak_memory_stats(device)
     begin.record()
     step()
-    end.record()
+    end.record()  # before the sync: its host reading is when the host finished dispatching the step
     peak = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - (baseline or 0)
-    block_ms = []
     for index, timer in enumerate(timers):
         if not timer.spans:
             raise OffloadConfigError(f"fastoffload: calibration step never ran block {index}; the step must run one "
                                      "full forward of the offloaded model")
-        block_ms.append(sum(s.ms_until(e) for s, e in timer.spans))
-    step_ms = begin.ms_until(end)
-    first = min((t.spans[0][0] for t in timers), key=lambda m: begin.ms_until(m))
-    last = max((t.spans[-1][1] for t in timers), key=lambda m: begin.ms_until(m))
-    other = max(0.0, step_ms - first.ms_until(last))
-    return block_ms, step_ms, other, peak, _gaps(timers, begin)
+    return _Sample(_clock(timers, begin, end, _Mark.ms_until), _clock(timers, begin, end, _Mark.host_ms_until), peak)
+
+
+def _drained_host_clock(timers: list[BlockTimer], begin: _Mark, end: _Mark) -> _Clock:
+    """One host-pass step on the host clock, the drains left out: each block's dispatch, the gaps from
+    the previous block's drain to the next block's start (the hooks), the host before the first block
+    and after the last one; its step is the sum of those, the host's busy time."""
+    block_ms = [sum(s.host_ms_until(e) for s, e in timer.spans) for timer in timers]
+    gaps = None
+    if all(len(t.spans) == 1 for t in timers):
+        gaps = [0.0] + [1e3 * (timer.spans[0][0].host - _resumed(previous.spans[0][1]))
+                        for previous, timer in zip(timers, timers[1:])]
+    first = min(t.spans[0][0].host for t in timers)
+    last = max(_resumed(t.spans[-1][1]) for t in timers)
+    other = max(0.0, 1e3 * (first - begin.host)) + max(0.0, 1e3 * (end.host - last))
+    return _Clock(block_ms, sum(block_ms) + sum(gaps or ()) + other, other, gaps)
+
+
+def _resumed(mark: _Mark) -> float:
+    return mark.resumed if mark.resumed is not None else mark.host
+
+
+def _host_pass(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device, repeats: int) -> list[_Clock]:
+    """``repeats`` steps with the device drained after every block (see ``BlockTimer``), on the host clock."""
+    clocks = []
+    for timer in timers:
+        timer.drain = True
+    try:
+        for _ in range(repeats):
+            for timer in timers:
+                timer.spans.clear()
+            begin, end = _Mark(device), _Mark(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            begin.record()
+            step()
+            end.record()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            clocks.append(_drained_host_clock(timers, begin, end))
+    finally:
+        for timer in timers:
+            timer.drain = False
+    return clocks
+
+
+def _medians(clocks: list[_Clock], blocks: int) -> tuple[tuple[float, ...], float, float, tuple[float, ...] | None]:
+    """(per-block ms, step ms, other ms, gaps) as medians over the repeats of one clock."""
+    block_ms = tuple(statistics.median(c.block_ms[i] for c in clocks) for i in range(blocks))
+    gap_samples = [c.gaps for c in clocks if c.gaps is not None]
+    gaps = (tuple(statistics.median(g[i] for g in gap_samples) for i in range(blocks))
+            if len(gap_samples) == len(clocks) else None)
+    return (block_ms, statistics.median(c.step_ms for c in clocks), statistics.median(c.other_ms for c in clocks),
+            gaps)
 
 
 def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device: torch.device, *,
-                   repeats: int = 5, max_repeats: int = 15, warmup: int = 1) -> Measurement:
-    """Runs ``step`` (one forward of the model that holds ``blocks``) and times every block."""
+                   repeats: int = 5, max_repeats: int = 15, warmup: int = 1,
+                   host_pass: bool | None = None) -> Measurement:
+    """Runs ``step`` (one forward of the model that holds ``blocks``) and times every block.
+
+    ``host_pass`` (default: on CUDA) takes the per-block host figures from ``repeats`` more steps that
+    drain the device after every block: in the timed steps a host far ahead of a device waiting for
+    copies can fill the launch queue and wait inside a block's dispatch, which would read as host time.
+    The host step (``step()`` called to returned) is always the timed steps'. Without it (and with the
+    host as the device, one clock) the host figures come from the timed steps themselves.
+    """
     if repeats < 1 or max_repeats < repeats:
         raise OffloadConfigError(f"fastoffload: calibration needs 1 <= repeats <= max_repeats, got repeats={repeats}, "
                                  f"max_repeats={max_repeats}")
     timers = _attach_timers(blocks, device)
     samples: list[_Sample] = []
+    drained: list[_Clock] | None = None
     try:
         with torch.inference_mode():
             for _ in range(warmup):
                 step()
-            while len(samples) < repeats or (spread_of([s[1] for s in samples]) > SPREAD_LIMIT
+            while len(samples) < repeats or (spread_of([s.device.step_ms for s in samples]) > SPREAD_LIMIT
                                              and len(samples) < max_repeats):
                 samples.append(_one_repeat(step, timers, device))
+            drained = (_host_pass(step, timers, device, repeats)
+                       if (device.type == "cuda" if host_pass is None else host_pass) else None)
     finally:
         _detach_timers(blocks)
-    block_ms = tuple(statistics.median(s[0][i] for s in samples) for i in range(len(blocks)))
-    peaks = [s[3] for s in samples if s[3] is not None]
-    gap_samples = [s[4] for s in samples if s[4] is not None]
-    gaps = (tuple(statistics.median(g[i] for g in gap_samples) for i in range(len(blocks)))
-            if len(gap_samples) == len(samples) else None)
-    return Measurement(block_ms=block_ms, step_ms=statistics.median(s[1] for s in samples),
-                       other_ms=statistics.median(s[2] for s in samples),
+    block_ms, step_ms, other_ms, gaps = _medians([s.device for s in samples], len(blocks))
+    host_block, host_step, host_other, host_gaps = _medians([s.host for s in samples], len(blocks))
+    if drained is not None:
+        host_block, _, host_other, host_gaps = _medians(drained, len(blocks))
+    peaks = [s.peak for s in samples if s.peak is not None]
+    return Measurement(block_ms=block_ms, step_ms=step_ms, other_ms=other_ms,
                        activation_bytes=max(peaks) + ALLOCATOR_SLACK_BYTES if peaks else None, repeats=len(samples),
-                       spread=spread_of([s[1] for s in samples]), gap_ms=gaps)
+                       spread=spread_of([s.device.step_ms for s in samples]), gap_ms=gaps, host_block_ms=host_block,
+                       host_step_ms=host_step, host_other_ms=host_other, host_gap_ms=host_gaps)
 
 
 # The caching allocator's peak moves by a block or two (0.1-0.75 MiB seen on the H200) from one
@@ -284,6 +403,41 @@ def fit_block_overhead(costs: BlockCosts, measured: Measurement, resident: Colle
     return max(0.0, value)
 
 
+def fit_host_overhead(measured: Measurement, resident: Collection[int]) -> float:
+    """The host's cost of the offload hooks per offloaded block (ms), from the host gaps of the calibration step.
+
+    The host gap before a block runs from the previous block's forward returning to this one's starting:
+    the previous block's release, this block's acquire and prefetch calls, and the model's own code in
+    between. Between two offloaded blocks it holds one block's worth of hooks; between two resident
+    blocks (no hook) only the model's code, the baseline subtracted. Medians, so one slow gap does not
+    move it. Without resident pairs the whole gap counts (the model's code and the timers' own marks,
+    a few microseconds, err towards residency, as ``fit_block_overhead`` does).
+    """
+    gaps = measured.host_gap_ms
+    if gaps is None:
+        return 0.0
+    keep = set(resident)
+    hooked = [gaps[b] for b in range(1, len(gaps)) if b not in keep and b - 1 not in keep]
+    bare = [gaps[b] for b in range(1, len(gaps)) if b in keep and b - 1 in keep]
+    if not hooked:
+        return 0.0
+    return max(0.0, statistics.median(hooked) - (statistics.median(bare) if bare else 0.0))
+
+
+def with_host_figures(costs: BlockCosts, measured: Measurement, resident: Collection[int] | None) -> BlockCosts:
+    """``costs`` with the host's timeline from ``measured``: per-block dispatch, the host outside the
+    blocks, and (``resident`` given: the layout the step ran) the hooks' host cost per offloaded block.
+
+    Only where copies run beside compute: with the host as the device, the compute timeline already is
+    the host's, and a second one would count the same time twice.
+    """
+    if not costs.overlap or measured.host_block_ms is None:
+        return costs
+    overhead = fit_host_overhead(measured, resident) if resident is not None else 0.0
+    return dataclasses.replace(costs, host_ms=measured.host_block_ms, host_other_ms=measured.host_other_ms or 0.0,
+                               host_overhead_ms=overhead)
+
+
 DECODE_PROBE_BYTES = 8 * 1024**2
 
 
@@ -324,7 +478,9 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
     """The cost table of ``blocks`` measured on this machine by running ``step`` (one forward).
 
     ``resident`` and ``depth`` are the layout ``step`` runs with (an offloaded model's); with ``depth``
-    given, the hooks' fixed cost per offloaded block is fitted from the gaps between blocks.
+    given, the hooks' fixed cost per offloaded block is fitted from the gaps between blocks, on the
+    device's clock and (CUDA) on the host's. On CUDA the table also gets each block's host dispatch
+    time, so the planner sees a step the host sets (``simulate.py``).
     ``transfer_bytes``: what each block's copy moves (compressed host copies), default its packed bytes;
     a callable is asked after the step ran (a codec in "auto" mode decides while it runs).
     """
@@ -339,15 +495,19 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
                        transfer_bytes=moved)
     if costs.compressed and device.type == "cpu":
         costs = dataclasses.replace(costs, decode_gbps=measure_host_decode_gbps())
+    # The host's figures first: the device gaps they explain (a starved device) are no device overhead.
+    costs = with_host_figures(costs, measured, resident if depth is not None else None)
     if depth is not None:
         overhead = fit_block_overhead(costs, measured, resident, depth, cyclic)
         costs = dataclasses.replace(costs, block_overhead_ms=overhead)
     logger.info("calibrated %d blocks: step %.3f ms (spread %.0f %% over %d repeats), compute %.3f ms, H2D %.1f GB/s, "
-                "hook overhead %.1f us per offloaded block", len(blocks), measured.step_ms, 100 * measured.spread,
-                measured.repeats, costs.total_compute_ms(), bandwidth, 1e3 * costs.block_overhead_ms)
+                "hook overhead %.1f us per offloaded block; host step %.3f ms, dispatch %.3f ms, hooks %.1f us per "
+                "offloaded block", len(blocks), measured.step_ms, 100 * measured.spread, measured.repeats,
+                costs.total_compute_ms(), bandwidth, 1e3 * costs.block_overhead_ms, measured.host_step_ms or 0.0,
+                costs.total_host_ms(), 1e3 * costs.host_overhead_ms)
     return costs, measured
 
 
 __all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
-           "cached_h2d_gbps", "calibrate_costs", "fit_block_overhead", "measure_blocks", "measure_h2d_gbps",
-           "measure_host_decode_gbps", "probe_bytes_for", "spread_of"]
+           "cached_h2d_gbps", "calibrate_costs", "fit_block_overhead", "fit_host_overhead", "measure_blocks",
+           "measure_h2d_gbps", "measure_host_decode_gbps", "probe_bytes_for", "spread_of", "with_host_figures"]

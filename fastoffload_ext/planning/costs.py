@@ -51,6 +51,13 @@ class BlockCosts:
         a resident block always hold ``block_bytes``.
     decode_gbps: output rate of the device decoder (GB/s) for blocks whose ``transfer_bytes`` differ from
         ``block_bytes``; the decode runs on its own stream after the copy and delays "ready" only.
+    host_ms: each block's dispatch time on the host (its forward as the host runs it, launching the
+        kernels), in execution order; None: not measured, the host is taken to run ahead of the device.
+    host_other_ms: the host's time per step outside the block list.
+    host_overhead_ms: the host's cost of the offload hooks per offloaded block per step (acquire, the
+        prefetch calls, release); resident blocks have no hook. Calibration fits it from the host gaps
+        between blocks. With all three absent (None, 0, 0) the host timeline is left out, and so it is
+        with ``overlap=False``, where the compute timeline is the host's already.
     """
 
     compute_ms: tuple[float, ...]
@@ -64,9 +71,13 @@ class BlockCosts:
     block_overhead_ms: float = 0.0
     transfer_bytes: tuple[int, ...] | None = None
     decode_gbps: float = DEFAULT_DECODE_GBPS
+    host_ms: tuple[float, ...] | None = None
+    host_other_ms: float = 0.0
+    host_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compute_ms", tuple(float(c) for c in self.compute_ms))
+        self._check_host()
         object.__setattr__(self, "block_bytes", tuple(int(b) for b in self.block_bytes))
         if self.transfer_bytes is not None:
             moved = tuple(int(b) for b in self.transfer_bytes)
@@ -90,9 +101,45 @@ class BlockCosts:
         if not self.h2d_gbps > 0:
             raise OffloadConfigError(f"fastoffload: BlockCosts h2d_gbps must be > 0 (GB/s), got {self.h2d_gbps!r}")
 
+    def _check_host(self) -> None:
+        if self.host_ms is not None:
+            object.__setattr__(self, "host_ms", tuple(float(h) for h in self.host_ms))
+            if len(self.host_ms) != len(self.block_bytes) or any(not h >= 0 for h in self.host_ms):
+                raise OffloadConfigError("fastoffload: BlockCosts host_ms needs one dispatch time >= 0 (ms) per "
+                                         f"block: got {list(self.host_ms)} for {len(self.block_bytes)} blocks; pass "
+                                         "None when the host was not timed")
+        if not (self.host_other_ms >= 0 and self.host_overhead_ms >= 0):
+            raise OffloadConfigError(f"fastoffload: BlockCosts host_other_ms and host_overhead_ms must be >= 0 (ms), "
+                                     f"got {self.host_other_ms} and {self.host_overhead_ms}")
+
     @property
     def blocks(self) -> int:
         return len(self.block_bytes)
+
+    @property
+    def host_timed(self) -> bool:
+        """The step has a host timeline to simulate: host figures given and copies beside compute."""
+        return self.overlap and (self.host_ms is not None or self.host_other_ms > 0 or self.host_overhead_ms > 0)
+
+    def host_dispatch_ms(self, block: int) -> float:
+        return 0.0 if self.host_ms is None else self.host_ms[block]
+
+    def device_only(self) -> BlockCosts:
+        """This table without its host figures: the step as the device timelines alone give it."""
+        if not (self.host_ms is not None or self.host_other_ms or self.host_overhead_ms):
+            return self
+        return dataclasses.replace(self, host_ms=None, host_other_ms=0.0, host_overhead_ms=0.0)
+
+    def window_ms(self, block: int) -> float:
+        """How long an offloaded ``block`` runs, what the next copy can hide behind: its compute, or
+        with host figures its dispatch and hooks when the host is slower."""
+        if not self.host_timed:
+            return self.compute_ms[block]
+        return max(self.compute_ms[block], self.host_dispatch_ms(block) + self.host_overhead_ms)
+
+    def total_host_ms(self) -> float:
+        """The host's dispatch time of a step with every block resident (no hooks)."""
+        return (sum(self.host_ms) if self.host_ms is not None else 0.0) + self.host_other_ms
 
     @property
     def compressed(self) -> bool:

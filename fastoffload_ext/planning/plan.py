@@ -24,8 +24,10 @@ class OffloadPlan:
     pinned host copies, which are also the bytes a step copies (compressed where the blocks are:
     ``compressed_blocks`` of them, against ``raw_offloaded_bytes`` uncompressed). predicted_step_ms
     comes from the pipeline simulation; ideal_ms is max(compute of the step, moved bytes / bandwidth),
-    the floor no schedule can beat with this resident set; overhead_ms is the hooks' fixed cost per
-    step that the prediction includes and the ideal does not.
+    the floor no schedule can beat with this resident set (with host figures also the host's dispatch of
+    the step); overhead_ms is the hooks' fixed cost per step that the prediction includes and the ideal
+    does not. host_ms is the host's predicted time to dispatch a step (hooks included) and device_ms the
+    step the device timelines alone give; the larger sets the prediction (``host_bound``).
     """
 
     blocks: int
@@ -50,6 +52,9 @@ class OffloadPlan:
     compressed_blocks: int = 0
     staging_bytes: int = 0
     overhead_ms: float = 0.0
+    host_ms: float = 0.0    # the host's predicted time to dispatch a step, hooks included (0: not timed)
+    device_ms: float = 0.0  # the step the device timelines alone give (compute, exposed copies)
+    host_hooks_ms: float = 0.0  # of host_ms, the offload hooks' host cost per step
     tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
 
     @property
@@ -61,6 +66,11 @@ class OffloadPlan:
     def compressed(self) -> bool:
         """The plan counts compressed copies: fewer bytes move (and sit pinned) than the blocks hold."""
         return self.compressed_blocks > 0
+
+    @property
+    def host_bound(self) -> bool:
+        """The host's dispatch, not the device, sets the predicted step."""
+        return self.host_ms > 0 and self.host_ms > self.device_ms
 
     @property
     def calibrated(self) -> bool:
@@ -87,15 +97,17 @@ class OffloadPlan:
             "calibrated": self.calibrated, "candidates": self.candidates, "why": self.why,
             "compressed": self.compressed, "compressed_blocks": self.compressed_blocks,
             "raw_offloaded_bytes": self.raw_offloaded_bytes, "staging_bytes": self.staging_bytes,
-            "overhead_ms": self.overhead_ms,
+            "overhead_ms": self.overhead_ms, "host_ms": self.host_ms, "device_ms": self.device_ms,
+            "host_hooks_ms": self.host_hooks_ms, "host_bound": self.host_bound,
         }
 
     def explain(self) -> str:
-        """The plan in a few lines: layout, memory, bytes moved (compressed or raw), prediction and why."""
+        """The plan in a few lines: layout, memory, bytes moved (compressed or raw), the host's dispatch where
+        it was timed, prediction and why."""
         moved = (f"{format_bytes(self.host_bytes)} compressed from {format_bytes(self.raw_offloaded_bytes)} "
                  f"({self.compressed_blocks} coded blocks, {format_bytes(self.staging_bytes)} device staging)"
                  if self.compressed else f"{format_bytes(self.host_bytes)} raw")
-        return "\n".join([
+        lines = [
             f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
             f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",
             f"device {format_bytes(self.device_bytes)} of budget {format_bytes(self.device_budget)} (activation "
@@ -103,7 +115,12 @@ class OffloadPlan:
             f"moved per step: {moved}",
             f"predicted {self.predicted_step_ms:.3f} ms/step, ideal {self.ideal_ms:.3f} ms, hook overhead "
             f"{self.overhead_ms:.3f} ms; {self.why}",
-        ])
+        ]
+        if self.host_ms > 0:
+            lines.insert(3, f"host: dispatches a step in {self.host_ms:.3f} ms ({self.host_hooks_ms:.3f} ms of it the "
+                            f"hooks), the device's timelines alone {self.device_ms:.3f} ms"
+                            + (": host-bound" if self.host_bound else ""))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return (f"OffloadPlan: {len(self.resident)} of {self.blocks} blocks resident {list(self.resident)}, "

@@ -87,12 +87,13 @@ def _spread_sets(n: int) -> Iterable[frozenset[int]]:
 
 
 def _bound_spread_sets(costs: BlockCosts) -> Iterable[frozenset[int]]:
-    """Resident sets spread evenly over the copy-bound blocks (copy slower than their compute), then those
+    """Resident sets spread evenly over the copy-bound blocks (copy slower than their compute, or than the
+    host's dispatch and hooks where the host is slower), then those
     plus spread others: with two kinds of block in one ring (Flux's copy-bound double-stream blocks and
     compute-bound single-stream ones) a resident compute-bound block saves little while copy-bound ones
     are still copied, and spreading over the whole ring would put most resident blocks among the wrong kind."""
     n = costs.blocks
-    bound = [b for b in range(n) if costs.copy_ms(b) > costs.compute_ms[b]]
+    bound = [b for b in range(n) if costs.copy_ms(b) > costs.window_ms(b)]
     if not bound or len(bound) == n:
         return
     rest = sorted(set(range(n)) - set(bound))
@@ -179,17 +180,30 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
         "or raise device_budget so that more blocks stay resident")
 
 
+def _host_clause(costs: BlockCosts, offloaded: int, host_ms: float, device_ms: float) -> str | None:
+    """The sentence for a step the host sets (None when the device does, or the host was not timed)."""
+    if not costs.host_timed or host_ms <= device_ms:
+        return None
+    hooks = costs.host_overhead_ms * offloaded
+    return (f"host-bound: the host dispatches the step in {host_ms:.3f} ms"
+            + (f" ({hooks:.3f} ms of it the hooks of {offloaded} offloaded blocks, {1e3 * costs.host_overhead_ms:.0f} "
+               "us each)" if hooks > 0 else "")
+            + f", the GPU computes it in {device_ms:.3f} ms")
+
+
 def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: float, ideal_ms: float,
-         copy_ms: float, budget: int | None) -> str:
+         copy_ms: float, budget: int | None, host: str | None = None) -> str:
     n = costs.blocks
     compute = costs.total_compute_ms()
     if not costs.calibrated:
         return ("not calibrated (compute not measured yet): keeps the most bytes resident that the budget allows, "
                 "depth 1; call group.calibrate(step) to measure this machine and re-plan")
     if len(plan_resident) == n:
-        return "every block fits the budget: nothing is copied"
+        return "; ".join(["every block fits the budget: nothing is copied"] + ([host] if host else []))
     regime = "transfer-bound" if copy_ms > compute else "compute-bound"
     parts = [f"{regime}: compute {compute:.3f} ms vs copies of the offloaded bytes {copy_ms:.3f} ms"]
+    if host:
+        parts.insert(0, host)
     if regime == "compute-bound" and not plan_resident:
         parts.append("every copy hides behind compute")
     elif plan_resident:
@@ -273,8 +287,11 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     resident_bytes, slot, device, host = _memory(costs, chosen, depth)
     copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
     compute = costs.total_compute_ms()
-    ideal = max(compute, copy_ms) if costs.overlap else compute + copy_ms
+    # No schedule beats the host's own dispatch of the step either (a launch-bound model).
+    ideal = max(compute, copy_ms, costs.total_host_ms()) if costs.overlap else compute + copy_ms
     offloaded = [b for b in range(costs.blocks) if b not in chosen]
+    host_ms = simulate_step(costs, chosen, depth, cyclic=cyclic).host_ms
+    device_ms = _score(costs.device_only(), chosen, depth, cyclic)
     plan = OffloadPlan(
         blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
         num_slots=(depth + 1) if offloaded else 0, slot_bytes=slot, resident_bytes=resident_bytes,
@@ -284,7 +301,10 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         raw_offloaded_bytes=sum(costs.block_bytes[b] for b in offloaded),
         compressed_blocks=sum(1 for b in offloaded if costs.is_coded(b)),
         staging_bytes=costs.staging_bytes(offloaded), overhead_ms=costs.block_overhead_ms * len(offloaded),
-        why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget), costs=costs)
+        host_ms=host_ms, device_ms=device_ms,
+        host_hooks_ms=costs.host_overhead_ms * len(offloaded) if costs.host_timed else 0.0,
+        why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget,
+                 _host_clause(costs, len(offloaded), host_ms, device_ms)), costs=costs)
     logger.debug("%s", plan)
     return plan
 

@@ -5,10 +5,10 @@ then prefetch of the next ``depth`` offloaded blocks; release after the block ra
 the engine's slot ring: ``depth + 1`` slots; a copy goes into an empty slot, else the least recently
 touched cached one, else the least recently touched ready one, never into one in use; a copy into a
 slot waits for the slot's "free" event (the end of the compute that last used it) and for the copies
-issued before it (one copy stream). A block whose slot still holds it costs no copy. The host is
-assumed to run ahead of the device within a step, so only the two device timelines constrain each
-other; between steps the host waits for the device (a scheduler step, a readback), so no copy a step
-issues starts before that step begins.
+issued before it (one copy stream). A block whose slot still holds it costs no copy. Without host
+figures the host is assumed to run ahead of the device within a step, so only the two device
+timelines constrain each other; between steps the host waits for the device (a scheduler step, a
+readback), so no copy a step issues starts before that step begins.
 
 Several steps are simulated back to back and the last is reported, so the cyclic wrap-around (the
 last block prefetching the first of the next step) is in its steady state. Compute outside the block
@@ -21,6 +21,15 @@ that follows it on the decode stream.
 
 With ``overlap=False`` (the host-as-device engine) a copy is a memcpy on the one host timeline: it
 runs when it is issued and delays the compute after it (a host decode too).
+
+With host figures in the table (``host_ms``, ``host_other_ms``, ``host_overhead_ms``; a calibration on
+CUDA measures them) the host gets a timeline of its own: it dispatches each block in ``host_ms`` and
+runs each offloaded block's hooks in ``host_overhead_ms`` before that, and it meets the device between
+steps. A block's kernels cannot start before the host began dispatching them nor end before it
+finished; a copy, the synchronous load and the prefetches alike, cannot start before the host reached
+the hook that issues it. A launch-bound model (many small blocks) is then as slow as its host, and each
+offloaded block adds its hooks' host time to it. Without host figures the host runs ahead and the
+step is what the device timelines alone give.
 """
 from __future__ import annotations
 
@@ -44,11 +53,12 @@ class StepTimeline:
 
     step_ms: float
     compute_ms: float        # block compute + other_ms
-    exposed_ms: float        # step_ms - compute_ms: time compute waited for copies
+    exposed_ms: float        # step_ms - compute_ms: time compute waited (for copies; with host figures, the host)
     copies: int              # copies issued in the step
     copied_bytes: int
     block_start: tuple[float, ...]
     block_end: tuple[float, ...]
+    host_ms: float = 0.0     # the host's busy time in the step (dispatch and hooks; 0: no host figures)
 
 
 class _Ring:
@@ -93,8 +103,17 @@ class _Pipeline:
         self.copies = 0
         self.copied_bytes = 0
         self.step_begin = 0.0  # the host meets the device between steps: no copy of a step starts before it
+        # Without host figures the host timeline is not kept at all, so such tables predict what they did
+        # before it existed, to the last bit.
+        self.host = costs.host_timed
+        self.host_at = 0.0     # where the host is (with host figures)
+        self.host_busy = 0.0
 
-    def issue(self, block: int) -> bool:
+    def now(self) -> float:
+        """The end of everything so far: the device's work and, with host figures, the host's."""
+        return max(self.compute_at, self.host_at) if self.host else self.compute_at
+
+    def issue(self, block: int, hook_at: float = 0.0) -> bool:
         ring = self.ring
         slot = ring.choose()
         if slot < 0:
@@ -103,6 +122,8 @@ class _Pipeline:
         if old >= 0:
             ring.where.pop(old, None)
         start = max(self.copy_at, ring.free_at[slot], self.step_begin)
+        if self.host:
+            start = max(start, hook_at)
         if not self.costs.overlap:
             start = max(start, self.compute_at)
         end = start + self.costs.copy_ms(block)
@@ -118,10 +139,28 @@ class _Pipeline:
         self.copied_bytes += self.costs.moved_bytes(block)
         return True
 
+    def dispatch(self, block: int, start: float, hooks_ms: float = 0.0) -> tuple[float, float]:
+        """With host figures: the host runs ``hooks_ms`` then dispatches ``block``; returns the earliest
+        start of its kernels (``start`` or later) and the host time their dispatch ends."""
+        if not self.host:
+            return start, 0.0
+        self.host_at += hooks_ms
+        begin = self.host_at
+        self.host_at += self.costs.host_dispatch_ms(block)
+        self.host_busy += hooks_ms + self.costs.host_dispatch_ms(block)
+        return max(start, begin), self.host_at
+
+    def run_resident(self, block: int, compute: float) -> tuple[float, float]:
+        start, dispatched = self.dispatch(block, self.compute_at)
+        end = max(start + compute, dispatched) if self.host else start + compute
+        self.compute_at = end
+        return start, end
+
     def run_offloaded(self, block: int, compute: float) -> tuple[float, float]:
         ring = self.ring
+        hook_at = self.host_at  # the host reaches this block's hook: its copies are issued from here on
         if block not in ring.where:
-            issued = self.issue(block)
+            issued = self.issue(block, hook_at)
             assert issued, "one block runs at a time, so a slot that is not in use always exists"
         slot = ring.where[block]
         # The hook's fixed cost comes before the block's kernels, whether its copy was ready or not.
@@ -135,30 +174,37 @@ class _Pipeline:
                 break
             target = self.offloaded[(j + step) % count]
             if target not in ring.where:
-                self.issue(target)
+                self.issue(target, hook_at)
+        start, dispatched = self.dispatch(block, start, self.costs.host_overhead_ms)
         if not self.costs.overlap:
             start = max(start, self.compute_at)
-        end = start + compute
+        end = max(start + compute, dispatched) if self.host else start + compute
         self.compute_at = end
         ring.state[slot] = _CACHED
         ring.free_at[slot] = end
         ring.touch(slot)
         return start, end
 
-    def step(self) -> tuple[list[float], list[float]]:
+    def begin_step(self) -> None:
+        if self.host:
+            # The host waits for the device between steps; the device then waits for the host to dispatch.
+            self.host_at = self.compute_at = self.now()
+            self.step_begin = self.host_at
+            self.host_at += self.costs.host_other_ms
+            self.host_busy += self.costs.host_other_ms
+            self.compute_at = max(self.compute_at + self.costs.other_ms, self.host_at)
+            return
         self.step_begin = self.compute_at
         self.compute_at += self.costs.other_ms
+
+    def step(self) -> tuple[list[float], list[float]]:
+        self.begin_step()
         starts, ends = [], []
         for block, compute in enumerate(self.costs.compute_ms):
-            if block in self.resident:
-                start = self.compute_at
-                self.compute_at = start + compute
-                starts.append(start)
-                ends.append(self.compute_at)
-            else:
-                start, end = self.run_offloaded(block, compute)
-                starts.append(start)
-                ends.append(end)
+            run = self.run_resident if block in self.resident else self.run_offloaded
+            start, end = run(block, compute)
+            starts.append(start)
+            ends.append(end)
         return starts, ends
 
 
@@ -168,7 +214,7 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
     if depth < 0:
         raise OffloadConfigError(f"fastoffload: simulate_step's depth must be an integer >= 0, got {depth}")
     pipeline = _Pipeline(costs, resident, depth, cyclic)
-    if not pipeline.offloaded:
+    if not pipeline.offloaded and not pipeline.host:
         compute = costs.total_compute_ms()
         starts, ends, total = [], [], 0.0
         for c in costs.compute_ms:
@@ -176,18 +222,20 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
             total += c
             ends.append(costs.other_ms + total)
         return StepTimeline(compute, compute, 0.0, 0, 0, tuple(starts), tuple(ends))
-    begin = 0.0
+    begin = busy = 0.0
+    copies = copied = 0
     starts: list[float] = []
     ends: list[float] = []
     for _ in range(max(1, steps)):
-        begin = pipeline.compute_at
+        begin, busy = pipeline.now(), pipeline.host_busy
         copies, copied = pipeline.copies, pipeline.copied_bytes
         starts, ends = pipeline.step()
-    step_ms = pipeline.compute_at - begin
+    step_ms = pipeline.now() - begin
     compute = costs.total_compute_ms()
     return StepTimeline(step_ms=step_ms, compute_ms=compute, exposed_ms=max(0.0, step_ms - compute),
                         copies=pipeline.copies - copies, copied_bytes=pipeline.copied_bytes - copied,
-                        block_start=tuple(s - begin for s in starts), block_end=tuple(e - begin for e in ends))
+                        block_start=tuple(s - begin for s in starts), block_end=tuple(e - begin for e in ends),
+                        host_ms=pipeline.host_busy - busy)
 
 
 __all__ = ["STEADY_STEPS", "StepTimeline", "simulate_step"]

@@ -24,7 +24,7 @@ from fastoffload_ext.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "TensorEntry", "open_checkpoint", "safetensors_module"]
+__all__ = ["Checkpoint", "TensorEntry", "open_checkpoint", "prefetch_headers", "safetensors_module"]
 
 # Preferred names when a folder holds several candidates (diffusers first, then transformers).
 _INDEX_NAMES = ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json")
@@ -141,6 +141,33 @@ def _files_of(path: Path) -> list[str]:
         raise CheckpointError(f"fastoffload: folder {path} holds no .safetensors file or *.safetensors.index.json; "
                               "pass weights= a checkpoint")
     return [str(files[0])]
+
+
+# How much of each file's start prefetch_headers asks for: the 8-byte length and the JSON header of a
+# checkpoint of thousands of tensors (a few hundred KiB).
+_HEADER_PREFETCH_BYTES = 1 << 20
+
+
+def prefetch_headers(path: str | os.PathLike[str]) -> None:
+    """Asks the kernel to start reading the start of every file of the checkpoint at ``path`` into the
+    page cache (``POSIX_FADV_WILLNEED`` returns at once), so that the disk's latency for the headers
+    passes while the caller checks the model, instead of inside ``open_checkpoint``. Best effort: a
+    path that is not a checkpoint is left for ``open_checkpoint`` to refuse, with its message."""
+    try:
+        files = _files_of(Path(path))
+    except (CheckpointError, OSError):
+        return
+    for file in files:
+        try:
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, _HEADER_PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # AttributeError: a platform without posix_fadvise
+            pass
+        finally:
+            os.close(fd)
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:

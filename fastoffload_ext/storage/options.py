@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.storage.checkpoint import prefetch_headers
 
 __all__ = ["READ_MODES", "DiskOptions", "check_storage_arguments"]
 
@@ -68,4 +69,7 @@ def check_storage_arguments(weights: Any, disk_options: Any, backend: str, share
     if disk_options is not None and not isinstance(disk_options, DiskOptions):
         raise OffloadConfigError(f"fastoffload: disk_options must be a fastoffload_ext.storage.DiskOptions, got "
                                  f"{type(disk_options).__name__}")
+    if isinstance(weights, (str, os.PathLike)):
+        # The headers' reads start now and run while enable checks the model, before they are parsed.
+        prefetch_headers(weights)
     return False

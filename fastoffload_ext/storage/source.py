@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,7 +35,7 @@ from fastoffload_ext.storage.tiers import TierPlan, plan_tiers, resolve_host_bud
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockSource", "CheckpointSource"]
+__all__ = ["PHASES", "BlockSource", "CheckpointSource"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ def _aligned(nbytes: int, alignment: int) -> int:
     return (nbytes + alignment - 1) // alignment * alignment
 
 
+# The start-up's phases, in the order they run (see CheckpointSource.phases).
+PHASES = ("checkpoint", "match", "reader", "spill", "resident", "attach", "finish")
+
+
 class CheckpointSource:
     """The plan for filling one model from one checkpoint; ``enable_layerwise_offload`` drives it."""
 
@@ -80,11 +86,31 @@ class CheckpointSource:
         self.reader: Any = None
         self.file_index: dict[str, int] = {}
         self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
+        self._replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        self._loaded: set[str] = set()  # resident names already read
+        self.block_buffers: set[str] = set()  # resident names that are buffers of offloaded blocks
         self._next_block = 0
         # For promotions (next_block): each block's packed bytes, the budget, the engine's codec mode.
         self.block_bytes: list[int] = []
         self.host_budget: int | None = None
         self.compress = "off"
+        # Seconds spent in each phase of the build (PHASES), so that a slow start-up says where its time
+        # went: "checkpoint" opening the files and parsing their headers, "match" checking them against
+        # the model and planning the tiers, "reader" making the reader (its threads) and opening the
+        # files, "spill" creating the compressed disk tier's file, "resident" reading the tensors outside
+        # the offloaded blocks onto the device, "attach" registering the blocks (allocating their regions
+        # and queueing their reads), "finish" the staging ring and the wait for the host tier's reads and
+        # pins. The reader's own counters (first and last read) place the reads inside that time.
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.reader_made_at: float | None = None  # time.perf_counter() when the reader was made
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] += time.perf_counter() - started
 
     # Before anything changes.
     @classmethod
@@ -92,7 +118,9 @@ class CheckpointSource:
                 host_budget: object, options: DiskOptions | None,
                 device: torch.device | None = None) -> CheckpointSource:
         options = options if options is not None else DiskOptions()
+        started = time.perf_counter()
         checkpoint = open_checkpoint(weights)
+        opened = time.perf_counter()
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
@@ -100,6 +128,10 @@ class CheckpointSource:
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         source = cls(checkpoint, sources, resident, tiers, options)
         source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
+        prefixes = tuple(f"{list_name}.{i}." for i in offloaded)
+        source.block_buffers = {name for name in resident if name.startswith(prefixes)}
+        source.phases["checkpoint"] = opened - started
+        source.phases["match"] = time.perf_counter() - opened
         return source
 
     @staticmethod
@@ -173,10 +205,12 @@ class CheckpointSource:
         """The reader of the engine, with every file of the checkpoint opened (size and mtime recorded)."""
         core = _backend.require_ext()
         opts = self.options
-        self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
-        for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
-            self.file_index[path] = self.reader.open(path)
-        engine.set_reader(self.reader)
+        with self.timed("reader"):
+            self.reader_made_at = time.perf_counter()
+            self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
+            for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
+                self.file_index[path] = self.reader.open(path)
+            engine.set_reader(self.reader)
 
     def open_spill(self, engine: Any, compress: str) -> None:
         """With compression and a disk tier: the spill file the disk-tier blocks are encoded into."""
@@ -187,7 +221,8 @@ class CheckpointSource:
         first = min(entry.path for block in self.blocks for entry in block.entries)
         folder = os.fspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
         # A name of this process alone; the engine creates it exclusively and removes it at detach.
-        engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
+        with self.timed("spill"):
+            engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
 
     def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
         return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
@@ -216,18 +251,28 @@ class CheckpointSource:
         held = int(engine.pool.stats()["in_use_bytes"])
         return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
 
+    def load_block_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """The buffers inside the offloaded blocks, read onto ``device``: attaching a block moves its
+        buffers to the device, so they need their values before the blocks are attached."""
+        self._load(model, device, sorted(self.block_buffers - self._loaded))
+
     def load_resident(self, model: nn.Module, device: torch.device) -> None:
-        """Every non-offloaded parameter and every buffer, read from the checkpoint onto ``device``."""
-        by_file: dict[str, list[str]] = {}
-        for name, entry in self.resident.items():
-            by_file.setdefault(entry.path, []).append(name)
-        replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
-        safe_open = safetensors_module().safe_open
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt", device=str(device)) as handle:
-                for name in names:
-                    self._assign(model, name, lambda n=name: handle.get_tensor(n), replaced)
+        """Every non-offloaded parameter and every buffer not read yet, from the checkpoint onto
+        ``device``. Called once the blocks are attached, so that it runs while their reads do."""
+        self._load(model, device, [name for name in self.resident if name not in self._loaded])
         logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
+
+    def _load(self, model: nn.Module, device: torch.device, names: list[str]) -> None:
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.resident[name].path, []).append(name)
+        safe_open = safetensors_module().safe_open
+        with self.timed("resident"):
+            for path, in_file in by_file.items():
+                with safe_open(path, framework="pt", device=str(device)) as handle:
+                    for name in in_file:
+                        self._assign(model, name, lambda n=name: handle.get_tensor(n), self._replaced)
+                        self._loaded.add(name)
 
     def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, nn.Parameter]) -> None:
         prefix, _, leaf = name.rpartition(".")
@@ -250,13 +295,18 @@ class CheckpointSource:
         The blocks' reads were only queued while the blocks were attached; with a disk tier, its staging
         ring is allocated and pinned while they still run, and the engine waits for them after that.
         """
-        if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
-            engine.start_disk_tier(self.tiers.staging_buffers)
-        else:
-            engine.finish_loading()
+        with self.timed("finish"):
+            if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
+                engine.start_disk_tier(self.tiers.staging_buffers)
+            else:
+                engine.finish_loading()
+        logger.info("Start-up from %s, ms per phase: %s", self.checkpoint.source,
+                    ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.phases.items()))
 
     def roll_back(self) -> None:
         """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""
         for module, kind, key, old in reversed(self._undo):
             (module._parameters if kind == "parameter" else module._buffers)[key] = old
         self._undo.clear()
+        self._replaced.clear()
+        self._loaded.clear()

@@ -71,7 +71,8 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         try:
             # The engine names tensors by their checkpoint keys, which is what its read errors must say.
             keys = [entry.name for entry in self.block.entries]
-            self.handle = add(keys, params, self.block.shapes(), self.source.spans(self.block))
+            with self.source.timed("attach"):
+                self.handle = add(keys, params, self.block.shapes(), self.source.spans(self.block))
         except BaseException:
             self._put_back_originals()
             raise
