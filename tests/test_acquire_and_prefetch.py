@@ -11,7 +11,7 @@ from torch import nn
 import fastoffload_ext as fo
 from fastoffload_ext import _backend
 
-from ._models import OFFLOAD_DEVICES, make_pair, params_equal
+from ._models import OFFLOAD_DEVICES, make_pair, params_equal, place_outside_blocks
 
 _C = _backend.require_ext()
 
@@ -160,3 +160,27 @@ def test_targets_of_another_engine_take_the_general_path() -> None:
     fo.disable_layerwise_offload(model)
     fo.disable_layerwise_offload(other)
     assert params_equal(model, reference) and params_equal(other, other_reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_on_the_device_parameters_stay_ordinary_and_an_inference_mode_write_is_caught(backend: str) -> None:
+    model, reference = make_pair(3)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    place_outside_blocks(model, "cuda")
+    reference.cuda()
+    fo.enable_layerwise_offload(model, device="cuda", backend=backend)
+    seen: list[bool] = []
+    model.blocks[1].o.register_forward_pre_hook(lambda module, args: seen.append(module.weight.is_inference()))
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+        assert seen == [False, False]
+        model.blocks[1].o.weight.mul_(2)  # between steps, on the placeholder
+        with pytest.raises(RuntimeError, match=r"^fastoffload: parameter 'o\.weight' of block 1 was changed in place "
+                                               r"while it was offloaded"):
+            model(x)
+    fo.disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
