@@ -158,6 +158,15 @@ def _all_blocks_resident(env: Env) -> None:
 
 # ---- rows that must be refused ------------------------------------------------------------------
 
+def _inference_parameter(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        with torch.inference_mode():
+            weight = env.model.blocks[1].qkv.weight.clone()
+        env.model.blocks[1].qkv.weight = nn.Parameter(weight, requires_grad=False)
+        env.enable(backend=backend)
+    return run
+
+
 def _meta_parameter_deep_in_a_block(env: Env) -> None:
     env.model.blocks[2].norms[1].bias = nn.Parameter(torch.empty(16, device="meta"))
     env.untouched_check = False  # a meta tensor has no bytes to snapshot; checked by hand below
@@ -412,6 +421,11 @@ CASES = [
     Case("meta_parameter_deep_in_block_2", _meta_parameter_deep_in_a_block, ValueError,
          exact("fastoffload: parameter 2.norms.1.bias is on the meta device and has no values to offload; materialize "
                "the model first (e.g. to_empty(device=...) then load_state_dict)")),
+    *[Case(f"inference_tensor_parameter-{backend}", _inference_parameter(backend), ValueError,
+           exact("fastoffload: parameter 1.qkv.weight is an inference tensor (the model was built or loaded inside "
+                 "torch.inference_mode()), which offload cannot watch for in-place writes; build or load the model "
+                 "outside inference_mode (torch.no_grad() is fine) and run the forward inside it"))
+      for backend in ("ext", "python")],
     Case("sparse_parameter-ext", _sparse_parameter, RuntimeError,
          exact("fastoffload: parameter 'o.weight' has layout Sparse; only dense (strided) tensors can be offloaded. "
                "Convert it with .to_dense() first")),

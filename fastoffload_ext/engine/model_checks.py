@@ -144,9 +144,16 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
 
 
 def check_devices(blocks: list[nn.Module], offset: int, device: torch.device, from_file: bool = False) -> None:
-    """Every parameter has values, on the host or on ``device`` (or, ``from_file``, comes from a checkpoint)."""
+    """Every parameter has values, on the host or on ``device`` (or, ``from_file``, comes from a checkpoint),
+    and is an ordinary tensor: offload tells an in-place write from its own rebinding by the parameters'
+    version counters, which an inference tensor does not have."""
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters():
+            if param.is_inference():
+                raise OffloadConfigError(f"fastoffload: parameter {offset + index}.{name} is an inference tensor (the "
+                                         "model was built or loaded inside torch.inference_mode()), which offload "
+                                         "cannot watch for in-place writes; build or load the model outside "
+                                         "inference_mode (torch.no_grad() is fine) and run the forward inside it")
             if param.device.type == "meta" and from_file:
                 continue
             if param.device.type == "meta":
