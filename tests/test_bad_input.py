@@ -158,11 +158,20 @@ def _all_blocks_resident(env: Env) -> None:
 
 # ---- rows that must be refused ------------------------------------------------------------------
 
-def _inference_parameter(backend: str) -> Callable[[Env], Any]:
+def _parameter_wrapping_an_inference_tensor(backend: str) -> Callable[[Env], Any]:
+    """Made outside inference_mode from an inference tensor: it counts versions, so it offloads."""
     def run(env: Env) -> None:
         with torch.inference_mode():
             weight = env.model.blocks[1].qkv.weight.clone()
         env.model.blocks[1].qkv.weight = nn.Parameter(weight, requires_grad=False)
+        env.assert_runs_exactly(backend)
+    return run
+
+
+def _inference_parameter(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        with torch.inference_mode():  # a parameter made in there has no version counter
+            env.model.blocks[1].qkv.weight = nn.Parameter(env.model.blocks[1].qkv.weight.clone(), requires_grad=False)
         env.enable(backend=backend)
     return run
 
@@ -421,6 +430,8 @@ CASES = [
     Case("meta_parameter_deep_in_block_2", _meta_parameter_deep_in_a_block, ValueError,
          exact("fastoffload: parameter 2.norms.1.bias is on the meta device and has no values to offload; materialize "
                "the model first (e.g. to_empty(device=...) then load_state_dict)")),
+    *[Case(f"parameter_wrapping_an_inference_tensor-{backend}", _parameter_wrapping_an_inference_tensor(backend))
+      for backend in ("ext", "python")],
     *[Case(f"inference_tensor_parameter-{backend}", _inference_parameter(backend), ValueError,
            exact("fastoffload: parameter 1.qkv.weight is an inference tensor (the model was built or loaded inside "
                  "torch.inference_mode()), which offload cannot watch for in-place writes; build or load the model "

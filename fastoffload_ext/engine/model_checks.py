@@ -143,13 +143,23 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                          "weights exist")
 
 
+def _tracks_versions(param: torch.Tensor) -> bool:
+    """False for a tensor made inside inference_mode (it has no version counter). A parameter rebound in
+    an inference_mode disable reports ``is_inference()`` but keeps its counter, and is fine."""
+    try:
+        param._version  # noqa: B018 (the access is the test)
+    except RuntimeError:
+        return False
+    return True
+
+
 def check_devices(blocks: list[nn.Module], offset: int, device: torch.device, from_file: bool = False) -> None:
     """Every parameter has values, on the host or on ``device`` (or, ``from_file``, comes from a checkpoint),
-    and is an ordinary tensor: offload tells an in-place write from its own rebinding by the parameters'
-    version counters, which an inference tensor does not have."""
+    and counts versions: offload tells an in-place write from its own rebinding by the parameters' version
+    counters, which a tensor made inside inference_mode does not have."""
     for index, block in enumerate(blocks):
         for name, param in block.named_parameters():
-            if param.is_inference():
+            if not _tracks_versions(param):
                 raise OffloadConfigError(f"fastoffload: parameter {offset + index}.{name} is an inference tensor (the "
                                          "model was built or loaded inside torch.inference_mode()), which offload "
                                          "cannot watch for in-place writes; build or load the model outside "
