@@ -167,7 +167,8 @@ def _codec_difference(mine: Any, owners: Any, rank: int) -> str | None:
         return f"compress={words.get(mode, mode)} (format {version}, max_ratio {max_ratio}, min_bytes {min_bytes})"
 
     return (f"rank {rank} asked for {describe(mine)} but the owner for {describe(owners)}; pass the same compress= "
-            "on every rank")
+            "on every rank (under a device_budget, each rank's own plan turns compress='auto' into True or False: "
+            "give every rank the same budgets too)")
 
 
 def _digest_difference(mine: list[list[int]], owners: list[list[int]], layouts: list[Any], list_name: str,
