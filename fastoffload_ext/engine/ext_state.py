@@ -46,7 +46,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.shared_by = 0
         # Another rank's block whose segment the owner filled compressed: (compressed bytes, checksum).
         self.shared_encoded: tuple[int, int] = (0, 0)
-        # acquire_and_prefetch's handles of prefetch_targets, and the list they were read from.
+        # try_acquire_and_prefetch's handles of prefetch_targets, and the list they were read from.
         self._target_handles: tuple[int, ...] | None = None
         self._targets_seen: list[BlockOffloadState] | None = None
         self._targets_len = -1
@@ -86,23 +86,18 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     def acquire(self) -> None:
         self.engine.acquire(self.handle)
 
-    def acquire_and_prefetch(self) -> None:
-        """``acquire``, then ``prefetch`` of every target: one engine call when the targets are this engine's
-        blocks (the hook's per-step entry; on a host-bound model each call across the boundary counts)."""
+    def try_acquire_and_prefetch(self) -> bool:
+        """``acquire``, then ``prefetch`` of every target, in one engine call when the targets are all this
+        engine's blocks (the hook's per-step entry; on a host-bound model each call across the boundary
+        counts). Returns False, having done nothing, otherwise: the caller takes the general path."""
         targets = self.prefetch_targets
         if targets is not self._targets_seen or len(targets) != self._targets_len:
             self._resolve_targets(targets)
         handles = self._target_handles
-        if handles is not None:
-            self.engine.acquire_and_prefetch(self.handle, handles)
-            return
-        self.acquire()
-        try:
-            for target in targets:
-                target.prefetch()
-        except BaseException:
-            self.release()  # the hook's cleanup runs only once its entry completed
-            raise
+        if handles is None:
+            return False
+        self.engine.acquire_and_prefetch(self.handle, handles)
+        return True
 
     def _resolve_targets(self, targets: list[BlockOffloadState]) -> None:
         # Keyed on the list object and its length: the list is replaced when prefetching is rewired. An

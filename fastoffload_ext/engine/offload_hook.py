@@ -29,9 +29,9 @@ class LayerwiseOffloadHook(ForwardHook):
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
-        # The ext state acquires and prefetches in one call into the compiled core; any other state
-        # (the python backend, one built by hand) through its acquire and prefetch.
-        self._acquire_and_prefetch = getattr(state, "acquire_and_prefetch", None) or self._acquire_then_prefetch
+        # The ext state acquires and prefetches in one call into the compiled core where it can; any
+        # other state (the python backend, one built by hand) through its acquire and prefetch.
+        self._one_call_entry = getattr(state, "try_acquire_and_prefetch", None)
         cls = type(self)
         if cls.pre_forward is LayerwiseOffloadHook.pre_forward and cls.post_forward is LayerwiseOffloadHook.post_forward:
             # A subclass that changes either entry point keeps the general path.
@@ -65,7 +65,8 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
-        self._acquire_and_prefetch()
+        if self._one_call_entry is None or not self._one_call_entry():
+            self._acquire_then_prefetch()
         self.saved_tensors.enter()
 
     def _acquire_then_prefetch(self) -> None:
