@@ -180,17 +180,20 @@ def _counters(group: Any) -> dict[str, float]:
             "copy_wait_s": disk["copy_wait_seconds"]}
 
 
-def _rounds(torch: Any, device: Any, group: Any, step: Any, path: Path, rounds: int,
-            timed: int) -> tuple[list[float], list[float], dict[str, float]]:
+def _rounds(torch: Any, device: Any, group: Any, step: Any, bracket_read: tuple[Path, list[tuple[int, int]]],
+            rounds: int, timed: int) -> tuple[list[float], list[float], dict[str, float]]:
     """(median step ms per round, bracketed read bandwidth per round, counters summed over the timed
-    steps). A round's bandwidth is the mean of the sequential reads right before and right after it."""
-    from benchmarks.disk import BRACKET_BYTES, sequential_read
+    steps). A round's bandwidth is the mean of the sequential reads right before and right after it,
+    each reading ``bracket_read``'s (file, spans): the bytes a step reads from the disk tier."""
+    from benchmarks.disk import sequential_read
     from benchmarks.utils import median
+    path, spans = bracket_read
+    nbytes = sum(length for _, length in spans)
 
     def bracket() -> float:
         _wait_reader_idle(group.engine.reader)
-        seconds, _ = sequential_read(path, limit=BRACKET_BYTES)
-        return min(BRACKET_BYTES, path.stat().st_size) / seconds
+        seconds, _ = sequential_read(path, spans=spans)
+        return nbytes / seconds
 
     totals: dict[str, float] = {}
     reads, steps = [bracket()], []
@@ -250,6 +253,7 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
     # Compressed: the disk tier reads each block's compressed region from the spill file instead.
     disk_bytes = sum(group.engine.codec_info(s.handle)["compressed_bytes"] or s.weight_bytes() for s in disk_states)
     files = [path] + ([Path(group.engine.spill_path)] if group.engine.spill_path else [])
+    bracket_read = _disk_tier_spans(group, path, disk_states)
     try:
         with torch.no_grad():
             exact = bool(torch.equal(model(x), run["expected"]))
@@ -262,7 +266,7 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
                         evict(f)
                 model(x)
             timed = 1 if config["quick"] else 3
-            steps, bandwidths, totals = _rounds(torch, device, group, step, path, ROUNDS, timed)
+            steps, bandwidths, totals = _rounds(torch, device, group, step, bracket_read, ROUNDS, timed)
     finally:
         if group.engine.spill_path:  # the child ends with os._exit, which removes nothing
             Path(group.engine.spill_path).unlink(missing_ok=True)
@@ -284,6 +288,17 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
                           f"{group.engine.spill_bytes / 2**30:.3f} GiB spill file")
     result.update(_judge_stream(steps, bandwidths, disk_bytes, run["compute_ms"], h2d_ms))
     return result
+
+
+def _disk_tier_spans(group: Any, path: Path, disk_states: list[Any]) -> tuple[Path, list[tuple[int, int]]]:
+    """(file, spans) a step reads from the disk tier: the spill file when compressed, else the disk-tier
+    blocks' tensors in the checkpoint (one checkpoint file: the benchmark writes a single one)."""
+    from benchmarks.disk import merged_spans
+    if group.engine.spill_path:
+        spill = Path(group.engine.spill_path)
+        return spill, [(0, spill.stat().st_size)]
+    ranges = [(e.offset, e.nbytes) for s in disk_states for e in s.block.entries]
+    return path, merged_spans(ranges, path.stat().st_size)
 
 
 def _judge_stream(steps: list[float], bandwidths: list[float], disk_bytes: int, compute_ms: float,

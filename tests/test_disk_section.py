@@ -146,3 +146,75 @@ def test_kvikio_row_keeps_two_pieces_in_flight_on_two_buffers(tmp_path: Path, mo
     for i in range(2, len(reads)):
         assert kvikio.log.index(("done", reads[i - 2][1])) < kvikio.log.index(reads[i])
     assert row["gib"] == size / (1 << 30) and row["threads"] == 4 and row["request_mib"] == 8
+
+
+def test_merged_spans_widen_to_the_alignment_and_merge_what_touches() -> None:
+    from benchmarks.disk import ALIGN, merged_spans
+    size = 10 * ALIGN + 100
+    ranges = [(3 * ALIGN + 8, 10), (ALIGN + 1, 2 * ALIGN), (10 * ALIGN + 5, 50), (5 * ALIGN, 8)]
+    assert merged_spans(ranges, size) == [(ALIGN, 3 * ALIGN), (5 * ALIGN, ALIGN), (10 * ALIGN, 100)]
+    assert merged_spans([], size) == []
+
+
+def test_sequential_read_of_spans_reads_those_bytes_and_no_others(tmp_path: Path, monkeypatch) -> None:
+    import benchmarks.disk as disk
+    from fastoffload_ext import _C
+    monkeypatch.setattr(disk, "PIECE", 1 << 20)
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\1" * (6 << 20))
+    calls: list[tuple[int, int]] = []
+
+    class Recording:
+        def __init__(self, *args: object) -> None:
+            self.inner = _C.DiskReader(*args)
+
+        def open(self, name: str) -> int:
+            return self.inner.open(name)
+
+        def read(self, requests: list, buffer: torch.Tensor) -> None:
+            calls.extend((offset, length) for _, offset, length, _ in requests)
+            self.inner.read(requests, buffer)
+
+        def stats(self) -> dict:
+            return self.inner.stats()
+
+    class Ext:
+        DiskReader = Recording
+
+    monkeypatch.setattr("fastoffload_ext._backend.require_ext", lambda: Ext)
+    spans = [(0, 4096), ((2 << 20) - 4096, (1 << 20) + 8192)]
+    seconds, _ = disk.sequential_read(path, "direct", spans=spans)
+    assert seconds > 0
+    # Each span in pieces of at most PIECE, in order within the span, every byte once.
+    assert sorted(calls) == [(0, 4096), ((2 << 20) - 4096, 1 << 20), ((3 << 20) - 4096, 8192)]
+
+
+def test_the_stream_brackets_read_the_disk_tier_blocks_tensors(tmp_path: Path) -> None:
+    from benchmarks.disk import merged_spans
+    from benchmarks.disk_child import _disk_tier_spans
+    reference = reference_stack(8)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    group = enable_layerwise_offload(meta_stack(8), device="cpu", weights=path,
+                                     host_budget=4 * block_bytes(reference) + 4096)
+    on_disk = [s for s in group.states if s.on_disk]
+    assert on_disk
+    read_path, spans = _disk_tier_spans(group, path, on_disk)
+    assert read_path == path
+    covered = sum(length for _, length in spans)
+    # Every disk-tier byte is read, and at most the alignment padding beyond them per tensor.
+    tensors = [e for s in on_disk for e in s.block.entries]
+    assert len(on_disk) * block_bytes(reference) <= covered <= len(on_disk) * block_bytes(reference) + 2 * 4096 * len(tensors)
+    for entry in tensors:
+        assert any(o <= entry.offset and entry.offset + entry.nbytes <= o + n for o, n in spans)
+    assert spans == merged_spans(spans, path.stat().st_size)
+
+
+def test_the_stream_row_is_also_judged_against_the_read_table(monkeypatch) -> None:
+    import benchmarks.disk as disk
+    child = {"step_ms": 1100.0, "compute_ms": 20.0, "h2d_ms": 60.0, "disk_bytes_per_step": 2_000_000_000,
+             "note": "compress=True: ..."}
+    monkeypatch.setattr(disk, "_spawn", lambda config, timeout: dict(child))
+    row = disk._stream_row({}, 1.0, 2e9)
+    assert row["note"] == "compress=True: ...; against the read table's 2.00 GB/s: x max(...) 1.100, stream/bw 0.909"
+    child.pop("note")
+    assert disk._stream_row({}, 1.0, 2e9)["note"].startswith("against the read table's 2.00 GB/s")
