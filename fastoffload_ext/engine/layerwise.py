@@ -354,9 +354,12 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
     logger.info("Layerwise offload enabled: %r", group)
-    if group.plan is not None and group.compress_mode == "on":
-        from fastoffload_ext.planning import replan as replanning
+    if group.plan is None:
+        return group
+    from fastoffload_ext.planning import replan as replanning
 
+    replanning.with_disk_tier(group)  # a checkpoint's disk tier: the plan predicts its reads too
+    if group.compress_mode == "on":
         # The plan counted estimated compressed sizes; the engine has encoded now and knows the real ones.
         return replanning.recheck(group)
     return group

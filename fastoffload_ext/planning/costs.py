@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.tiers import plan_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,36 @@ STAGING_BUFFERS = 2
 def packed_bytes(tensor_bytes: Sequence[int]) -> int:
     """A block's packed size from its tensors' sizes (what a slot must hold)."""
     return sum(-(-int(n) // PACK_ALIGNMENT) * PACK_ALIGNMENT for n in tensor_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskCosts:
+    """The disk tier a cost table predicts with (a checkpoint larger than the host budget).
+
+    read_gbps: the disk's read bandwidth for the tier's reads (decimal GB/s), measured on this machine.
+    host_budget: bytes the host tier may pin: the host copies of the offloaded blocks that keep one,
+        plus the staging ring; the offloaded blocks beyond it are read from disk every step
+        (``planning.tiers.plan_tiers`` says which, for each resident set).
+    staging_buffers: the staging ring's buffers (``DiskOptions.staging_buffers``): how far the reads run
+        ahead of the copies out of them.
+    """
+
+    read_gbps: float
+    host_budget: int
+    staging_buffers: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.read_gbps > 0:
+            raise OffloadConfigError(f"fastoffload: DiskCosts read_gbps must be > 0 (GB/s), got {self.read_gbps!r}")
+        if isinstance(self.host_budget, bool) or not isinstance(self.host_budget, int) or self.host_budget < 0:
+            raise OffloadConfigError(f"fastoffload: DiskCosts host_budget must be bytes >= 0, got {self.host_budget!r}")
+        if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or \
+                self.staging_buffers < 1:
+            raise OffloadConfigError(f"fastoffload: DiskCosts staging_buffers must be an integer >= 1, got "
+                                     f"{self.staging_buffers!r}")
+
+    def read_ms(self, nbytes: int) -> float:
+        return nbytes / (self.read_gbps * 1e6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +89,7 @@ class BlockCosts:
         prefetch calls, release); resident blocks have no hook. Calibration fits it from the host gaps
         between blocks. With all three absent (None, 0, 0) the host timeline is left out, and so it is
         with ``overlap=False``, where the compute timeline is the host's already.
+    disk: the disk tier (:class:`DiskCosts`); None: every offloaded block has a pinned host copy.
     """
 
     compute_ms: tuple[float, ...]
@@ -74,6 +106,7 @@ class BlockCosts:
     host_ms: tuple[float, ...] | None = None
     host_other_ms: float = 0.0
     host_overhead_ms: float = 0.0
+    disk: DiskCosts | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compute_ms", tuple(float(c) for c in self.compute_ms))
@@ -169,6 +202,23 @@ class BlockCosts:
             return 0
         coded = [self.moved_bytes(b) for b in offloaded if self.is_coded(b)]
         return STAGING_BUFFERS * max(coded) if coded else 0
+
+    def disk_blocks(self, resident: Collection[int]) -> tuple[int, ...]:
+        """The offloaded blocks (indices, in order) that the disk tier reads every step when ``resident``
+        stay on the device: as the build places them (``plan_tiers`` over the offloaded blocks' raw
+        bytes). Raises OffloadConfigError when the host budget cannot hold the staging ring."""
+        if self.disk is None:
+            return ()
+        kept = frozenset(resident)
+        offloaded = [b for b in range(self.blocks) if b not in kept]
+        tiers = plan_tiers([self.block_bytes[b] for b in offloaded], self.disk.host_budget, self.disk.staging_buffers)
+        return tuple(offloaded[position] for position in tiers.disk)
+
+    def disk_ms(self, resident: Collection[int]) -> float:
+        """The disk tier's reads per step (what it moves, compressed where the blocks are) at its bandwidth."""
+        if self.disk is None:
+            return 0.0
+        return sum(self.disk.read_ms(self.moved_bytes(b)) for b in self.disk_blocks(resident))
 
     def total_compute_ms(self) -> float:
         return sum(self.compute_ms) + self.other_ms

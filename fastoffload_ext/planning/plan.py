@@ -27,7 +27,9 @@ class OffloadPlan:
     the floor no schedule can beat with this resident set (with host figures also the host's dispatch of
     the step); overhead_ms is the hooks' fixed cost per step that the prediction includes and the ideal
     does not. host_ms is the host's predicted time to dispatch a step (hooks included) and device_ms the
-    step the device timelines alone give; the larger sets the prediction (``host_bound``).
+    step the device timelines alone give; the larger sets the prediction (``host_bound``). With a
+    disk tier in the costs, disk_blocks are the offloaded blocks read from disk every step and disk_ms
+    that reading's time at the disk's bandwidth (``disk_bound`` when it sets the ideal).
     """
 
     blocks: int
@@ -55,6 +57,8 @@ class OffloadPlan:
     host_ms: float = 0.0    # the host's predicted time to dispatch a step, hooks included (0: not timed)
     device_ms: float = 0.0  # the step the device timelines alone give (compute, exposed copies)
     host_hooks_ms: float = 0.0  # of host_ms, the offload hooks' host cost per step
+    disk_blocks: int = 0    # offloaded blocks the disk tier reads every step (costs.disk)
+    disk_ms: float = 0.0    # their reads per step at the disk's bandwidth
     tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
 
     @property
@@ -71,6 +75,11 @@ class OffloadPlan:
     def host_bound(self) -> bool:
         """The host's dispatch, not the device, sets the predicted step."""
         return self.host_ms > 0 and self.host_ms > self.device_ms
+
+    @property
+    def disk_bound(self) -> bool:
+        """The disk tier's reads, not the copies or the compute, set the step's floor."""
+        return self.disk_ms > 0 and self.disk_ms >= self.ideal_ms
 
     @property
     def calibrated(self) -> bool:
@@ -99,6 +108,7 @@ class OffloadPlan:
             "raw_offloaded_bytes": self.raw_offloaded_bytes, "staging_bytes": self.staging_bytes,
             "overhead_ms": self.overhead_ms, "host_ms": self.host_ms, "device_ms": self.device_ms,
             "host_hooks_ms": self.host_hooks_ms, "host_bound": self.host_bound,
+            "disk_blocks": self.disk_blocks, "disk_ms": self.disk_ms, "disk_bound": self.disk_bound,
         }
 
     def explain(self) -> str:
@@ -111,11 +121,18 @@ class OffloadPlan:
             f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
             f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",
             f"device {format_bytes(self.device_bytes)} of budget {format_bytes(self.device_budget)} (activation "
-            f"reserve {format_bytes(self.activation_bytes)}); host pinned {format_bytes(self.host_bytes)}",
+            f"reserve {format_bytes(self.activation_bytes)}); host pinned "
+            + (f"at most {format_bytes(self.costs.disk.host_budget)} (host tier and staging ring)"
+               if self.disk_blocks and self.costs.disk is not None else format_bytes(self.host_bytes)),
             f"moved per step: {moved}",
             f"predicted {self.predicted_step_ms:.3f} ms/step, ideal {self.ideal_ms:.3f} ms, hook overhead "
             f"{self.overhead_ms:.3f} ms; {self.why}",
         ]
+        if self.disk_blocks:
+            disk = self.costs.disk
+            lines.insert(3, f"disk: {self.disk_blocks} offloaded blocks read every step, {self.disk_ms:.1f} ms at "
+                            f"{disk.read_gbps if disk is not None else 0.0:.2f} GB/s"
+                            + (": disk-bound" if self.disk_bound else ""))
         if self.host_ms > 0:
             lines.insert(3, f"host: dispatches a step in {self.host_ms:.3f} ms ({self.host_hooks_ms:.3f} ms of it the "
                             f"hooks), the device's timelines alone {self.device_ms:.3f} ms"

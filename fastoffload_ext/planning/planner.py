@@ -191,19 +191,39 @@ def _host_clause(costs: BlockCosts, offloaded: int, host_ms: float, device_ms: f
             + f", the GPU computes it in {device_ms:.3f} ms")
 
 
+def _disk_clause(costs: BlockCosts, resident: frozenset[int], copy_ms: float) -> str | None:
+    """The sentence for a disk tier (None without one): how many blocks it reads a step, and whether the
+    reads set the step."""
+    if costs.disk is None:
+        return None
+    blocks = costs.disk_blocks(resident)
+    if not blocks:
+        return f"every offloaded block fits host_budget {format_bytes(costs.disk.host_budget)}: no disk reads"
+    disk_ms = costs.disk_ms(resident)
+    nbytes = sum(costs.moved_bytes(b) for b in blocks)
+    bound = disk_ms > max(costs.total_compute_ms(), copy_ms)
+    return (f"{'disk-bound: ' if bound else ''}{len(blocks)} offloaded blocks beyond host_budget "
+            f"{format_bytes(costs.disk.host_budget)} are read from disk every step, {format_bytes(nbytes)} at "
+            f"{costs.disk.read_gbps:.2f} GB/s = {disk_ms:.1f} ms" + ("; each block kept resident saves one read"
+                                                                     if bound else ""))
+
+
 def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: float, ideal_ms: float,
-         copy_ms: float, budget: int | None, host: str | None = None) -> str:
+         copy_ms: float, budget: int | None, host: str | None = None, disk: str | None = None) -> str:
     n = costs.blocks
     compute = costs.total_compute_ms()
     if not costs.calibrated:
-        return ("not calibrated (compute not measured yet): keeps the most bytes resident that the budget allows, "
-                "depth 1; call group.calibrate(step) to measure this machine and re-plan")
+        return "; ".join(([disk] if disk else []) + [
+            "not calibrated (compute not measured yet): keeps the most bytes resident that the budget allows, "
+            "depth 1; call group.calibrate(step) to measure this machine and re-plan"])
     if len(plan_resident) == n:
         return "; ".join(["every block fits the budget: nothing is copied"] + ([host] if host else []))
     regime = "transfer-bound" if copy_ms > compute else "compute-bound"
     parts = [f"{regime}: compute {compute:.3f} ms vs copies of the offloaded bytes {copy_ms:.3f} ms"]
     if host:
         parts.insert(0, host)
+    if disk:
+        parts.insert(0, disk)
     if regime == "compute-bound" and not plan_resident:
         parts.append("every copy hides behind compute")
     elif plan_resident:
@@ -266,6 +286,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
     slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
     scored = 0
+    no_staging: OffloadConfigError | None = None  # a disk tier whose staging ring the host budget cannot hold
     for depth in depths:
         sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
                                                                  exhaustive_limit=exhaustive_limit)
@@ -274,21 +295,29 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
             if (device_budget is not None and device > device_budget) or (host_budget is not None
                                                                           and host > host_budget):
                 continue
+            try:
+                ms = _score(costs, chosen, depth, cyclic)
+            except OffloadConfigError as error:
+                no_staging = error
+                continue
             scored += 1
-            ms = _score(costs, chosen, depth, cyclic)
             key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
                    -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
                    tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:
-        raise _refusal(costs, device_budget, host_budget, depths, fixed)
+        raise no_staging if no_staging is not None else _refusal(costs, device_budget, host_budget, depths, fixed)
     _, chosen, depth, ms = best
     resident_bytes, slot, device, host = _memory(costs, chosen, depth)
     copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
     compute = costs.total_compute_ms()
-    # No schedule beats the host's own dispatch of the step either (a launch-bound model).
-    ideal = max(compute, copy_ms, costs.total_host_ms()) if costs.overlap else compute + copy_ms
+    disk_blocks, disk_ms = costs.disk_blocks(chosen), costs.disk_ms(chosen)
+    # No schedule beats the host's own dispatch of the step either (a launch-bound model), nor the disk.
+    # (With the host as the device the copies are memcpys on the compute's timeline; the reads run on
+    # the reader's threads either way.)
+    ideal = (max(compute, copy_ms, costs.total_host_ms(), disk_ms) if costs.overlap
+             else max(compute + copy_ms, disk_ms))
     offloaded = [b for b in range(costs.blocks) if b not in chosen]
     host_ms = simulate_step(costs, chosen, depth, cyclic=cyclic).host_ms
     device_ms = _score(costs.device_only(), chosen, depth, cyclic)
@@ -303,8 +332,10 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         staging_bytes=costs.staging_bytes(offloaded), overhead_ms=costs.block_overhead_ms * len(offloaded),
         host_ms=host_ms, device_ms=device_ms,
         host_hooks_ms=costs.host_overhead_ms * len(offloaded) if costs.host_timed else 0.0,
+        disk_blocks=len(disk_blocks), disk_ms=disk_ms,
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget,
-                 _host_clause(costs, len(offloaded), host_ms, device_ms)), costs=costs)
+                 _host_clause(costs, len(offloaded), host_ms, device_ms), _disk_clause(costs, chosen, copy_ms)),
+        costs=costs)
     logger.debug("%s", plan)
     return plan
 

@@ -22,7 +22,7 @@ from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs
 from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_block, estimate_tensors
-from fastoffload_ext.planning.costs import BlockCosts, module_packed_bytes, packed_bytes
+from fastoffload_ext.planning.costs import BlockCosts, DiskCosts, module_packed_bytes, packed_bytes
 from fastoffload_ext.planning.planner import plan_offload
 
 logger = logging.getLogger(__name__)
@@ -101,12 +101,34 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
         logger.info("measured step %.3f ms against the predicted %.3f ms: %s the %.0f %% tolerance",
                     measured.step_ms, group.plan.predicted_step_ms, verdict, 100 * group.plan.tolerance)
     if replan and group.plan is not None:
-        group.replan(costs)
+        replan_group(group, costs, keep_disk_layout=True)
     return costs
+
+
+DISK_REPLAN_ERROR = (
+    "fastoffload: this offload streams {disk} blocks from disk (built with weights=), and the new plan ({plan}) "
+    "changes its layout; applying it would bring every block into host memory first, which a model larger "
+    "than the host's RAM cannot survive. Nothing was changed. To apply it: disable_layerwise_offload(model, "
+    "'meta'), then enable_layerwise_offload(model, weights=..., plan=plan) again")
+
+
+# A new layout for a group that streams from disk is only worth a word when predicted this much faster.
+DISK_REPLAN_GAIN = 0.01
+
+
+def _disk_blocks(group: Any) -> int:
+    return sum(1 for state in group.states if getattr(state, "on_disk", False))
 
 
 def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     """A fresh plan from ``costs`` (default: the last calibration) under the enable-time budgets."""
+    return replan_group(group, costs)
+
+
+def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layout: bool = False) -> Any:
+    """``replan``; a new layout on a group that streams blocks from disk is refused before anything
+    changes (``DISK_REPLAN_ERROR``), or with ``keep_disk_layout`` (a calibration's own re-plan) logged,
+    the layout kept and its plan scored again from ``costs``."""
     _check_current(group)
     table = costs if costs is not None else group.costs
     if table is None:
@@ -121,6 +143,8 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     reserve = settings.get("activation_reserve_bytes")
     if reserve is not None:
         table = table.with_activation_bytes(reserve)
+    if table.disk is None and old.costs.disk is not None:
+        table = dataclasses.replace(table, disk=old.costs.disk)  # a calibration measures no disk
     fixed_resident = settings.get("fixed_resident")
     fixed_depth = settings.get("fixed_depth")
     auto = settings.get("arguments", {}).get("compress") == "auto" and group.engine is not None
@@ -134,6 +158,18 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     # Under "auto" a switch between raw and coded copies is a new layout too: the engine's mode changes.
     if new.same_layout(old) and (not auto or new.compressed == (group.compress_mode == "on")):
         group.plan = new
+        return group
+    disk = _disk_blocks(group)
+    if disk:
+        kept = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
+                            prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+        if new.predicted_step_ms >= kept.predicted_step_ms * (1 - DISK_REPLAN_GAIN):
+            group.plan = kept  # no faster: the layout stays, its prediction from the new table
+            return group
+        if not keep_disk_layout:
+            raise OffloadStateError(DISK_REPLAN_ERROR.format(disk=disk, plan=new))
+        logger.warning("%s; keeping the layout enable applied", DISK_REPLAN_ERROR.format(disk=disk, plan=new))
+        group.plan = kept
         return group
     logger.info("re-planning %s: %s", group.list_name, new)
     return _apply(group, new, table)
@@ -168,6 +204,40 @@ def recheck(group: Any) -> Any:
     return _apply(group, new, costs)
 
 
+# Fewer bytes than this read at enable say too little about the disk's speed to predict with.
+MIN_MEASURED_READ_BYTES = 32 << 20
+
+
+def read_gbps(reader: Any) -> float | None:
+    """The disk's read rate so far (GB/s): the reader's bytes over the time it had a read in flight;
+    None when it has read too little to tell."""
+    stats = dict(reader.stats())
+    busy = stats["wall_seconds"] - stats["idle_seconds"]
+    if stats["bytes_read"] < MIN_MEASURED_READ_BYTES or busy <= 0:
+        return None
+    return stats["bytes_read"] / busy / 1e9
+
+
+def with_disk_tier(group: Any) -> None:
+    """After enable from a checkpoint with a disk tier: the plan scored again, same layout, with the disk's
+    reads in it (the read rate measured while enable read the host tier), so its prediction and ``why``
+    say what a step costs. A re-plan keeps the disk tier in its table."""
+    plan, source = group.plan, group.checkpoint
+    if plan is None or source is None or not source.tiers.disk or plan.costs.disk is not None:
+        return
+    gbps = read_gbps(group.engine.reader)
+    if gbps is None:
+        logger.info("fastoffload: %d blocks are in the disk tier; enable read too little to measure the disk, so the "
+                    "plan leaves the disk's reads out", len(source.tiers.disk))
+        return
+    disk = DiskCosts(read_gbps=gbps, host_budget=int(source.host_budget),
+                     staging_buffers=source.options.staging_buffers)
+    group.plan = plan_offload(dataclasses.replace(plan.costs, disk=disk), plan.device_budget,
+                              host_budget=plan.host_budget, resident=plan.resident,
+                              prefetch_depth=plan.prefetch_depth, cyclic=group.cyclic)
+    logger.info("fastoffload: %s", group.plan.why)
+
+
 def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
 
@@ -180,4 +250,5 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     return fresh
 
 
-__all__ = ["calibrate", "recheck", "replan", "transfer_bytes"]
+__all__ = ["DISK_REPLAN_ERROR", "calibrate", "read_gbps", "recheck", "replan", "replan_group", "transfer_bytes",
+           "with_disk_tier"]

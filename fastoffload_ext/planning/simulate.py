@@ -30,6 +30,14 @@ finished; a copy, the synchronous load and the prefetches alike, cannot start be
 the hook that issues it. A launch-bound model (many small blocks) is then as slow as its host, and each
 offloaded block adds its hooks' host time to it. Without host figures the host runs ahead and the
 step is what the device timelines alone give.
+
+With a disk tier in the table (``disk``) the offloaded blocks beyond the host budget are read every
+step, as the engine's staging ring reads them: one reader timeline at the disk's bandwidth, in the
+disk blocks' order, wrapping around; a read goes into the staging buffer that the copy
+``staging_buffers`` disk copies earlier read out of, so it starts once that copy has ended (the first
+reads at the start), and a disk block's copy starts once its read has ended. The reads do not wait for
+the step's start: the reader runs ahead of the host. The host's own wait for a read (an acquire whose
+block is still being read) is left to the copy's wait.
 """
 from __future__ import annotations
 
@@ -59,6 +67,8 @@ class StepTimeline:
     block_start: tuple[float, ...]
     block_end: tuple[float, ...]
     host_ms: float = 0.0     # the host's busy time in the step (dispatch and hooks; 0: no host figures)
+    disk_reads: int = 0      # disk-tier reads the step's copies consumed (one per disk block copied)
+    read_bytes: int = 0      # their bytes
 
 
 class _Ring:
@@ -89,6 +99,40 @@ class _Ring:
         return best
 
 
+class _Reader:
+    """The disk tier's reader and staging ring: reads in the disk blocks' order, each into the buffer the
+    copy ``staging_buffers`` disk copies earlier read out of."""
+
+    def __init__(self, costs: BlockCosts, blocks: tuple[int, ...]) -> None:
+        assert costs.disk is not None
+        self.costs = costs
+        self.order = blocks
+        self.blocks = frozenset(blocks)
+        self.buffers = costs.disk.staging_buffers
+        self.at = 0.0                    # the reader is busy until here
+        self.ends: list[float] = []      # read k's end (read k reads order[k % len(order)])
+        self.copy_ends: list[float] = []  # disk copy k's end: it frees the buffer read k + buffers goes into
+
+    def read_end(self, block: int) -> float:
+        """When the read for the next disk copy (of ``block``) ends: the reads before it are done in order."""
+        k = len(self.copy_ends)
+        while len(self.ends) <= k:
+            j = len(self.ends)
+            free = self.copy_ends[j - self.buffers] if j >= self.buffers else 0.0
+            nbytes = self.costs.moved_bytes(self.order[j % len(self.order)])
+            self.at = max(self.at, free) + self.costs.disk.read_ms(nbytes)  # type: ignore[union-attr]
+            self.ends.append(self.at)
+        return self.ends[k]
+
+    def copied(self, end: float) -> None:
+        self.copy_ends.append(end)
+
+    def consumed_since(self, first: int) -> tuple[int, int]:
+        """(reads, bytes) that the disk copies from copy ``first`` on consumed: one read per copy."""
+        done = range(first, len(self.copy_ends))
+        return len(done), sum(self.costs.moved_bytes(self.order[j % len(self.order)]) for j in done)
+
+
 class _Pipeline:
     def __init__(self, costs: BlockCosts, resident: Collection[int], depth: int, cyclic: bool) -> None:
         self.costs = costs
@@ -108,6 +152,7 @@ class _Pipeline:
         self.host = costs.host_timed
         self.host_at = 0.0     # where the host is (with host figures)
         self.host_busy = 0.0
+        self.disk = _Reader(costs, costs.disk_blocks(self.resident)) if costs.disk is not None else None
 
     def now(self) -> float:
         """The end of everything so far: the device's work and, with host figures, the host's."""
@@ -124,10 +169,15 @@ class _Pipeline:
         start = max(self.copy_at, ring.free_at[slot], self.step_begin)
         if self.host:
             start = max(start, hook_at)
+        on_disk = self.disk is not None and block in self.disk.blocks
+        if on_disk:
+            start = max(start, self.disk.read_end(block))
         if not self.costs.overlap:
             start = max(start, self.compute_at)
         end = start + self.costs.copy_ms(block)
         self.copy_at = end
+        if on_disk:
+            self.disk.copied(end)
         # A coded copy is decoded into the slot on its own stream: only "ready" waits for it.
         ready = end + self.costs.decode_ms(block)
         if not self.costs.overlap:
@@ -226,16 +276,19 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
     copies = copied = 0
     starts: list[float] = []
     ends: list[float] = []
+    first_read = 0
     for _ in range(max(1, steps)):
         begin, busy = pipeline.now(), pipeline.host_busy
         copies, copied = pipeline.copies, pipeline.copied_bytes
+        first_read = len(pipeline.disk.copy_ends) if pipeline.disk else 0
         starts, ends = pipeline.step()
     step_ms = pipeline.now() - begin
     compute = costs.total_compute_ms()
+    reads, read_bytes = pipeline.disk.consumed_since(first_read) if pipeline.disk else (0, 0)
     return StepTimeline(step_ms=step_ms, compute_ms=compute, exposed_ms=max(0.0, step_ms - compute),
                         copies=pipeline.copies - copies, copied_bytes=pipeline.copied_bytes - copied,
                         block_start=tuple(s - begin for s in starts), block_end=tuple(e - begin for e in ends),
-                        host_ms=pipeline.host_busy - busy)
+                        host_ms=pipeline.host_busy - busy, disk_reads=reads, read_bytes=read_bytes)
 
 
 __all__ = ["STEADY_STEPS", "StepTimeline", "simulate_step"]

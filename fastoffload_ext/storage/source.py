@@ -125,6 +125,9 @@ class CheckpointSource:
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
+        if tiers.disk:
+            logger.info("Disk tier: %d of %d offloaded blocks stay on disk (%s; %d bytes pinned)", len(tiers.disk),
+                        len(block_bytes), budget.source, tiers.host_bytes)
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         source = cls(checkpoint, sources, resident, tiers, options)
         source.block_bytes, source.host_budget = list(block_bytes), budget.bytes

@@ -1,0 +1,73 @@
+"""Which offloaded blocks keep a pinned host copy and which stay on disk, under a host-memory budget.
+
+The budget covers what offload pins in host memory for the block list: the host-tier blocks' packed
+regions plus the disk tier's staging ring (``staging_buffers`` buffers of the largest block). The
+disk-tier blocks are spread evenly over the forward instead of bunched at the end: each disk read then
+has the compute and copy time of the host blocks before it to hide behind, and the reader is never
+idle for long stretches while the staging ring is full. A pure function of sizes and the budget: the
+build (``storage``) applies it, and the planner's simulation (``simulate.py``) predicts with it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fastoffload_ext.errors import OffloadConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TierPlan", "plan_tiers"]
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Block positions (0 = first offloaded block) per tier, and the host bytes the plan pins."""
+
+    host: tuple[int, ...]
+    disk: tuple[int, ...]
+    staging_buffers: int
+    staging_bytes: int  # all staging buffers together
+    host_bytes: int     # host-tier regions + staging
+
+    def on_disk(self, position: int) -> bool:
+        return position in self.disk
+
+
+
+def _spread(count: int, chosen: int) -> list[int]:
+    """``chosen`` positions out of ``count``, evenly spaced."""
+    if chosen <= 0:
+        return []
+    return sorted({min(count - 1, int((j + 0.5) * count / chosen)) for j in range(chosen)})
+
+
+def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buffers: int,
+               source: str | None = None) -> TierPlan:
+    """Every block in the host tier when it fits; otherwise as many as fit beside the staging ring.
+
+    source: how a refusal names the budget (default ``host_budget=N bytes``).
+    """
+    total = sum(block_bytes)
+    everything = tuple(range(len(block_bytes)))
+    if host_budget is None or total <= host_budget or not block_bytes:
+        return TierPlan(everything, (), 0, 0, total)
+    staging = min(staging_buffers, len(block_bytes)) * max(block_bytes)
+    if staging > host_budget:
+        raise OffloadConfigError(
+            f"fastoffload: {source or f'host_budget={host_budget} bytes'} cannot hold even the disk tier's staging "
+            f"ring ({staging_buffers} buffer(s) of the largest block, {max(block_bytes)} bytes each = {staging}); "
+            "raise host_budget (or free host memory), or lower DiskOptions.staging_buffers (at least 1)")
+    for keep in range(len(block_bytes) - 1, -1, -1):
+        host = _spread(len(block_bytes), keep)
+        host_bytes = sum(block_bytes[i] for i in host)
+        if host_bytes + staging <= host_budget:
+            disk = tuple(i for i in everything if i not in host)
+            buffers = min(staging_buffers, len(disk))
+            staging = buffers * max(block_bytes[i] for i in disk)  # what the engine allocates
+            plan = TierPlan(tuple(host), disk, buffers, staging, host_bytes + staging)
+            logger.debug("Disk tier: %d of %d blocks stay on disk (host budget %d bytes, %d pinned)", len(disk),
+                         len(block_bytes), host_budget, plan.host_bytes)
+            return plan
+    raise AssertionError("fastoffload: internal error: zero host blocks always fit once the staging ring does; report "
+                         "this with the block sizes and host_budget")
