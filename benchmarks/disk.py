@@ -32,7 +32,9 @@ Tables:
   "reads x read/bw" the host tier's read window against its bytes at the bandwidth (above 1: the disk
   was not kept busy, e.g. reads waiting for pins), "tail ms" from the last read's end to enable's
   return, and in the note the build's phases (``CheckpointSource.phases``) and the deferred pins' cost.
-- stream: a model at twice its host budget, step time against max(compute, H2D of every offloaded block,
+- stream: a model at twice its host budget (and once more under a device budget of half its blocks,
+  where the planner keeps blocks resident knowing the disk tier: "plan ms" its prediction, "x plan"
+  the step against it), step time against max(compute, H2D of every offloaded block,
   disk-tier bytes / read bandwidth) (target <= 1.05 x), the disk-tier stream rate against the read
   bandwidth (target >= 0.90 when the step is disk-bound) and bit-exactness against the resident model.
   The steps run in rounds, each bracketed by sequential reads of the bytes a step reads from the disk
@@ -80,7 +82,8 @@ TABLES = {
     ),
     "stream": Table(
         title="disk tier at twice the host budget",
-        columns=[Column("workload", "workload"), Column("disk_blocks", "disk blocks"), Column("step_ms", "step ms", ".2f"),
+        columns=[Column("workload", "workload"), Column("resident", "resident"), Column("disk_blocks", "disk blocks"),
+                 Column("step_ms", "step ms", ".2f"), Column("pred_ms", "plan ms", ".1f"), Column("x_pred", "x plan", ".3f"),
                  Column("compute_ms", "compute ms", ".2f"), Column("h2d_ms", "H2D ms", ".2f"),
                  Column("bw_gb_s", "bw GB/s", ".2f"), Column("disk_ms", "disk ms", ".2f"),
                  Column("x_bound", "x max(...)", ".3f"), Column("x_bound_range", "x range"),
@@ -341,11 +344,12 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
              "the staging ring, registering blocks) must hide behind the reads or fit in the 20 %. 'head ms' (before "
              "the first read), 'reads x read/bw' (the read window against the bandwidth) and 'tail ms' (after the "
              "last read) say where it did not; the note has the phases and the pins' populate/register split")
-    for compress in (False, True):
-        # compress=True: the disk tier streams the compressed blocks from a spill file next to the checkpoint.
-        config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "compress": compress}
-        labels = {"workload": spec.name} if not compress else {"workload": spec.name, "compress": True}
-        ctx.run_row("stream", labels, lambda c=config: _stream_row(c, timeout, read_bandwidth))
+    # compress=True: the disk tier streams the compressed blocks from a spill file next to the checkpoint.
+    # device_budget_share: the planner keeps blocks resident within it, the disk tier in its table.
+    for extra in ({}, {"compress": True}, {"device_budget_share": 0.5}):
+        config = {"mode": "stream", "path": str(path), "cuda": ctx.cuda, "quick": ctx.quick, "compress": False,
+                  **extra}
+        ctx.run_row("stream", {"workload": spec.name, **extra}, lambda c=config: _stream_row(c, timeout, read_bandwidth))
 
 
 # Start-up children per budget, and the stream child's rounds (benchmarks.disk_child.ROUNDS): the

@@ -150,3 +150,52 @@ def test_a_new_layout_for_a_disk_tier_is_refused_before_anything_changes(checkpo
     assert fresh.resident == new.resident
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_the_plan_made_at_enable_counts_the_disk_tier_from_a_probe(checkpoint, monkeypatch) -> None:
+    import fastoffload_ext.storage.disk_costs as disk_costs
+    reference, path, size = checkpoint
+    calls = []
+    real = disk_costs.probe_read_gbps
+
+    def probe(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(disk_costs, "probe_read_gbps", probe)
+    monkeypatch.setattr(disk_costs, "_PROBE_CACHE", {})
+    monkeypatch.setattr(disk_costs, "PROBE_BYTES", 2 * size)
+    plans = []
+    import fastoffload_ext.planning.layout as layout
+    real_plan = layout.plan_offload
+
+    def recording(costs, *args, **kwargs):
+        plans.append(costs)
+        return real_plan(costs, *args, **kwargs)
+    monkeypatch.setattr(layout, "plan_offload", recording)
+    model, group = _enable(path, size)
+    assert len(calls) == 1 and plans and plans[0].disk is not None
+    assert plans[0].disk.host_budget == 4 * size + 4096 and plans[0].disk.read_gbps > 0
+    x = inputs(d=256)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    disable_layerwise_offload(model, "meta")
+    # The rate is kept per file system; no plan, or blocks that fit, read nothing.
+    _enable(path, size)
+    fits = enable_layerwise_offload(meta_stack(8, d=256), device="cpu", weights=path, host_budget=None,
+                                    device_budget=5 * size)
+    unplanned = enable_layerwise_offload(meta_stack(8, d=256), device="cpu", weights=path,
+                                         host_budget=4 * size + 4096)
+    assert len(calls) == 2 and fits.plan.costs.disk is None and unplanned.plan is None
+
+
+def test_the_probe_reads_block_tensors_once_and_keeps_the_rate(checkpoint, monkeypatch) -> None:
+    import fastoffload_ext.storage.disk_costs as disk_costs
+    from fastoffload_ext.storage import DiskOptions, open_checkpoint
+    _, path, size = checkpoint
+    monkeypatch.setattr(disk_costs, "_PROBE_CACHE", {})
+    monkeypatch.setattr(disk_costs, "PROBE_BYTES", size)
+    checkpoint_ = open_checkpoint(path)
+    entries = [e for name, e in sorted(checkpoint_.entries.items()) if name.startswith("blocks.")]
+    gbps = disk_costs.probe_read_gbps(checkpoint_, entries, DiskOptions())
+    assert gbps > 0 and list(disk_costs._PROBE_CACHE.values()) == [gbps]
+    assert disk_costs.probe_read_gbps(checkpoint_, entries[:1], DiskOptions()) == gbps  # same file system

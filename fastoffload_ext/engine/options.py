@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -205,7 +206,8 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                             resident_blocks=resident_blocks,
                             prefetch_depth=prefetch_depth, device_budget=device_budget,
                             host_budget=None if weights is not None else host_budget,
-                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic)
+                            activation_reserve=activation_reserve, plan=plan, cyclic=cyclic,
+                            disk=_disk_costs(weights, list_name, blocks, disk_budget, disk_options, device, backend))
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     chosen = choose_backend(backend, device)
     share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
@@ -221,6 +223,20 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                           settings=layout.settings, weights=weights,
                           host_budget_bytes=disk_budget,
                           disk_options=disk_options, lists=tuple(lists))
+
+
+def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget: Any, disk_options: Any,
+                device: torch.device, backend: str) -> Callable[[], Any] | None:
+    """With ``weights`` on the compiled core: what tells a plan about the disk tier (``storage.disk_costs``).
+    Other cases are refused later, by ``check_storage_arguments``."""
+    if weights is None or choose_backend(backend, device) != "ext" or not isinstance(disk_options, (DiskOptions,
+                                                                                                   type(None))):
+        return None
+
+    def costs() -> Any:
+        from fastoffload_ext.storage.disk_costs import planned_disk_costs
+        return planned_disk_costs(weights, list_name, blocks, host_budget, disk_options, device)
+    return costs
 
 
 def _ring(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.ModuleList]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from fastoffload_ext.planning.budgets import AUTO, format_bytes, parse_size
 from fastoffload_ext.planning.calibration import cached_h2d_gbps
 from fastoffload_ext.planning.codec_choice import choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_transfer_bytes
-from fastoffload_ext.planning.costs import BlockCosts, module_device_bytes, module_host_bytes, module_packed_bytes
+from fastoffload_ext.planning.costs import BlockCosts, DiskCosts, module_device_bytes, module_host_bytes, module_packed_bytes
 from fastoffload_ext.planning.memory import device_free_bytes, probe_host
 from fastoffload_ext.planning.plan import OffloadPlan
 from fastoffload_ext.planning.planner import plan_offload
@@ -131,8 +131,12 @@ def _check_host(host_budget: int | None, blocks: Sequence[nn.Module], resident: 
 def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name: str, *, resident_blocks: object,
                    prefetch_depth: object, device_budget: object = None, host_budget: object = AUTO,
                    activation_reserve: object = None, plan: OffloadPlan | None = None, cyclic: bool = True,
-                   costs: BlockCosts | None = None, compress: str = "off") -> Layout:
+                   costs: BlockCosts | None = None, compress: str = "off",
+                   disk: Callable[[], DiskCosts | None] | None = None) -> Layout:
     """The resident set and depth enable should apply; raises OffloadConfigError before anything changes.
+
+    ``disk``: with ``weights=``, what gives the disk tier the plan must count (None when every block
+    fits the host budget); called only when a plan is made, since it may read from the disk.
 
     ``compress``: the engine's codec mode. With "on" a bytes-only plan counts the coded bytes each copy
     will move (sampled, ``compressed.py``) and the decode's staging; with "auto" and a plan, the raw and
@@ -164,6 +168,9 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
     table = table.with_activation_bytes(reserve)
+    found = disk() if disk is not None and table.disk is None else None
+    if found is not None:
+        table = dataclasses.replace(table, disk=found)
     # Blocks on the meta device (weights= builds from a checkpoint) have no values to estimate coded sizes
     # from: "auto" then plans raw copies and leaves the choice to the engine's per-step chooser.
     chooses = compress == "auto" and not _on_meta(blocks)

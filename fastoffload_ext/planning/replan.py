@@ -220,12 +220,15 @@ def read_gbps(reader: Any) -> float | None:
 
 def with_disk_tier(group: Any) -> None:
     """After enable from a checkpoint with a disk tier: the plan scored again, same layout, with the disk's
-    reads in it (the read rate measured while enable read the host tier), so its prediction and ``why``
-    say what a step costs. A re-plan keeps the disk tier in its table."""
+    reads in it at the read rate measured while enable read the host tier (the plan was chosen with the
+    probe's, ``storage.disk_costs``), so its prediction and ``why`` say what a step costs. A re-plan
+    keeps the disk tier in its table."""
     plan, source = group.plan, group.checkpoint
-    if plan is None or source is None or not source.tiers.disk or plan.costs.disk is not None:
+    if plan is None or source is None or not source.tiers.disk:
         return
     gbps = read_gbps(group.engine.reader)
+    if gbps is None and plan.costs.disk is not None:
+        gbps = plan.costs.disk.read_gbps  # the probe's, which the plan already counts
     if gbps is None:
         logger.info("fastoffload: %d blocks are in the disk tier; enable read too little to measure the disk, so the "
                     "plan leaves the disk's reads out", len(source.tiers.disk))
