@@ -199,3 +199,35 @@ def test_the_probe_reads_block_tensors_once_and_keeps_the_rate(checkpoint, monke
     gbps = disk_costs.probe_read_gbps(checkpoint_, entries, DiskOptions())
     assert gbps > 0 and list(disk_costs._PROBE_CACHE.values()) == [gbps]
     assert disk_costs.probe_read_gbps(checkpoint_, entries[:1], DiskOptions()) == gbps  # same file system
+
+
+def test_the_probe_reads_at_most_its_size_of_a_large_tensor(checkpoint, monkeypatch) -> None:
+    import fastoffload_ext.storage.disk_costs as disk_costs
+    from fastoffload_ext import _backend
+    from fastoffload_ext.storage import DiskOptions, open_checkpoint
+    _, path, size = checkpoint
+    monkeypatch.setattr(disk_costs, "_PROBE_CACHE", {})
+    monkeypatch.setattr(disk_costs, "PROBE_BYTES", 8192)
+    read: list[int] = []
+    core = _backend.require_ext()
+
+    class Recording:
+        def __init__(self, *args: object) -> None:
+            self.inner = core.DiskReader(*args)
+
+        def open(self, name: str) -> int:
+            return self.inner.open(name)
+
+        def read(self, spans: list, buffer: torch.Tensor) -> None:
+            read.extend(n for _, _, n, _ in spans)
+            self.inner.read(spans, buffer)
+
+    class Ext:
+        DiskReader = Recording
+
+    monkeypatch.setattr(_backend, "require_ext", lambda: Ext)
+    checkpoint_ = open_checkpoint(path)
+    big = max((e for e in checkpoint_.entries.values() if e.name.startswith("blocks.")), key=lambda e: e.nbytes)
+    assert big.nbytes > 3 * 8192
+    assert disk_costs.probe_read_gbps(checkpoint_, [big], DiskOptions()) > 0
+    assert len(read) == 1 and read[0] <= 8192 + 4096

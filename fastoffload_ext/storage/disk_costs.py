@@ -80,9 +80,10 @@ def probe_read_gbps(checkpoint: Checkpoint, entries: list[Any], options: DiskOpt
     reader = core.DiskReader(options.read_threads, options.chunk_bytes, options.read_mode)
     files = {p: reader.open(p) for p in sorted({e.path for e in chosen})}
     spans, offset = [], 0
-    for entry in chosen:
+    for entry in chosen:  # aligned, and never more than PROBE_BYTES in all (a tensor may be larger)
         begin = entry.offset // _ALIGN * _ALIGN
-        end = min(checkpoint.file_sizes[entry.path], -(-(entry.offset + entry.nbytes) // _ALIGN) * _ALIGN)
+        end = min(checkpoint.file_sizes[entry.path], -(-(entry.offset + entry.nbytes) // _ALIGN) * _ALIGN,
+                  begin + max(_ALIGN, PROBE_BYTES - offset))
         spans.append((files[entry.path], begin, end - begin, offset))
         offset += end - begin
     buffer = torch.zeros(offset, dtype=torch.uint8)  # faulted in: the clock times the reads alone
