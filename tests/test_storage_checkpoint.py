@@ -53,6 +53,24 @@ def test_meta_model_from_single_file_is_bit_exact(tmp_path: Path, device: str, d
     assert params_equal(model, reference.cpu())
 
 
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("how", ["resident_blocks", "device_budget"])
+def test_every_block_resident_still_reads_the_checkpoint(tmp_path: Path, device: str, how: str) -> None:
+    # A plan (or resident_blocks) that keeps every block on the device offloads nothing: the checkpoint
+    # must still be read, or the model stays on the meta device.
+    reference = reference_stack(5)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(5)
+    keep = {"resident_blocks": 5} if how == "resident_blocks" else {"device_budget": 1 << 40, "host_budget": None}
+    group = enable_layerwise_offload(model, device=device, weights=path, **keep)
+    assert group.stats()["offloaded_blocks"] == 0
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(p.device.type == device for p in model.parameters())
+    _run_equal(model, reference, device)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference.cpu())
+
+
 @pytest.mark.parametrize("layout", ["index", "folder_index", "folder_file"])
 def test_sharded_and_folder_checkpoints(tmp_path: Path, layout: str) -> None:
     reference = reference_stack(4)

@@ -183,6 +183,10 @@ def _build_group(model: nn.Module, options: OffloadOptions, arguments: dict[str,
         checkpoint.open_files(engine)
         checkpoint.open_spill(engine, options.compress)
         group.checkpoint = checkpoint
+    elif checkpoint is not None:
+        # Every block stays resident (a plan that fits them all): nothing to stream, everything is read
+        # onto the device now, and the model holds its values as if it had been loaded.
+        checkpoint.load_resident(model, options.device)
     group.enable_kwargs = {**(options.settings or {}), "arguments": arguments}
     group.list_names = [name for name, _ in options.lists] or [options.list_name]
     return group
@@ -238,8 +242,9 @@ def _build_engine(options: OffloadOptions) -> Any:
 
 
 def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> CheckpointSource | None:
-    """With ``weights``: the checkpoint read and checked against the model (nothing changes yet)."""
-    if options.weights is None or not options.offloaded:
+    """With ``weights``: the checkpoint read and checked against the model (nothing changes yet), also
+    when every block stays resident (then it is all read onto the device)."""
+    if options.weights is None:
         return None
     return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
                                     options.weights, options.host_budget_bytes, options.disk_options, options.device)
