@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.errors import CheckpointError, CheckpointReadError, OffloadConfigError, OffloadStateError
+from fastoffload_ext.storage import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import params_equal
@@ -265,3 +266,37 @@ def test_mutation_of_a_disk_block_is_refused(checkpoint: tuple[torch.nn.Module, 
             pass
     with torch.no_grad():
         assert torch.equal(model(inputs()), reference(inputs()))
+
+
+def test_a_load_that_reaches_a_disk_block_changes_nothing(checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    size = block_bytes(reference)
+    model = meta_stack(6)
+    # Block 0 resident, and a host-tier block comes before the first disk-tier one: a load that reached
+    # the disk block only after loading those would leave the model half new.
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * size + 8192,
+                                     resident_blocks=[0], disk_options=DiskOptions(staging_buffers=1))
+    tiers = [s.on_disk for s in group.states]
+    assert not tiers[0] and any(tiers)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bumped = {k: v + 1 for k, v in reference.state_dict().items()}
+    with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier"):
+        model.load_state_dict(bumped)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+    # A load that names no disk-tier block loads as usual.
+    host = [i for i, s in zip(group.offloaded_indices, group.states) if not s.on_disk]
+    subset = {k: v for k, v in bumped.items() if k.startswith(tuple(f"blocks.{i}." for i in [0, *host]))}
+    model.load_state_dict(subset, strict=False)
+    expected = reference_stack(6)
+    expected.load_state_dict(subset, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), expected(inputs()))
+    # Once offload is gone the guard is too.
+    disable_layerwise_offload(model, device="cpu")
+    model.load_state_dict(bumped)
+    loaded = reference_stack(6)
+    loaded.load_state_dict(bumped)
+    assert params_equal(model, loaded)

@@ -47,6 +47,7 @@ class LayerwiseOffloadGroup:
         self.states: list[BlockOffloadState] = []
         self.original_devices: list[torch.device] = []
         self.checkpoint: Any = None  # storage.source.CheckpointSource when built with weights=
+        self.load_guard: Any = None  # state_dict.LoadGuard: a refused load_state_dict changes nothing
 
     def stats(self) -> dict[str, Any]:
         """Sizes and counters of this offload, for logs and benchmarks."""

@@ -77,6 +77,7 @@ from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_B
                                             resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state_dict import LoadGuard
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
@@ -162,6 +163,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         raise
     _attach_blocks(group, options)
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
+    group.load_guard = _load_guard(model, group)
     return _finish(model, group, options, was_on_cuda)
 
 
@@ -335,6 +337,18 @@ def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, Lay
         group.engine.close()
 
 
+def _load_guard(model: nn.Module, group: LayerwiseOffloadGroup) -> LoadGuard:
+    """The model's load_state_dict pre-hook that makes a refused load change nothing (state_dict.py)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    blocks = []
+    for state in group.states:
+        manager = ModuleHookManager.get_from(state.module_ref)
+        hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
+        if isinstance(hook, LayerwiseOffloadHook) and id(state.module_ref) in names:
+            blocks.append((names[id(state.module_ref)] + ".", hook.state_dict_hooks))
+    return LoadGuard(blocks).attach(model)
+
+
 def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool) -> None:
     """Each state prefetches the next ``prefetch_depth`` states (wrapping around when ``cyclic``)."""
     count = len(states)
@@ -401,6 +415,8 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
                 for key, buffer in module.named_buffers(recurse=False):
                     if buffer is not None:
                         setattr(module, key, buffer.to(target))
+    if group.load_guard is not None:
+        group.load_guard.detach()
     if group.engine is not None:
         group.engine.close()
     delattr(model, GROUP_ATTRIBUTE)

@@ -14,6 +14,11 @@ with a size mismatch. Module state-dict hooks put the host copy in:
 
 Both work on the block list alone and through any parent (``model.state_dict()``), since torch runs
 every submodule's hooks.
+
+A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
+pre-hook on the model (``LoadGuard``) refuses, before any module has loaded, a state dict that names
+a parameter of a block that would refuse it (disk tier, shared host copy). Otherwise the blocks
+before that one would already hold the new values when the error is raised.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StateDictHooks"]
+__all__ = ["LoadGuard", "StateDictHooks"]
 
 
 class StateDictHooks:
@@ -62,10 +67,20 @@ class StateDictHooks:
             value = host.detach().clone()
             state_dict[key] = value if value.dtype == entry.dtype else value.to(entry.dtype)
 
-    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    def refusal(self) -> OffloadStateError | None:
+        """The error a load into this block raises before it changes anything (None: it loads)."""
         if getattr(self.state, "shared_segment", None) is not None:
             index = getattr(self.state, "handle", None)
-            raise OffloadStateError(SHARED_LOAD_ERROR.format(index=index, n=getattr(self.state, "shared_by", 0)))
+            return OffloadStateError(SHARED_LOAD_ERROR.format(index=index, n=getattr(self.state, "shared_by", 0)))
+        own = getattr(self.state, "load_refusal", None)  # a state's own (a disk-tier block has no host copy)
+        return own() if callable(own) else None
+
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        if not any(key.startswith(prefix) for key in state_dict):
+            return  # nothing for this block (a partial load): its host copy stays as it is
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
         self.state.begin_mutation()
         self._loading = True
 
@@ -75,3 +90,28 @@ class StateDictHooks:
         self._loading = False
         with torch.no_grad():
             self.state.end_mutation()
+
+
+class LoadGuard:
+    """The model's load_state_dict pre-hook: refuses a load that one of its offloaded blocks would
+    refuse, before any module has loaded anything."""
+
+    def __init__(self, blocks: list[tuple[str, StateDictHooks]]) -> None:
+        self.blocks = blocks  # (the block's name in the model, with a trailing dot; its hooks)
+        self._handle: RemovableHandle | None = None
+
+    def attach(self, model: nn.Module) -> LoadGuard:
+        self._handle = model.register_load_state_dict_pre_hook(functools.partial(LoadGuard._check, self))
+        return self
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _check(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, hooks in self.blocks:
+            refused = hooks.refusal()
+            if refused is not None and any(key.startswith(prefix + name) for key in state_dict):
+                raise refused
+

@@ -77,6 +77,10 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
             self._put_back_originals()
             raise
 
+    def load_refusal(self) -> OffloadStateError | None:
+        """What a load_state_dict into this block raises before anything changes (state_dict.LoadGuard)."""
+        return OffloadStateError(DISK_MUTATION_ERROR) if self.block.on_disk else None
+
     def begin_mutation(self) -> None:
         if self.block.on_disk:
             raise OffloadStateError(DISK_MUTATION_ERROR)
