@@ -2,6 +2,8 @@
 FluxTransformer2DModel at a tiny config), bit-exact on both backends, with device="cpu"."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -234,3 +236,47 @@ def test_flux_all_lists_gpu_weights_stay_within_the_slots(prefetch_depth: int) -
     # Weights on the GPU: k+1 slots of the largest block (double-stream) and the modules outside the lists.
     bound = (prefetch_depth + 1) * max(sizes) + (all_bytes - sum(sizes)) + activations + 16 * 1024**2
     assert torch.cuda.max_memory_allocated() <= bound
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replan_that_changes_the_layout_keeps_every_list(backend: str) -> None:
+    from fastoffload_ext import get_offload_group
+    from fastoffload_ext.planning import plan_offload
+    model, reference = _pair()
+    block = sum(p.numel() * p.element_size() for p in model.transformer_blocks[0].parameters())
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all",
+                                     device_budget=5 * block)
+    x = torch.randn(2, 16)
+    # A table under which another layout wins: the re-plan offloads again, with the same lists.
+    table = dataclasses.replace(group.plan.costs, calibrated=True, compute_ms=(0.1, 5.0, 0.1, 5.0, 0.1, 0.1, 5.0))
+    assert not plan_offload(table, group.plan.device_budget).same_layout(group.plan)
+    group.replan(table)
+    fresh = get_offload_group(model)
+    assert fresh is not group and fresh.list_names == ["transformer_blocks", "single_transformer_blocks"]
+    assert len(fresh.states) + len(fresh.resident) == 7 and fresh.resident != group.resident
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_a_replan_whose_enable_fails_puts_the_old_layout_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fastoffload_ext.engine.layerwise as layerwise
+    from fastoffload_ext import get_offload_group
+    model, reference = _pair()
+    block = sum(p.numel() * p.element_size() for p in model.transformer_blocks[0].parameters())
+    group = enable_layerwise_offload(model, device="cpu", block_lists="all", device_budget=5 * block)
+    old = group.plan
+    table = dataclasses.replace(old.costs, calibrated=True, compute_ms=(0.1, 5.0, 0.1, 5.0, 0.1, 0.1, 5.0))
+    real = layerwise.enable_layerwise_offload
+
+    def failing(model: nn.Module, **kwargs: object):
+        if kwargs.get("plan") is not old:
+            raise OffloadConfigError("fastoffload: injected")
+        return real(model, **kwargs)
+    monkeypatch.setattr(layerwise, "enable_layerwise_offload", failing)
+    with pytest.raises(OffloadConfigError, match="injected"):
+        group.replan(table)
+    restored = get_offload_group(model)
+    assert restored is not None and restored.resident == group.resident and restored.plan is old
+    assert restored.list_names == group.list_names
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(2, 16)), reference(torch.ones(2, 16)))

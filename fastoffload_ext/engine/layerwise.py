@@ -155,7 +155,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         arguments = dict(backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
                          allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
                          share_host_copy=share_host_copy, process_group=process_group, compress=compress,
-                         host_budget=host_budget, activation_reserve=activation_reserve)
+                         host_budget=host_budget, activation_reserve=activation_reserve, block_lists=block_lists)
         group = _build_group(model, options, arguments)
         _negotiate_sharing(group, options, rendezvous)
     except BaseException as error:

@@ -9,7 +9,9 @@ Re-applying a plan whose resident set or depth differs means offloading again: e
 brought back to host memory with its current values (``disable_layerwise_offload(model, "cpu")``) and
 offload is enabled with the new plan and the arguments enable was first given. The new group replaces
 the old one on the model (``get_offload_group(model)``); the new plan is computed, and refused if it does
-not fit, before anything is undone.
+not fit, before anything is undone, and if enabling it fails all the same the previous layout is
+applied again before the error is raised. A group that streams blocks from disk is never re-enabled
+(it would go through host memory): a new layout for it is refused, or kept out by a calibration.
 """
 from __future__ import annotations
 
@@ -246,9 +248,21 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
 
     model = group.model_ref
     arguments = dict(group.enable_kwargs.get("arguments", {}))
-    arguments.update(plan=plan, device_budget=plan.device_budget, resident_blocks=None, prefetch_depth=None)
+    arguments.update(resident_blocks=None, prefetch_depth=None)
     disable_layerwise_offload(model, device="cpu")
-    fresh = enable_layerwise_offload(model, **arguments)
+    try:
+        fresh = enable_layerwise_offload(model, **arguments, plan=plan, device_budget=plan.device_budget)
+    except BaseException:
+        # Enable rolled itself back; the layout that ran before is applied again, so a failed re-plan
+        # leaves the model offloaded as it was (with its current values), then the error is raised.
+        old = group.plan
+        try:
+            restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
+            restored.costs = group.costs
+        except BaseException as second:
+            logger.error("fastoffload: re-planning failed and the previous layout could not be applied again (%s); "
+                         "the model is in host memory without offload", second)
+        raise
     fresh.costs = costs
     return fresh
 
