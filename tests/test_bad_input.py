@@ -16,7 +16,9 @@ Already covered elsewhere, so not repeated here:
 """
 from __future__ import annotations
 
+import copy
 import functools
+import io
 import re
 import threading
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from torch import nn
 
 import fastoffload_ext as fo
 from fastoffload_ext import LazyModule
+from fastoffload_ext.engine.messages import COPY_ERROR
 from fastoffload_ext.planning import BlockCosts, module_packed_bytes, plan_offload
 from fastoffload_ext.policy.resolution import DEFAULT_SCHEMA, UnknownPathError, resolve
 
@@ -328,6 +331,20 @@ def _in_place_edit_while_offloaded(backend: str) -> Callable[[Env], Any]:
     return run
 
 
+def _copied_while_offloaded(backend: str, copy_it: Callable[[nn.Module], Any]) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        def copy_then_check() -> None:
+            try:
+                copy_it(env.model)
+            finally:
+                with torch.no_grad():
+                    assert torch.equal(env.model(env.x), env.reference(env.x))  # the refused copy took nothing
+
+        _offloaded_then(env, backend, copy_then_check)
+
+    return run
+
+
 def _half_after_enable(backend: str) -> Callable[[Env], Any]:
     def run(env: Env) -> None:
         env.untouched_check = False  # the cast is followed at disable: checked by hand below
@@ -543,6 +560,10 @@ CASES = [
     *[Case(f"in_place_edit_while_offloaded-{b}", _in_place_edit_while_offloaded(b), RuntimeError, exact(IN_PLACE))
       for b in ("ext", "python")],
     *[Case(f"half_after_enable-{b}", _half_after_enable(b), RuntimeError, exact(HALF)) for b in ("ext", "python")],
+    *[Case(f"{what}_of_an_offloaded_model-{b}", _copied_while_offloaded(b, copy_it), RuntimeError, exact(COPY_ERROR))
+      for what, copy_it in (("deepcopy", copy.deepcopy), ("torch_save", lambda m: torch.save(m, io.BytesIO())),
+                            ("deepcopy_one_block", lambda m: copy.deepcopy(m.blocks[1])))
+      for b in ("ext", "python")],
     *[Case(f"saved_input_modified_before_backward-{b}", _saved_input_modified_before_backward(b), RuntimeError,
            exact(SAVED_MODIFIED)) for b in ("ext", "python")],
     # Arguments that would otherwise reach the compiled core with the wrong type.

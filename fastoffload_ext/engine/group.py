@@ -9,7 +9,9 @@ from torch import nn
 
 from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
+from fastoffload_ext.engine.messages import COPY_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.planning import replan as replanning
 from fastoffload_ext.planning.costs import BlockCosts
 from fastoffload_ext.planning.plan import OffloadPlan
@@ -21,6 +23,9 @@ GROUP_ATTRIBUTE = "_fastoffload_group"
 
 class LayerwiseOffloadGroup:
     """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise OffloadStateError(COPY_ERROR)  # see messages.COPY_ERROR
 
     def __init__(self, model: nn.Module, list_name: str, blocks: nn.ModuleList, device: torch.device, backend: str,
                  prefetch_depth: int, resident_blocks: int | Collection[int], cyclic: bool, engine: Any = None) -> None:

@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.engine.messages import COPY_ERROR
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,11 @@ class ModuleHookManager:
         self.module = module
         self.forward_hooks: dict[str, ForwardHook] = {}
         self.original_forward = module.forward
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # Reached first when a model with offloaded blocks is deep-copied or pickled: a clear refusal
+        # instead of pickle's complaint about whatever unpicklable object it meets deeper down.
+        raise OffloadStateError(COPY_ERROR)
 
     @classmethod
     def get_from(cls, module: nn.Module) -> ModuleHookManager | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CAST_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
+__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
            "scalar_type_name"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
@@ -44,3 +44,13 @@ SHARED_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}
 def scalar_type_name(dtype: torch.dtype) -> str:
     """The core's name of a dtype ("Float", "Half", "BFloat16"), so both backends' messages read alike."""
     return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
+
+
+# copy.deepcopy, pickle and torch.save(model) of a model with offload hooks: what they would need to copy
+# (the engine, its pinned host copy, locks, streams) cannot be copied, and a copy that shared them
+# would be two models driving one set of device slots.
+COPY_ERROR = ("fastoffload: a model with layerwise offload enabled cannot be copied or pickled (copy.deepcopy, "
+              "pickle, torch.save(model)): its offloaded weights live in the offload engine's host copy and device "
+              "slots. Save or copy model.state_dict() instead (it holds the real values), or call "
+              "disable_layerwise_offload(model, 'cpu') first and enable offload on each copy")
+

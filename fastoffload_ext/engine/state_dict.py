@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fastoffload_ext.engine.messages import SHARED_LOAD_ERROR
+from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
 
@@ -46,6 +46,9 @@ class StateDictHooks:
         self.state = state
         self._handles: list[RemovableHandle] = []
         self._loading = False
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
 
     def attach(self, module: nn.Module) -> None:
         # torch marks a state-dict hook with an attribute, which a bound method cannot carry.
