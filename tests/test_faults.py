@@ -442,6 +442,36 @@ def test_fault_injected_into_the_fourth_attach_rolls_back(backend: str, fault: t
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", [InjectedFault, KeyboardInterrupt])
+def test_a_fault_moving_a_resident_block_rolls_back(backend: str, fault: type[BaseException], monkeypatch,
+                                                    recording_core) -> None:
+    """The resident blocks move to the device last, after every offloaded block is attached: an error
+    there (out of memory, Ctrl-C) undoes the whole enable too."""
+    model, reference, x, want = _setup()
+    original = snapshot(model)
+    real_to = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if self is model.blocks[1]:
+            raise fault("injected while moving resident block 1")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", to)
+    with pytest.raises(fault, match="injected while moving resident block 1"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[0, 1])
+    monkeypatch.setattr(nn.Module, "to", real_to)
+    assert fo.get_offload_group(model) is None
+    _assert_untouched(model, original, range(N_BLOCKS))
+    assert mismatches(model, original) == []
+    if backend == "ext":
+        (pool,) = recording_core.pools
+        assert pool.stats()["in_use_bytes"] == 0
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[0, 1])
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_meta_parameter_in_a_resident_block_is_refused_before_anything_changes(backend: str) -> None:
     """Resident blocks are moved to the device only at the end of enable, so they are checked with the
     offloaded ones first: a resident block on the meta device gets the same ValueError as an offloaded

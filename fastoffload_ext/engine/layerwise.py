@@ -364,11 +364,42 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
         state.next_state = targets[0] if targets else None
 
 
+def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:
+    """Moves the resident blocks to the device. If that fails (out of memory, Ctrl-C), enable is undone
+    like a failed attach: the moved blocks go back where they were, the offloaded ones are detached with
+    their values, and the checkpoint's tensors (``weights=``) are put back."""
+    # Parameters keep their objects through .to() (their .data changes); buffers are replaced, so they
+    # are found again by module and name.
+    params: dict[int, tuple[nn.Parameter, torch.device]] = {}
+    buffers: list[tuple[nn.Module, str, torch.device]] = []
+    try:
+        for index in options.resident:
+            block = options.blocks[index]
+            params.update({id(p): (p, p.device) for p in block.parameters()})
+            buffers += [(m, key, b.device) for m in block.modules() for key, b in m._buffers.items() if b is not None]
+            block.to(options.device)
+    except BaseException:
+        for param, device in params.values():
+            if param.device != device and device.type != "meta":
+                param.data = param.data.to(device)
+        for module, key, device in buffers:
+            buffer = module._buffers.get(key)
+            if buffer is not None and buffer.device != device and device.type != "meta":
+                module._buffers[key] = buffer.to(device)
+        if group.load_guard is not None:
+            group.load_guard.detach()
+        hooks = [(s.module_ref, ModuleHookManager.get_from(s.module_ref).get_forward_hook(LayerwiseOffloadHook.name()))
+                 for s in group.states if ModuleHookManager.get_from(s.module_ref) is not None]
+        _roll_back(group, [(b, h) for b, h in hooks if h is not None], None)
+        if group.checkpoint is not None:
+            group.checkpoint.roll_back()
+        raise
+
+
 def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions,
             was_on_cuda: bool) -> LayerwiseOffloadGroup:
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
-    for index in options.resident:
-        options.blocks[index].to(options.device)
+    _resident_to_device(group, options)
     setattr(model, GROUP_ATTRIBUTE, group)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
