@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -50,3 +51,32 @@ def block_bytes(model: Stack) -> int:
 def inputs(d: int = 32, dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> torch.Tensor:
     torch.manual_seed(seed)
     return torch.randn(2, 5, d, dtype=dtype)
+
+
+def record_reads(monkeypatch: Any) -> list[tuple[int, int]]:
+    """Makes the compiled core's DiskReader record every (offset, length) it is asked to read, for the code
+    that gets it through ``_backend.require_ext()``; returns the list it fills."""
+    from fastoffload_ext import _backend
+    core = _backend.require_ext()
+    reads: list[tuple[int, int]] = []
+
+    class Recording:
+        def __init__(self, *args: object) -> None:
+            self.inner = core.DiskReader(*args)
+
+        def open(self, name: str) -> int:
+            return self.inner.open(name)
+
+        def read(self, spans: list, buffer: torch.Tensor) -> None:
+            reads.extend((offset, length) for _, offset, length, _ in spans)
+            self.inner.read(spans, buffer)
+
+        def stats(self) -> dict:
+            return self.inner.stats()
+
+    class Ext:
+        DiskReader = Recording
+
+    monkeypatch.setattr(_backend, "require_ext", lambda: Ext)
+    return reads
+

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.disk_child import enable_read_bytes
 from fastoffload_ext import enable_layerwise_offload
-from tests._checkpoints import block_bytes, meta_stack, reference_stack, write_single
+from tests._checkpoints import block_bytes, meta_stack, record_reads, reference_stack, write_single
 
 
 def _outside(model: torch.nn.Module) -> int:
@@ -158,30 +158,10 @@ def test_merged_spans_widen_to_the_alignment_and_merge_what_touches() -> None:
 
 def test_sequential_read_of_spans_reads_those_bytes_and_no_others(tmp_path: Path, monkeypatch) -> None:
     import benchmarks.disk as disk
-    from fastoffload_ext import _C
     monkeypatch.setattr(disk, "PIECE", 1 << 20)
     path = tmp_path / "data.bin"
     path.write_bytes(b"\1" * (6 << 20))
-    calls: list[tuple[int, int]] = []
-
-    class Recording:
-        def __init__(self, *args: object) -> None:
-            self.inner = _C.DiskReader(*args)
-
-        def open(self, name: str) -> int:
-            return self.inner.open(name)
-
-        def read(self, requests: list, buffer: torch.Tensor) -> None:
-            calls.extend((offset, length) for _, offset, length, _ in requests)
-            self.inner.read(requests, buffer)
-
-        def stats(self) -> dict:
-            return self.inner.stats()
-
-    class Ext:
-        DiskReader = Recording
-
-    monkeypatch.setattr("fastoffload_ext._backend.require_ext", lambda: Ext)
+    calls = record_reads(monkeypatch)
     spans = [(0, 4096), ((2 << 20) - 4096, (1 << 20) + 8192)]
     seconds, _ = disk.sequential_read(path, "direct", spans=spans)
     assert seconds > 0

@@ -12,7 +12,7 @@ from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning import plan_offload, simulate_step
 from fastoffload_ext.planning.costs import BlockCosts, DiskCosts
 from fastoffload_ext.planning.tiers import plan_tiers
-from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+from tests._checkpoints import block_bytes, inputs, meta_stack, record_reads, reference_stack, write_single
 
 B = 100_000_000
 
@@ -203,31 +203,13 @@ def test_the_probe_reads_block_tensors_once_and_keeps_the_rate(checkpoint, monke
 
 def test_the_probe_reads_at_most_its_size_of_a_large_tensor(checkpoint, monkeypatch) -> None:
     import fastoffload_ext.storage.disk_costs as disk_costs
-    from fastoffload_ext import _backend
     from fastoffload_ext.storage import DiskOptions, open_checkpoint
     _, path, size = checkpoint
     monkeypatch.setattr(disk_costs, "_PROBE_CACHE", {})
     monkeypatch.setattr(disk_costs, "PROBE_BYTES", 8192)
-    read: list[int] = []
-    core = _backend.require_ext()
-
-    class Recording:
-        def __init__(self, *args: object) -> None:
-            self.inner = core.DiskReader(*args)
-
-        def open(self, name: str) -> int:
-            return self.inner.open(name)
-
-        def read(self, spans: list, buffer: torch.Tensor) -> None:
-            read.extend(n for _, _, n, _ in spans)
-            self.inner.read(spans, buffer)
-
-    class Ext:
-        DiskReader = Recording
-
-    monkeypatch.setattr(_backend, "require_ext", lambda: Ext)
+    reads = record_reads(monkeypatch)
     checkpoint_ = open_checkpoint(path)
     big = max((e for e in checkpoint_.entries.values() if e.name.startswith("blocks.")), key=lambda e: e.nbytes)
     assert big.nbytes > 3 * 8192
     assert disk_costs.probe_read_gbps(checkpoint_, [big], DiskOptions()) > 0
-    assert len(read) == 1 and read[0] <= 8192 + 4096
+    assert len(reads) == 1 and reads[0][1] <= 8192 + 4096
