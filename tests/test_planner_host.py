@@ -389,6 +389,18 @@ def test_the_host_pass_leaves_the_drains_out() -> None:
     assert clock.other_ms == pytest.approx(1.0 + 0.4) and clock.step_ms == pytest.approx(4.0 + 0.5 + 1.4)
 
 
+def test_each_host_figure_is_the_smaller_of_the_timed_steps_and_the_host_pass() -> None:
+    from fastoffload_ext.planning.calibration import _least_host
+
+    # Block 0 waited for a full launch queue in the timed steps (5.0 against 2.0 drained); block 1 started
+    # cold after a drain (3.0 against 1.5 timed). Gaps and the time outside the blocks likewise.
+    drained = ((2.0, 3.0), 99.0, 0.8, (0.0, 0.9))
+    block, other, gaps = _least_host(drained, (5.0, 1.5), 0.6, (0.0, 0.4))
+    assert block == (2.0, 1.5) and other == 0.6 and gaps == (0.0, 0.4)
+    # Timed steps without gaps (a block ran twice): the host pass's gaps stand.
+    assert _least_host(drained, (5.0, 1.5), 0.6, None)[2] == (0.0, 0.9)
+
+
 def test_a_host_pass_on_the_cpu_gives_host_figures_beside_the_timed_ones() -> None:
     model, _ = make_pair(4)
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
