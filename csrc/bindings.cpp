@@ -556,6 +556,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             without_gil([&] { e.restore(b, device); });
           },
           py::arg("block"), py::arg("device"))
+      .def(
+          "drop",
+          [](OffloadEngine& e, int64_t block) {
+            const size_t b = checked_block(e, block);
+            without_gil([&] { e.drop(b); });
+          },
+          py::arg("block"))
       .def("close", [](OffloadEngine& e) { without_gil([&] { e.close(); }); })
       .def("synchronize", [](OffloadEngine& e) { without_gil([&] { e.synchronize(); }); })
       .def(

@@ -155,7 +155,8 @@ void DiskReader::check_unchanged(size_t index) const {
                          " after offload was enabled (it had ", std::to_string(file.size), " bytes",
                          same_path ? ", now " + std::to_string(static_cast<uint64_t>(st.st_size)) : std::string(),
                          ", or its modification time moved); the weights read from it now could differ from the ones "
-                         "checked at enable. Restore the file, or disable offload and enable it again");
+                         "checked at enable. Restore the file, or disable offload and enable it again "
+                         "(disable_layerwise_offload(model, device='meta') reads nothing from the file)");
 }
 
 std::vector<DiskReader::Chunk> DiskReader::make_chunks(const std::shared_ptr<std::vector<FileRange>>& owned,

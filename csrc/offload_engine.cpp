@@ -739,6 +739,25 @@ void OffloadEngine::restore(size_t block, at::Device target) {
     values.push_back(std::move(value));
   }
   binder_.bind_values(block, values);
+  remove_block(block, slot, running);
+}
+
+void OffloadEngine::drop(size_t block) {
+  GateHold hold = waiting_gate();
+  check_block(block);
+  try {
+    finish_loading();
+  } catch (const c10::Error&) {
+    // Nothing is read from the host copy: whether its load finished does not matter.
+  }
+  const int64_t slot = ring_.slot_of(block);
+  const bool running = slot >= 0 && ring_.slot(slot).state == SlotState::kInUse;
+  // Off any slot before the slot can be reused; the caller gives the parameters their next values.
+  binder_.bind_values(block, binder_.placeholders(block));
+  remove_block(block, slot, running);
+}
+
+void OffloadEngine::remove_block(size_t block, int64_t slot, bool running) {
   if (running) {
     // Detached mid-forward: the slot is given back now; the kernels already queued on the current
     // stream are ordered before any later copy into it by the free event.

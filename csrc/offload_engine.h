@@ -160,6 +160,9 @@ class OffloadEngine {
   // Gives the parameters back as real tensors on `target` with their current values; the block's
   // host copy is freed and the handle can no longer be used.
   void restore(size_t block, at::Device target);
+  // Like restore(), but nothing is read or copied (a disk-tier block's file may be unreadable or
+  // changed): the parameters are left bound to their empty placeholders, for the caller to replace.
+  void drop(size_t block);
   // Frees the slots (after restore() of every block, or to drop everything).
   void close();
   void synchronize();
@@ -215,6 +218,8 @@ class OffloadEngine {
   GateHold waiting_gate() const { return GateHold{*this, gate_.enter_waiting()}; }
 
   void check_block(size_t block) const;
+  // The end of restore() and drop(): the slot given back (when the block was running), the block forgotten.
+  void remove_block(size_t block, int64_t slot, bool running);
   void check_bindings(size_t block) const;
   void bind_for_run(size_t block, size_t slot);
   void choose_travel_held(size_t block, bool compressed);

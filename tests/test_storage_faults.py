@@ -300,3 +300,54 @@ def test_a_load_that_reaches_a_disk_block_changes_nothing(checkpoint: tuple[torc
     loaded = reference_stack(6)
     loaded.load_state_dict(bumped)
     assert params_equal(model, loaded)
+
+
+def test_disable_after_the_file_changed_changes_nothing_and_meta_is_the_way_out(
+        checkpoint: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    # A host-tier block before the first disk-tier one: a disable that detached blocks in order and only
+    # then met the changed file would leave the model half detached.
+    group = enable_layerwise_offload(model, device="cpu", weights=path,
+                                     host_budget=5 * block_bytes(reference) + 8192,
+                                     disk_options=DiskOptions(staging_buffers=1))
+    tiers = [s.on_disk for s in group.states]
+    assert not tiers[0] and any(tiers)
+    newer = reference_stack(6, seed=5)
+    os.replace(write_single(newer, tmp_path / "newer.safetensors"), path)
+    for device in (None, "cpu"):
+        with pytest.raises(CheckpointReadError, match=f"checkpoint file {path} changed after offload was enabled .*"
+                                                      "disable_layerwise_offload\\(model, device='meta'\\)"):
+            disable_layerwise_offload(model, device=device)
+        assert get_offload_group(model) is group
+        assert all(ModuleHookManager.get_from(b).get_forward_hook("LayerwiseOffloadHook") for b in model.blocks)
+        assert all(p.numel() == 0 for p in model.blocks.parameters())  # every block still offloaded
+    # The way out the error names reads nothing; enabled again, the model runs the new file's weights.
+    disable_layerwise_offload(model, device="meta")
+    assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=5 * block_bytes(reference) + 8192,
+                             disk_options=DiskOptions(staging_buffers=1))
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), newer(inputs()))
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, newer)
+
+
+def test_a_persistent_read_error_at_enable_with_a_disk_tier_leaves_the_model_untouched(
+        checkpoint: tuple[torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = checkpoint
+    opened = CheckpointSource.open_files
+
+    def failing(self: CheckpointSource, engine: object) -> None:
+        opened(self, engine)
+        self.reader._inject_errors(0, 10**6, errno.EIO)  # every read fails, the roll-back's too
+
+    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    model = meta_stack(6)
+    with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)):
+        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    _untouched(model)
+    monkeypatch.undo()
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))

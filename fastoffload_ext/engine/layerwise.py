@@ -427,6 +427,13 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
         raise OffloadConfigError("fastoffload: layerwise offload is not enabled on this model (no "
                                  "enable_layerwise_offload call to undo); call disable only after enable")
     target = group.device if device is None else torch.device(device)
+    if target.type != "meta":
+        # A disk-tier block is read back from its file: a file changed since enable is refused before
+        # any block is detached (disabling to "meta" reads nothing, and is the way out the error names).
+        for state in group.states:
+            check = getattr(state, "check_files", None)
+            if check is not None:
+                check()
     for state in group.states:
         block = state.module_ref
         manager = ModuleHookManager.get_from(block)

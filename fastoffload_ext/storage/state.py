@@ -90,9 +90,26 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         if torch.device(device).type != "meta":
             super().restore(module, device)
             return
-        # Rolled back before the model ever had values: drop the engine's copy, give back the meta params.
-        super().restore(module, torch.device("cpu"))
+        # Rolled back before the model ever had values, or disabled to the meta device: the engine's copy
+        # is dropped without a read (the file may be what failed, or may have changed since enable), the
+        # meta parameters go back, and a parameter that was real before enable becomes a meta one.
+        if self._attached():
+            self.engine.drop(self.handle)
         self._put_back_originals()
+        for name, entry in zip(self.block.names, self.block.entries):
+            prefix, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(prefix)
+            param = owner._parameters[leaf]
+            if param is not None and not param.is_meta:
+                owner._parameters[leaf] = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
+                                                       requires_grad=param.requires_grad)
+
+    def check_files(self) -> None:
+        """Raises the reader's error when a file this disk-tier block is read from changed since enable
+        (a detach to a real device reads it): before a disable detaches any block."""
+        if self.block.on_disk and self._attached():
+            for file in sorted({file for file, _, _ in self.source.spans(self.block)}):
+                self.source.reader.check_unchanged(file)
 
     def host_bytes(self) -> int:
         return 0 if self.block.on_disk else super().host_bytes()
