@@ -351,3 +351,34 @@ def test_a_persistent_read_error_at_enable_with_a_disk_tier_leaves_the_model_unt
     enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
     with torch.no_grad():
         assert torch.equal(model(inputs()), reference(inputs()))
+
+
+def test_a_load_into_the_block_list_that_reaches_a_disk_block_changes_nothing(
+        checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    reference, path = checkpoint
+    model = meta_stack(6)
+    # Block 0 in the host tier, a disk-tier block after it: the block list's own load_state_dict loads
+    # its blocks in order, so without a guard on the list block 0 took the new values before the refusal.
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=5 * block_bytes(reference) + 8192,
+                                     disk_options=DiskOptions(staging_buffers=1))
+    tiers = [s.on_disk for s in group.states]
+    assert not tiers[0] and any(tiers)
+    bumped = {k[len("blocks."):]: v + 1 for k, v in reference.state_dict().items() if k.startswith("blocks.")}
+    with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier"):
+        model.blocks.load_state_dict(bumped)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in reference.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+    # Naming host-tier blocks only, the list loads them.
+    host = tuple(f"{i}." for i, on_disk in zip(group.offloaded_indices, tiers) if not on_disk)
+    subset = {k: v for k, v in bumped.items() if k.startswith(host)}
+    model.blocks.load_state_dict(subset, strict=False)
+    expected = reference_stack(6)
+    expected.blocks.load_state_dict(subset, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), expected(inputs()))
+    disable_layerwise_offload(model, device="cpu")  # the guards go with offload
+    model.blocks.load_state_dict(bumped)
+    expected.blocks.load_state_dict(bumped)
+    assert params_equal(model, expected)

@@ -16,9 +16,9 @@ Both work on the block list alone and through any parent (``model.state_dict()``
 every submodule's hooks.
 
 A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
-pre-hook on the model (``LoadGuard``) refuses, before any module has loaded, a state dict that names
-a parameter of a block that would refuse it (disk tier, shared host copy). Otherwise the blocks
-before that one would already hold the new values when the error is raised.
+pre-hook on the model and on the block list (``LoadGuard``) refuses, before any module has loaded, a
+state dict that names a parameter of a block that would refuse it (disk tier, shared host copy).
+Otherwise the blocks before that one would already hold the new values when the error is raised.
 """
 from __future__ import annotations
 
@@ -96,25 +96,37 @@ class StateDictHooks:
 
 
 class LoadGuard:
-    """The model's load_state_dict pre-hook: refuses a load that one of its offloaded blocks would
-    refuse, before any module has loaded anything."""
+    """The load_state_dict pre-hook of the model and of every module between it and its offloaded blocks
+    (the block list): refuses a load that one of those blocks would refuse, before any module has
+    loaded anything, whichever of them the load is called on."""
 
     def __init__(self, blocks: list[tuple[str, StateDictHooks]]) -> None:
         self.blocks = blocks  # (the block's name in the model, with a trailing dot; its hooks)
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
 
     def attach(self, model: nn.Module) -> LoadGuard:
-        self._handle = model.register_load_state_dict_pre_hook(functools.partial(LoadGuard._check, self))
+        modules = dict(model.named_modules())
+        below: dict[str, list[tuple[str, StateDictHooks]]] = {}
+        for name, hooks in self.blocks:
+            parts = name.rstrip(".").split(".")
+            for depth in range(len(parts)):  # every module above the block: the model, the block list
+                above = ".".join(parts[:depth])
+                below.setdefault(above, []).append((".".join(parts[depth:]) + ".", hooks))
+        for above, blocks in below.items():
+            if above in modules:
+                check = functools.partial(LoadGuard._check, blocks)
+                self._handles.append(modules[above].register_load_state_dict_pre_hook(check))
         return self
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-    def _check(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for name, hooks in self.blocks:
+    @staticmethod
+    def _check(blocks: list[tuple[str, StateDictHooks]], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+               *args: Any) -> None:
+        for name, hooks in blocks:
             refused = hooks.refusal()
             if refused is not None and any(key.startswith(prefix + name) for key in state_dict):
                 raise refused
-
