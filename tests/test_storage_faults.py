@@ -119,6 +119,33 @@ def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, 
     assert _threads() <= before  # the reader's threads ended with the engine (others may have ended too)
 
 
+def test_a_read_error_at_enable_of_a_real_model_leaves_no_block_half_read(checkpoint: tuple[torch.nn.Module, Path],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path = checkpoint
+    opened = CheckpointSource.open_files
+
+    def failing(self: CheckpointSource, engine: object) -> None:
+        opened(self, engine)
+        self.reader._inject_errors(3, 1, errno.EIO)  # the fourth read request of the enable fails
+
+    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    model = reference_stack(6, seed=7)  # real weights, not the checkpoint's
+    outside = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("blocks.")}
+    with pytest.raises(CheckpointReadError) as raised:
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    # The blocks' old values went as their host copies were read, and one copy was never read in full:
+    # they are on the meta device now, and the error says so, rather than a mix of old, new and unread bytes.
+    assert all(p.is_meta for p in model.blocks.parameters())
+    assert "6 offloaded block(s) that held real weights before" in "".join(getattr(raised.value, "__notes__", []))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in outside.items())
+    assert get_offload_group(model) is None and all(ModuleHookManager.get_from(m) is None for m in model.modules())
+    monkeypatch.undo()
+    enable_layerwise_offload(model, device="cpu", weights=path)  # the way the note gives: all from the checkpoint
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+
+
 READ_ERROR = ("fastoffload: reading tensor 'blocks\\.\\d\\.[a-z0-9_.]+' \\(bytes \\d+\\.\\.\\d+ of {path}\\) failed: "
               "Input/output error\\. Check the disk; nothing was changed, and a later read tries again")
 

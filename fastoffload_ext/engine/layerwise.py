@@ -59,6 +59,7 @@ block and any other part of the model, is refused at enable with an error naming
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -316,7 +317,25 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
         _roll_back(group, attached, block)
         if group.checkpoint is not None:
             group.checkpoint.roll_back()
+            _note_values_dropped(group, len(attached), error)
         raise
+
+
+WEIGHTS_ROLLBACK_NOTE = ("fastoffload: enable from weights= failed after it had replaced the values of {n} offloaded "
+                         "block(s) that held real weights before; those blocks are on the meta device now, since their "
+                         "old values were freed as the checkpoint was read. Fix the cause and enable again with "
+                         "weights=, or load the model again")
+
+
+def _note_values_dropped(group: LayerwiseOffloadGroup, attached: int, error: BaseException) -> None:
+    """After a failed enable from a checkpoint: says on ``error`` which real blocks went to meta."""
+    real = sum(1 for device in group.original_devices[:attached] if device.type != "meta")
+    if real == 0:
+        return  # a meta model is exactly as it was
+    note = WEIGHTS_ROLLBACK_NOTE.format(n=real)
+    logger.warning(note)
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, LayerwiseOffloadHook]],
@@ -326,8 +345,12 @@ def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, Lay
     failed = ModuleHookManager.get_from(failed_block) if failed_block is not None else None
     if failed is not None and not failed.forward_hooks and all(failed_block is not b for b, _ in attached):
         ModuleHookManager.remove_from_manager(failed_block)
+    # Built from a checkpoint, an attached block's old values went as its host copy was read, and that
+    # copy may be incomplete (the read that failed): the block goes back to the meta device, never to
+    # a mix of old, new and unread bytes (_note_values_dropped says so on the error).
+    dropped = group.checkpoint is not None
     for (block, hook), original in zip(attached, group.original_devices):
-        hook.detach_device = original
+        hook.detach_device = torch.device("meta") if dropped else original
         manager = ModuleHookManager.get_from(block)
         if manager is not None and manager.get_forward_hook(hook.name()) is hook:
             manager.remove_forward_hook(hook.name())
@@ -390,9 +413,11 @@ def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -
             group.load_guard.detach()
         hooks = [(s.module_ref, ModuleHookManager.get_from(s.module_ref).get_forward_hook(LayerwiseOffloadHook.name()))
                  for s in group.states if ModuleHookManager.get_from(s.module_ref) is not None]
-        _roll_back(group, [(b, h) for b, h in hooks if h is not None], None)
+        attached = [(b, h) for b, h in hooks if h is not None]
+        _roll_back(group, attached, None)
         if group.checkpoint is not None:
             group.checkpoint.roll_back()
+            _note_values_dropped(group, len(attached), sys.exc_info()[1])
         raise
 
 
