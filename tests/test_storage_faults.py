@@ -243,6 +243,36 @@ def test_file_changed_after_enable(checkpoint: tuple[torch.nn.Module, Path]) -> 
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("window", ["before the reader opens it", "while the resident tensors are read",
+                                    "while an all-resident model is read"])
+def test_file_changed_during_enable(checkpoint: tuple[torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch,
+                                    window: str) -> None:
+    reference, path = checkpoint
+    stat = path.stat()
+
+    def touch() -> None:  # what a writer still saving the file does: a new modification time
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    step = CheckpointSource.open_files if window == "before the reader opens it" else CheckpointSource._load
+
+    def changing(self: CheckpointSource, *args: object) -> None:
+        touch()
+        step(self, *args)
+
+    monkeypatch.setattr(CheckpointSource, step.__name__, changing)
+    model = meta_stack(6)
+    budget = {"resident_blocks": 6} if window == "while an all-resident model is read" else {}
+    # The reader, once open, refuses a changed file with its own message (its reads of the blocks may come first).
+    with pytest.raises(CheckpointError, match=f"fastoffload: checkpoint file {path} changed (while enable read it .*"
+                                              "Wait until the file is fully written|after offload was enabled)"):
+        enable_layerwise_offload(model, device="cpu", weights=path, **budget)
+    _untouched(model)
+    monkeypatch.undo()
+    enable_layerwise_offload(model, device="cpu", weights=path, **budget)  # the file as it is now
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+
+
 def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
@@ -307,7 +337,8 @@ def test_a_load_that_reaches_a_disk_block_changes_nothing(checkpoint: tuple[torc
     assert not tiers[0] and any(tiers)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bumped = {k: v + 1 for k, v in reference.state_dict().items()}
-    with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier"):
+    with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier: .* no host copy to load "
+                                                "new values into. Nothing was loaded"):
         model.load_state_dict(bumped)
     after = model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())

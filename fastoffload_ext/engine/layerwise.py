@@ -189,7 +189,11 @@ def _build_group(model: nn.Module, options: OffloadOptions, arguments: dict[str,
     elif checkpoint is not None:
         # Every block stays resident (a plan that fits them all): nothing to stream, everything is read
         # onto the device now, and the model holds its values as if it had been loaded.
-        checkpoint.load_resident(model, options.device)
+        try:
+            checkpoint.load_resident(model, options.device)
+        except BaseException:
+            checkpoint.roll_back()  # every tensor it replaced goes back
+            raise
     group.enable_kwargs = {**(options.settings or {}), "arguments": arguments}
     group.list_names = [name for name, _ in options.lists] or [options.list_name]
     return group

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,28 @@ class Checkpoint:
     source: str
     entries: dict[str, TensorEntry]
     file_sizes: dict[str, int]
+    # (size, modification time in ns, inode) of each file, taken before its header was parsed.
+    file_stamps: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def get(self, name: str) -> TensorEntry | None:
         return self.entries.get(name)
+
+    def check_unchanged(self, path: str) -> None:
+        """Raises when ``path`` is no longer the file whose header was parsed: enable would otherwise mix
+        the tensors of two versions (the reader checks each later read against the file it opened)."""
+        stamp = self.file_stamps.get(path)
+        if stamp is None:
+            return
+        try:
+            now = _stamp(path)
+        except OSError as error:
+            raise CheckpointError(f"fastoffload: checkpoint file {path} disappeared while enable read it ({error}); "
+                                  "enable again once the checkpoint is in place") from error
+        if now != stamp:
+            raise CheckpointError(f"fastoffload: checkpoint file {path} changed while enable read it (it had "
+                                  f"{stamp[0]} bytes when its header was parsed, now {now[0]}, or it was rewritten); "
+                                  "its tensors could mix two versions. Wait until the file is fully written, then "
+                                  "enable again")
 
     @property
     def total_bytes(self) -> int:
@@ -70,11 +89,17 @@ def safetensors_module() -> Any:
     return safetensors
 
 
-def _one_file(path: str) -> tuple[dict[str, TensorEntry], int]:
+def _stamp(path: str) -> tuple[int, int, int]:
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns, info.st_ino
+
+
+def _one_file(path: str) -> tuple[dict[str, TensorEntry], tuple[int, int, int]]:
     st = safetensors_module()
     SafetensorError, safe_open, _getdtype = st.SafetensorError, st.safe_open, st.torch._getdtype
     try:
-        size = os.path.getsize(path)
+        stamp = _stamp(path)  # before the parse: a file rewritten while it is parsed shows as changed later
+        size = stamp[0]
         with safe_open(path, framework="pt") as handle:
             names = list(handle.offset_keys())
             slices = [handle.get_slice(name) for name in names]
@@ -99,7 +124,7 @@ def _one_file(path: str) -> tuple[dict[str, TensorEntry], int]:
     for name, nbytes in zip(names, sizes):
         entries[name] = TensorEntry(name, path, offset, nbytes, entries[name].dtype, entries[name].shape)
         offset += nbytes
-    return entries, size
+    return entries, stamp
 
 
 def _index_files(index: Path) -> list[str]:
@@ -174,13 +199,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Reads the metadata of every file of the checkpoint at ``path`` (no tensor data)."""
     files = _files_of(Path(path))
     entries: dict[str, TensorEntry] = {}
-    sizes: dict[str, int] = {}
+    stamps: dict[str, tuple[int, int, int]] = {}
     for file in files:
-        found, sizes[file] = _one_file(file)
+        found, stamps[file] = _one_file(file)
         for name, entry in found.items():
             if name in entries:
                 raise CheckpointError(f"fastoffload: tensor '{name}' is in both {entries[name].path} and {file}; "
                                       "the checkpoint's shards overlap")
             entries[name] = entry
     logger.info("Checkpoint %s: %d tensors in %d file(s)", path, len(entries), len(files))
-    return Checkpoint(str(path), entries, sizes)
+    return Checkpoint(str(path), entries, {file: stamp[0] for file, stamp in stamps.items()}, stamps)

@@ -213,6 +213,7 @@ class CheckpointSource:
             self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
             for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
                 self.file_index[path] = self.reader.open(path)
+                self.checkpoint.check_unchanged(path)  # the reader checks every later read against this file
             engine.set_reader(self.reader)
 
     def open_spill(self, engine: Any, compress: str) -> None:
@@ -276,6 +277,7 @@ class CheckpointSource:
                     for name in in_file:
                         self._assign(model, name, lambda n=name: handle.get_tensor(n), self._replaced)
                         self._loaded.add(name)
+                self.checkpoint.check_unchanged(path)  # what was just read is the file the header described
 
     def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, nn.Parameter]) -> None:
         prefix, _, leaf = name.rpartition(".")

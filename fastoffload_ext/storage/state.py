@@ -23,11 +23,14 @@ from fastoffload_ext.storage.source import BlockSource, CheckpointSource
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointOffloadState", "DISK_MUTATION_ERROR"]
+__all__ = ["CheckpointOffloadState", "DISK_LOAD_ERROR", "DISK_MUTATION_ERROR"]
 
 DISK_MUTATION_ERROR = ("fastoffload: this block is in the disk tier: its weights are read from the checkpoint every "
                        "step and it has no host copy that mutate_params_scope could rebuild. Raise host_budget so "
                        "that it fits in host memory, or apply the change to the checkpoint")
+DISK_LOAD_ERROR = ("fastoffload: this block is in the disk tier: its weights are read from the checkpoint every step, "
+                   "and it has no host copy to load new values into. Nothing was loaded. Raise host_budget so that it "
+                   "fits in host memory, or save the new values as a checkpoint and enable again with weights= it")
 
 
 class CheckpointOffloadState(ExtLayerwiseOffloadState):
@@ -79,7 +82,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
 
     def load_refusal(self) -> OffloadStateError | None:
         """What a load_state_dict into this block raises before anything changes (state_dict.LoadGuard)."""
-        return OffloadStateError(DISK_MUTATION_ERROR) if self.block.on_disk else None
+        return OffloadStateError(DISK_LOAD_ERROR) if self.block.on_disk else None
 
     def begin_mutation(self) -> None:
         if self.block.on_disk:
