@@ -99,16 +99,21 @@ def test_meta_buffer_without_values(tmp_path: Path) -> None:
     _untouched(model)
 
 
-def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, Path],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    _, path = checkpoint
+def _fail_reads(monkeypatch: pytest.MonkeyPatch, after: int, count: int) -> None:
+    """Once enable has opened the checkpoint: ``after`` read requests succeed, the next ``count`` fail (EIO)."""
     opened = CheckpointSource.open_files
 
     def failing(self: CheckpointSource, engine: object) -> None:
         opened(self, engine)
-        self.reader._inject_errors(3, 1, errno.EIO)  # the fourth read request of the enable fails
+        self.reader._inject_errors(after, count, errno.EIO)
 
     monkeypatch.setattr(CheckpointSource, "open_files", failing)
+
+
+def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _, path = checkpoint
+    _fail_reads(monkeypatch, after=3, count=1)  # the fourth read request of the enable fails
     before = _threads()
     model = meta_stack(6)
     with pytest.raises(CheckpointReadError, match=f"fastoffload: reading tensor 'blocks\\.\\d\\.[a-z.]+' \\(bytes "
@@ -122,13 +127,7 @@ def test_read_error_while_packing_rolls_back(checkpoint: tuple[torch.nn.Module, 
 def test_a_read_error_at_enable_of_a_real_model_leaves_no_block_half_read(checkpoint: tuple[torch.nn.Module, Path],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     reference, path = checkpoint
-    opened = CheckpointSource.open_files
-
-    def failing(self: CheckpointSource, engine: object) -> None:
-        opened(self, engine)
-        self.reader._inject_errors(3, 1, errno.EIO)  # the fourth read request of the enable fails
-
-    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    _fail_reads(monkeypatch, after=3, count=1)  # the fourth read request of the enable fails
     model = reference_stack(6, seed=7)  # real weights, not the checkpoint's
     outside = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("blocks.")}
     with pytest.raises(CheckpointReadError) as raised:
@@ -394,13 +393,7 @@ def test_disable_after_the_file_changed_changes_nothing_and_meta_is_the_way_out(
 def test_a_persistent_read_error_at_enable_with_a_disk_tier_leaves_the_model_untouched(
         checkpoint: tuple[torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     reference, path = checkpoint
-    opened = CheckpointSource.open_files
-
-    def failing(self: CheckpointSource, engine: object) -> None:
-        opened(self, engine)
-        self.reader._inject_errors(0, 10**6, errno.EIO)  # every read fails, the roll-back's too
-
-    monkeypatch.setattr(CheckpointSource, "open_files", failing)
+    _fail_reads(monkeypatch, after=0, count=10**6)  # every read fails, the roll-back's too
     model = meta_stack(6)
     with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)):
         enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
