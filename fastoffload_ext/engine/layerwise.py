@@ -59,7 +59,6 @@ block and any other part of the model, is refused at enable with an error naming
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -393,8 +392,9 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
 
 def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:
     """Moves the resident blocks to the device. If that fails (out of memory, Ctrl-C), enable is undone
-    like a failed attach: the moved blocks go back where they were, the offloaded ones are detached with
-    their values, and the checkpoint's tensors (``weights=``) are put back."""
+    like a failed attach: the moved blocks go back where they were, the offloaded ones are detached (with
+    their values; built from ``weights=``, to the meta device, see ``_roll_back``), and the checkpoint's
+    tensors are put back."""
     # Parameters keep their objects through .to() (their .data changes); buffers are replaced, so they
     # are found again by module and name.
     params: dict[int, tuple[nn.Parameter, torch.device]] = {}
@@ -405,7 +405,7 @@ def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -
             params.update({id(p): (p, p.device) for p in block.parameters()})
             buffers += [(m, key, b.device) for m in block.modules() for key, b in m._buffers.items() if b is not None]
             block.to(options.device)
-    except BaseException:
+    except BaseException as error:
         for param, device in params.values():
             if param.device != device and device.type != "meta":
                 param.data = param.data.to(device)
@@ -421,7 +421,7 @@ def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -
         _roll_back(group, attached, None)
         if group.checkpoint is not None:
             group.checkpoint.roll_back()
-            _note_values_dropped(group, len(attached), sys.exc_info()[1])
+            _note_values_dropped(group, len(attached), error)
         raise
 
 
