@@ -206,6 +206,7 @@ py::dict reader_stats(const DiskReader& reader) {
   d["wall_seconds"] = s.wall_seconds;
   d["max_in_flight"] = s.max_in_flight;
   d["bounce_bytes"] = s.bounce_bytes;
+  d["in_place_bytes"] = s.in_place_bytes;
   d["first_read_seconds"] = s.first_read_seconds;
   d["last_read_end_seconds"] = s.last_read_end_seconds;
   d["threads"] = reader.threads();
@@ -234,7 +235,7 @@ py::dict disk_stats(const OffloadEngine& engine) {
 
 // (file, offset, nbytes, dest_offset) tuples read into the uint8 CPU tensor `dest`, without the GIL.
 void reader_read(DiskReader& reader, const std::vector<std::tuple<size_t, uint64_t, size_t, size_t>>& spans,
-                 const at::Tensor& dest) {
+                 const at::Tensor& dest, bool scratch) {
   TORCH_CHECK(dest.device().is_cpu() && dest.scalar_type() == at::kByte && dest.is_contiguous(),
               "fastoffload: read() needs a contiguous uint8 CPU tensor as its destination, got ", dest.toString());
   std::vector<FileRange> ranges;
@@ -252,7 +253,8 @@ void reader_read(DiskReader& reader, const std::vector<std::tuple<size_t, uint64
     ranges.push_back(std::move(range));
   }
   uint8_t* data = dest.data_ptr<uint8_t>();
-  without_gil([&] { reader.read(std::move(ranges), data); });
+  const DestWindow window = scratch ? DestWindow{data, data + dest.numel()} : DestWindow{};
+  without_gil([&] { reader.read(std::move(ranges), data, window); });
 }
 
 void* drop_gil_if_held() { return PyGILState_Check() ? static_cast<void*>(PyEval_SaveThread()) : nullptr; }
@@ -396,7 +398,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("file_size", &DiskReader::file_size, py::arg("file"))
       .def("direct", &DiskReader::direct, py::arg("file"))
       .def("check_unchanged", &DiskReader::check_unchanged, py::arg("file"))
-      .def("read", &reader_read, py::arg("spans"), py::arg("dest"))
+      .def("read", &reader_read, py::arg("spans"), py::arg("dest"), py::arg("scratch") = false,
+           "Reads (file, offset, nbytes, dest_offset) spans into `dest`. scratch=True: every byte of `dest` may "
+           "be overwritten, so a span layout that mirrors the file is read with O_DIRECT straight into place.")
       .def("stats", &reader_stats)
       .def("_inject_errors", &DiskReader::inject_errors, py::arg("after"), py::arg("count"), py::arg("error_number"))
       .def("_set_delay_us", &DiskReader::set_delay_us, py::arg("micros"))

@@ -63,6 +63,8 @@ struct DiskReader::Chunk {
   uint64_t begin = 0;  // first byte needed
   uint64_t end = 0;    // one past the last byte needed
   std::vector<Piece> pieces;
+  // Read in place: where the chunk's first block-aligned byte lands (null: through the bounce buffer).
+  uint8_t* in_place = nullptr;
   std::shared_ptr<ReadJob> job;
   std::shared_ptr<std::vector<FileRange>> ranges;  // keeps the piece names alive
 };
@@ -234,8 +236,34 @@ void DiskReader::append_extent_chunks(const std::vector<const FileRange*>& order
   }
 }
 
+void DiskReader::place_in_window(const std::vector<FileRange>& ranges, uint8_t* dest, DestWindow window,
+                                 std::vector<Chunk>& chunks) const {
+  if (window.begin == nullptr || chunks.empty() || mode_ == ReadMode::kBuffered) return;
+  // One file and one distance between a byte's place in the file and in the destination, for every
+  // range: then a block-aligned read lands every byte of every range where it belongs, and the bytes
+  // around them that it also brings (gaps, head and tail pages) land where no range's bytes go.
+  const auto base = reinterpret_cast<uintptr_t>(dest);
+  uint64_t low = UINT64_MAX, high = 0;
+  bool have = false;
+  uintptr_t distance = 0;
+  for (const auto& r : ranges) {
+    if (r.nbytes == 0) continue;
+    const uintptr_t d = base + r.dest_offset - static_cast<uintptr_t>(r.offset);
+    if (have && (d != distance || r.file != ranges.front().file)) return;
+    have = true;
+    distance = d;
+    low = std::min<uint64_t>(low, r.offset);
+    high = std::max<uint64_t>(high, r.offset + r.nbytes);
+  }
+  if (!have || distance % kDirectAlignment != 0) return;
+  const uintptr_t first = distance + static_cast<uintptr_t>(align_down(low));
+  const uintptr_t last = distance + static_cast<uintptr_t>(align_up(high));
+  if (first < reinterpret_cast<uintptr_t>(window.begin) || last > reinterpret_cast<uintptr_t>(window.end)) return;
+  for (auto& chunk : chunks) chunk.in_place = reinterpret_cast<uint8_t*>(distance + align_down(chunk.begin));
+}
+
 std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8_t* dest,
-                                            std::function<void()> prepare) {
+                                            std::function<void()> prepare, DestWindow window) {
   auto job = std::make_shared<ReadJob>();
   auto owned = std::make_shared<std::vector<FileRange>>(std::move(ranges));
   std::vector<size_t> files;
@@ -259,6 +287,7 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
                            ? chunk_bytes_
                            : std::min(chunk_bytes_, std::max(std::min(kMinChunk, chunk_bytes_), even));
   std::vector<Chunk> chunks = make_chunks(owned, dest, job, limit);
+  place_in_window(*owned, dest, window, chunks);
   {
     std::lock_guard<std::mutex> lock(stats_mutex_);
     stats_.jobs += 1;
@@ -333,8 +362,8 @@ bool DiskReader::done(const ReadJob& job) {
   return job.done_;
 }
 
-void DiskReader::read(std::vector<FileRange> ranges, uint8_t* dest) {
-  auto job = submit(std::move(ranges), dest);
+void DiskReader::read(std::vector<FileRange> ranges, uint8_t* dest, DestWindow window) {
+  auto job = submit(std::move(ranges), dest, nullptr, window);
   wait(*job);
 }
 
@@ -388,7 +417,7 @@ void DiskReader::run_chunk(const Chunk& chunk, Bounce& bounce) {
   maybe_fail(file, chunk);
   bool direct = file.direct_fd >= 0 && !file.direct_refused;
   if (direct) {
-    if (!bounce.used) {
+    if (chunk.in_place == nullptr && !bounce.used) {
       bounce.used = true;
       std::lock_guard<std::mutex> lock(stats_mutex_);
       stats_.bounce_bytes += chunk_bytes_ + 2 * kDirectAlignment;
@@ -404,15 +433,17 @@ void DiskReader::run_chunk(const Chunk& chunk, Bounce& bounce) {
   stats_.chunks += 1;
   stats_.bytes_read += bytes;
   (direct ? stats_.direct_bytes : stats_.buffered_bytes) += bytes;
+  if (direct && chunk.in_place != nullptr) stats_.in_place_bytes += bytes;
   stats_.busy_seconds += seconds;
 }
 
 bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
   const uint64_t first = align_down(chunk.begin);
   const uint64_t length = align_up(chunk.end) - first;
+  uint8_t* const target = chunk.in_place != nullptr ? chunk.in_place : bounce;
   uint64_t got = 0;
   while (got < length) {
-    const ssize_t n = timed_pread(file.direct_fd, bounce + got, length - got, first + got);
+    const ssize_t n = timed_pread(file.direct_fd, target + got, length - got, first + got);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EINVAL && got == 0) return false;  // refused at read time (alignment rules differ)
     FASTOFFLOAD_READ_CHECK(n >= 0, "fastoffload: reading tensor '", *chunk.pieces.front().name, "' (bytes ",
@@ -424,7 +455,8 @@ bool DiskReader::read_direct(File& file, const Chunk& chunk, uint8_t* bounce) {
   FASTOFFLOAD_READ_CHECK(first + got >= chunk.end, "fastoffload: ", file.path, " ends at byte ", std::to_string(first + got),
               ", before the end of tensor '", *chunk.pieces.back().name, "' (byte ", std::to_string(chunk.end),
               "): the file is truncated or was rewritten after offload was enabled");
-  for (const auto& piece : chunk.pieces) std::memcpy(piece.dest, bounce + (piece.offset - first), piece.nbytes);
+  if (chunk.in_place == nullptr)
+    for (const auto& piece : chunk.pieces) std::memcpy(piece.dest, bounce + (piece.offset - first), piece.nbytes);
   return true;
 }
 

@@ -62,6 +62,16 @@ struct FileRange {
   std::string name;  // the tensor, for error messages
 };
 
+// The part of a job's destination its reads may overwrite beyond the ranges' own bytes (scratch). With
+// one, a job whose ranges all keep one page-aligned distance between file and destination (one file, a
+// layout that mirrors the file's) is read with O_DIRECT straight into place, head and tail pages
+// included, instead of into the bounce buffer and then copied: one copy of every byte fewer, done by
+// the kernel instead of a worker. Without one (or when the job does not mirror), ranges land exactly.
+struct DestWindow {
+  uint8_t* begin = nullptr;
+  uint8_t* end = nullptr;
+};
+
 enum class ReadMode { kAuto, kDirect, kBuffered };
 ReadMode parse_read_mode(const std::string& name);
 
@@ -80,6 +90,7 @@ struct ReaderStats {
   double wall_seconds = 0.0;    // wall time since the reader was made
   uint64_t max_in_flight = 0;   // most read system calls in flight at once
   uint64_t bounce_bytes = 0;    // the workers' O_DIRECT bounce buffers that were used (touched)
+  uint64_t in_place_bytes = 0;  // of direct_bytes, read straight into the destination (see DestWindow)
   // When the first read system call began and the last one ended, in seconds since the reader was
   // made (-1: none yet): with wall_seconds, how long a start-up spent before and after its reads.
   double first_read_seconds = -1.0;
@@ -110,13 +121,14 @@ class DiskReader {
 
   // Starts reading `ranges` into `dest` (which must stay valid until the job is done). `prepare`, when
   // set, runs on a worker before any byte is written (e.g. to wait until `dest` may be overwritten).
+  // `window`: the bytes around the ranges that may be overwritten (see DestWindow).
   std::shared_ptr<ReadJob> submit(std::vector<FileRange> ranges, uint8_t* dest,
-                                  std::function<void()> prepare = nullptr);
+                                  std::function<void()> prepare = nullptr, DestWindow window = {});
   // Blocks until `job` is done; throws its error, if any (a CheckpointReadFailure when a read failed).
   static void wait(ReadJob& job);
   static bool done(const ReadJob& job);
   // Reads synchronously (submit + wait).
-  void read(std::vector<FileRange> ranges, uint8_t* dest);
+  void read(std::vector<FileRange> ranges, uint8_t* dest, DestWindow window = {});
 
   // Fault injection for tests: after `after` more chunk reads succeed, the next `count` fail with
   // errno `error_number`.
@@ -154,6 +166,9 @@ class DiskReader {
   // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
   std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
                                  const std::shared_ptr<ReadJob>& job, size_t limit) const;
+  // Marks every chunk to be read in place when the whole job may be (see DestWindow).
+  void place_in_window(const std::vector<FileRange>& ranges, uint8_t* dest, DestWindow window,
+                       std::vector<Chunk>& chunks) const;
   // The requests of one extent (order[first, last), one file, extent_end its last byte + 1), appended.
   void append_extent_chunks(const std::vector<const FileRange*>& order, size_t first, size_t last,
                             uint64_t extent_end, uint8_t* dest, const std::shared_ptr<ReadJob>& job,

@@ -57,8 +57,9 @@ void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_
     staging.copied = std::make_unique<Event>(copy_.device_index());
     staging_.push_back(std::move(staging));
   }
+  staging_size_ = bytes + kSlack;
   stats_.staging_count = count;
-  stats_.staging_bytes = bytes;
+  stats_.staging_bytes = staging_size_;
   const ReaderStats before = reader_->stats();
   stats_.start_reader_bytes = before.bytes_read;
   stats_.start_reader_wall_seconds = before.wall_seconds;
@@ -81,8 +82,16 @@ void DiskTier::submit(Staging& staging, size_t block, bool wait_for_copy) {
     CopyEngine* copy = &copy_;
     prepare = [copy, copied] { copy->host_wait(*copied); };
   }
-  staging.job = reader_->submit(ranges_[position_.at(block)], static_cast<uint8_t*>(staging.memory->data()),
-                                std::move(prepare));
+  const std::vector<FileRange>& ranges = ranges_[position_.at(block)];
+  // base = packed offset 0, one page in, shifted so that base + dest_offset has its file offset's
+  // alignment: the reader then reads the block in place when its layout mirrors the file.
+  auto* data = static_cast<uint8_t*>(staging.memory->data());
+  constexpr uintptr_t kPage = 4096;
+  const uintptr_t wanted = ranges.empty() ? 0 : (ranges.front().offset - ranges.front().dest_offset) % kPage;
+  const uintptr_t shift = (wanted + kPage - reinterpret_cast<uintptr_t>(data) % kPage) % kPage;
+  uint8_t* base = data + kPage + shift;
+  staging.job = reader_->submit(ranges, base, std::move(prepare), DestWindow{data, data + staging_size_});
+  staging.base = base;
   staging.block = static_cast<int64_t>(block);  // only once the read is under way: submit may throw
   stats_.reads += 1;
 }
@@ -234,7 +243,7 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
       staging.ticket += 1;
       DiskReader::wait(*failed);  // done: throws its error, with its type (a read failure or not)
     }
-    return static_cast<const uint8_t*>(staging.memory->data());
+    return staging.base;
   }
 }
 

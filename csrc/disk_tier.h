@@ -57,8 +57,12 @@ class DiskTier {
   // Registers `block` (in forward order) with where its tensors are; dest offsets are packed offsets.
   void add_block(size_t block, std::vector<FileRange> ranges);
   bool has(size_t block) const { return position_.count(block) != 0; }
-  // Takes `buffers` (at least one, `bytes` each, pinned pool memory) as the staging ring and starts the
-  // first reads. Calling it again (more blocks, larger blocks) waits for the reads in flight into the
+  // What a staging buffer holds beyond the largest block: each block is placed in its buffer so that its
+  // bytes keep their file offsets' alignment (a block read with O_DIRECT lands in place, see DestWindow),
+  // with a page before and after for the reads' head and tail pages.
+  static constexpr size_t kSlack = 3 * 4096;
+  // Takes `buffers` (at least one, `bytes` + kSlack each, pinned pool memory) as the staging ring and
+  // starts the first reads. Calling it again (more blocks, larger blocks) waits for the reads in flight into the
   // old ring, drops it and starts over.
   void start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_t bytes);
   bool started() const { return !staging_.empty(); }
@@ -81,6 +85,7 @@ class DiskTier {
  private:
   struct Staging {
     std::shared_ptr<PoolAllocation> memory;
+    uint8_t* base = nullptr;        // where the block's packed offset 0 lies in `memory`
     std::unique_ptr<Event> copied;  // recorded on the copy stream after the copy out of this buffer
     int64_t block = -1;             // the block being read into it or held by it; -1: free
     std::shared_ptr<ReadJob> job;   // null while the block waits for the copy out of the buffer's last one
@@ -107,6 +112,7 @@ class DiskTier {
   std::unordered_map<size_t, size_t> position_;    // block -> index in order_
   std::vector<std::vector<FileRange>> ranges_;     // by index in order_
   std::vector<Staging> staging_;
+  size_t staging_size_ = 0;  // each buffer's bytes, kSlack included
   size_t next_ = 0;  // index in order_ of the next block to stage
   DiskTierStats stats_;
 

@@ -1,5 +1,6 @@
 #include "layer_store.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/core/grad_mode.h>
@@ -290,16 +291,28 @@ StoredBlock LayerStore::plan_from_file(const std::vector<std::string>& names, co
     TORCH_CHECK(nbytes == entry.nbytes, "fastoffload: tensor '", names[j], "' in ", reader.path(file), " holds ",
                 std::to_string(nbytes), " bytes, but the model's parameter needs ", std::to_string(entry.nbytes),
                 " (", c10::toString(entry.dtype), "); the checkpoint does not match the model");
-    entry.offset = offset;
-    offset = align_up(offset + entry.nbytes);
     FileRange range;
     range.file = file;
     range.offset = file_offset;
     range.nbytes = nbytes;
-    range.dest_offset = entry.offset;
     range.name = names[j];
     block.ranges.push_back(std::move(range));
     block.layout.push_back(std::move(entry));
+  }
+  // Packed in the file's order: where the file holds the tensors back to back at aligned sizes (as a
+  // safetensors file does a block's, its names sorted), the packed layout mirrors the file and the
+  // block's reads can land in place (DestWindow). Each parameter keeps its own offset, whatever order.
+  std::vector<size_t> order(tensors.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const FileRange& x = block.ranges[a];
+    const FileRange& y = block.ranges[b];
+    return x.file != y.file ? x.file < y.file : x.offset < y.offset;
+  });
+  for (size_t j : order) {
+    block.layout[j].offset = offset;
+    block.ranges[j].dest_offset = offset;
+    offset = align_up(offset + block.layout[j].nbytes);
   }
   block.bytes = offset;
   block.tensors = tensors;

@@ -382,7 +382,7 @@ void OffloadEngine::start_disk_tier(size_t count) {
   // Allocated before waiting for the host tier's reads: pinning the ring costs about as much as
   // reading it would, and runs beside those reads instead of after them.
   std::vector<std::shared_ptr<PoolAllocation>> staging;
-  for (size_t k = 0; k < buffers; ++k) staging.push_back(store_.allocate_pinned_later(bytes));
+  for (size_t k = 0; k < buffers; ++k) staging.push_back(store_.allocate_pinned_later(bytes + DiskTier::kSlack));
   finish_loading();
   copy_.synchronize_copies();  // the old staging buffers may still be read by copies in flight
   disk_->start(std::move(staging), bytes);

@@ -67,9 +67,9 @@ def record_reads(monkeypatch: Any) -> list[tuple[int, int]]:
         def open(self, name: str) -> int:
             return self.inner.open(name)
 
-        def read(self, spans: list, buffer: torch.Tensor) -> None:
+        def read(self, spans: list, buffer: torch.Tensor, scratch: bool = False) -> None:
             reads.extend((offset, length) for _, offset, length, _ in spans)
-            self.inner.read(spans, buffer)
+            self.inner.read(spans, buffer, scratch=scratch)
 
         def stats(self) -> dict:
             return self.inner.stats()

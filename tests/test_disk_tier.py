@@ -8,6 +8,7 @@ import torch
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning.tiers import STAGING_SLACK
 from fastoffload_ext.storage import DiskOptions, plan_tiers
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import OFFLOAD_DEVICES, params_equal
@@ -20,18 +21,23 @@ def test_plan_keeps_everything_in_host_memory_when_it_fits() -> None:
 
 
 def test_plan_spreads_the_disk_blocks_and_stays_under_budget() -> None:
-    plan = plan_tiers([100] * 8, 600, 2)  # 2 staging + 4 host blocks
+    b = 100_000
+    staging = 2 * (b + STAGING_SLACK)  # each buffer: the largest block and the slack that places it in place
+    plan = plan_tiers([b] * 8, 4 * b + staging, 2)  # 2 staging + 4 host blocks
     assert len(plan.host) == 4 and len(plan.disk) == 4
     assert plan.host == (1, 3, 5, 7) and plan.disk == (0, 2, 4, 6)
-    assert plan.host_bytes == 600 and plan.staging_buffers == 2
-    for budget in range(200, 900, 50):
-        assert plan_tiers([100] * 8, budget, 2).host_bytes <= budget
-    assert plan_tiers([100, 300, 100], 300, 1).disk == (0, 1, 2)  # one 300-byte staging buffer, nothing else fits
+    assert plan.host_bytes == 4 * b + staging and plan.staging_buffers == 2 and plan.staging_bytes == staging
+    for budget in range(staging, staging + 9 * b, b // 2):
+        assert plan_tiers([b] * 8, budget, 2).host_bytes <= budget
+    # one staging buffer of the largest block, nothing else fits
+    assert plan_tiers([b, 3 * b, b], 3 * b + STAGING_SLACK, 1).disk == (0, 1, 2)
 
 
 def test_plan_refuses_a_budget_below_the_staging_ring() -> None:
+    each = 100 + STAGING_SLACK
     with pytest.raises(OffloadConfigError, match="host_budget=150 bytes cannot hold even the disk tier's staging ring "
-                                                 "\\(2 buffer\\(s\\) of the largest block, 100 bytes each = 200\\)"):
+                                                 f"\\(2 buffer\\(s\\) of the largest block, {each} bytes each = "
+                                                 f"{2 * each}\\)"):
         plan_tiers([100] * 4, 150, 2)
 
 
@@ -39,7 +45,7 @@ def _twice_the_budget(tmp_path: Path, n_blocks: int = 8):
     reference = reference_stack(n_blocks)
     path = write_single(reference, tmp_path / "model.safetensors")
     total = n_blocks * block_bytes(reference)
-    return reference, path, total // 2 + 4096
+    return reference, path, total // 2 + 4096 + 3 * STAGING_SLACK
 
 
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)

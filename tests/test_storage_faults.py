@@ -15,10 +15,16 @@ from safetensors.torch import save_file
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.errors import CheckpointError, CheckpointReadError, OffloadConfigError, OffloadStateError
+from fastoffload_ext.planning.tiers import STAGING_SLACK
 from fastoffload_ext.storage import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import params_equal
+
+
+def _budget(blocks: int, reference: torch.nn.Module, buffers: int = 2) -> int:
+    """A host budget of ``blocks`` blocks beside a staging ring of ``buffers`` (each with its slack)."""
+    return blocks * block_bytes(reference) + 8192 + buffers * STAGING_SLACK
 
 
 def _threads() -> int:
@@ -170,7 +176,7 @@ def _first_good_step(model: torch.nn.Module, x: torch.Tensor, path: Path, tries:
 def test_read_error_mid_step_then_detach_keeps_every_value(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     with torch.no_grad():
         _fail_mid_step(group, model, inputs(), path, 1)
     disable_layerwise_offload(model)  # straight after the failed step: the disk blocks are read back
@@ -181,7 +187,7 @@ def test_read_error_mid_step_then_detach_keeps_every_value(checkpoint: tuple[tor
 def test_persistent_read_error_repeats_the_same_error(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     x = inputs()
     with torch.no_grad():
         expected = reference(x)
@@ -205,7 +211,7 @@ def test_persistent_read_error_repeats_the_same_error(checkpoint: tuple[torch.nn
 def test_read_error_mid_step_then_recovers(checkpoint: tuple[torch.nn.Module, Path], budget_blocks: int) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget_blocks * block_bytes(reference) + 8192)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(budget_blocks, reference))
     x = inputs()
     with torch.no_grad():
         expected = reference(x)
@@ -225,7 +231,7 @@ def test_read_error_mid_step_then_recovers(checkpoint: tuple[torch.nn.Module, Pa
 def test_file_changed_after_enable(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     x = inputs()
     stat = path.stat()
     with torch.no_grad():
@@ -275,7 +281,7 @@ def test_file_changed_during_enable(checkpoint: tuple[torch.nn.Module, Path], mo
 def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     shutil.copy(path, tmp_path / "copy.safetensors")
     os.replace(tmp_path / "copy.safetensors", path)  # another file (inode) under the same name
     with torch.no_grad(), pytest.raises(CheckpointReadError, match=f"checkpoint file {path} changed after offload"):
@@ -286,7 +292,7 @@ def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tm
 def test_slow_disk_slows_but_stays_exact(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     group.engine.reader._set_delay_us(20_000)
     x = inputs()
     with torch.no_grad():
@@ -314,7 +320,7 @@ def test_budget_below_the_staging_ring(checkpoint: tuple[torch.nn.Module, Path])
 def test_mutation_of_a_disk_block_is_refused(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     reference, path = checkpoint
     model = meta_stack(6)
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     hooks = [ModuleHookManager.get_from(b).get_forward_hook("LayerwiseOffloadHook") for b in model.blocks]
     on_disk = [h for h, s in zip(hooks, group.states) if s.on_disk]
     with pytest.raises(OffloadStateError, match="fastoffload: this block is in the disk tier"):
@@ -330,7 +336,7 @@ def test_a_load_that_reaches_a_disk_block_changes_nothing(checkpoint: tuple[torc
     model = meta_stack(6)
     # Block 0 resident, and a host-tier block comes before the first disk-tier one: a load that reached
     # the disk block only after loading those would leave the model half new.
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * size + 8192,
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * size + 8192 + STAGING_SLACK,
                                      resident_blocks=[0], disk_options=DiskOptions(staging_buffers=1))
     tiers = [s.on_disk for s in group.states]
     assert not tiers[0] and any(tiers)
@@ -366,7 +372,7 @@ def test_disable_after_the_file_changed_changes_nothing_and_meta_is_the_way_out(
     # A host-tier block before the first disk-tier one: a disable that detached blocks in order and only
     # then met the changed file would leave the model half detached.
     group = enable_layerwise_offload(model, device="cpu", weights=path,
-                                     host_budget=5 * block_bytes(reference) + 8192,
+                                     host_budget=_budget(5, reference, buffers=1),
                                      disk_options=DiskOptions(staging_buffers=1))
     tiers = [s.on_disk for s in group.states]
     assert not tiers[0] and any(tiers)
@@ -382,7 +388,7 @@ def test_disable_after_the_file_changed_changes_nothing_and_meta_is_the_way_out(
     # The way out the error names reads nothing; enabled again, the model runs the new file's weights.
     disable_layerwise_offload(model, device="meta")
     assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
-    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=5 * block_bytes(reference) + 8192,
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(5, reference, buffers=1),
                              disk_options=DiskOptions(staging_buffers=1))
     with torch.no_grad():
         assert torch.equal(model(inputs()), newer(inputs()))
@@ -396,10 +402,10 @@ def test_a_persistent_read_error_at_enable_with_a_disk_tier_leaves_the_model_unt
     _fail_reads(monkeypatch, after=0, count=10**6)  # every read fails, the roll-back's too
     model = meta_stack(6)
     with pytest.raises(CheckpointReadError, match=READ_ERROR.format(path=path)):
-        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     _untouched(model)
     monkeypatch.undo()
-    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=3 * block_bytes(reference) + 8192)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
     with torch.no_grad():
         assert torch.equal(model(inputs()), reference(inputs()))
 
@@ -410,7 +416,7 @@ def test_a_load_into_the_block_list_that_reaches_a_disk_block_changes_nothing(
     model = meta_stack(6)
     # Block 0 in the host tier, a disk-tier block after it: the block list's own load_state_dict loads
     # its blocks in order, so without a guard on the list block 0 took the new values before the refusal.
-    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=5 * block_bytes(reference) + 8192,
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(5, reference, buffers=1),
                                      disk_options=DiskOptions(staging_buffers=1))
     tiers = [s.on_disk for s in group.states]
     assert not tiers[0] and any(tiers)

@@ -1,7 +1,9 @@
 """Which offloaded blocks keep a pinned host copy and which stay on disk, under a host-memory budget.
 
 The budget covers what offload pins in host memory for the block list: the host-tier blocks' packed
-regions plus the disk tier's staging ring (``staging_buffers`` buffers of the largest block). The
+regions plus the disk tier's staging ring (``staging_buffers`` buffers of the largest block, each with
+STAGING_SLACK bytes more: a block sits in its buffer at its file offsets' page alignment, so that it is
+read with O_DIRECT straight into place, with a page before and after it for the reads' edges). The
 disk-tier blocks are spread evenly over the forward instead of bunched at the end: each disk read then
 has the compute and copy time of the host blocks before it to hide behind, and the reader is never
 idle for long stretches while the staging ring is full. A pure function of sizes and the budget: the
@@ -17,7 +19,9 @@ from fastoffload_ext.errors import OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TierPlan", "plan_tiers"]
+__all__ = ["STAGING_SLACK", "TierPlan", "plan_tiers"]
+
+STAGING_SLACK = 3 * 4096  # per staging buffer, beyond the largest disk-tier block (the engine's DiskTier::kSlack)
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,12 @@ def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buff
     everything = tuple(range(len(block_bytes)))
     if host_budget is None or total <= host_budget or not block_bytes:
         return TierPlan(everything, (), 0, 0, total)
-    staging = min(staging_buffers, len(block_bytes)) * max(block_bytes)
+    staging = min(staging_buffers, len(block_bytes)) * (max(block_bytes) + STAGING_SLACK)
     if staging > host_budget:
         raise OffloadConfigError(
             f"fastoffload: {source or f'host_budget={host_budget} bytes'} cannot hold even the disk tier's staging "
-            f"ring ({staging_buffers} buffer(s) of the largest block, {max(block_bytes)} bytes each = {staging}); "
+            f"ring ({staging_buffers} buffer(s) of the largest block, {max(block_bytes) + STAGING_SLACK} bytes each "
+            f"= {staging}); "
             "raise host_budget (or free host memory), or lower DiskOptions.staging_buffers (at least 1)")
     for keep in range(len(block_bytes) - 1, -1, -1):
         host = _spread(len(block_bytes), keep)
@@ -64,7 +69,7 @@ def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buff
         if host_bytes + staging <= host_budget:
             disk = tuple(i for i in everything if i not in host)
             buffers = min(staging_buffers, len(disk))
-            staging = buffers * max(block_bytes[i] for i in disk)  # what the engine allocates
+            staging = buffers * (max(block_bytes[i] for i in disk) + STAGING_SLACK)  # what the engine allocates
             plan = TierPlan(tuple(host), disk, buffers, staging, host_bytes + staging)
             logger.debug("Disk tier: %d of %d blocks stay on disk (host budget %d bytes, %d pinned)", len(disk),
                          len(block_bytes), host_budget, plan.host_bytes)
