@@ -174,7 +174,7 @@ def _wait_reader_idle(reader: Any, quiet_s: float = 0.05, timeout_s: float = 10.
 
 def _counters(group: Any) -> dict[str, float]:
     reader, disk = group.engine.reader.stats(), group.engine.disk_stats()
-    return {"bytes": reader["bytes_read"], "wall": reader["wall_seconds"], "idle": reader["idle_seconds"],
+    return {"bytes": reader["bytes_read"], "in_place": reader["in_place_bytes"], "wall": reader["wall_seconds"], "idle": reader["idle_seconds"],
             "read": reader["read_seconds"], "waits": disk["waits"], "wait_s": disk["wait_seconds"],
             "idle_waits_s": disk["idle_in_waits_seconds"], "out_of_order": disk["out_of_order"],
             "copy_wait_s": disk["copy_wait_seconds"]}
@@ -292,6 +292,8 @@ def _stream(config: dict[str, Any]) -> dict[str, Any]:
         "reader_idle": totals["idle"] / totals["wall"], "in_flight": totals["read"] / totals["wall"],
         "wait_ms": totals["wait_s"] * 1e3 / n_timed, "idle_in_waits_ms": totals["idle_waits_s"] * 1e3 / n_timed,
         "waits_per_step": totals["waits"] / n_timed, "out_of_order": totals["out_of_order"],
+        # The share of the timed steps' reads that landed in place (O_DIRECT, no bounce copy).
+        "in_place_share": totals["in_place"] / totals["bytes"] if totals["bytes"] else None,
         "copy_wait_ms": totals["copy_wait_s"] * 1e3 / n_timed}
     if config.get("compress"):
         result["note"] = (f"compress=True: disk blocks read {disk_bytes / 2**30:.3f} GiB/step from a "
