@@ -324,7 +324,22 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
                                  const std::shared_ptr<DiskReader>& reader, bool pin) {
   TORCH_CHECK(reader != nullptr, "fastoffload: add_from_file needs a DiskReader");
   StoredBlock block = plan_from_file(names, tensors, shapes, spans, *reader);
-  block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
+  // A large block's region is placed at its file offsets' page alignment (a few pages more), so that a
+  // layout that mirrors the file is read in place; a small one's extra pages would cost more than the
+  // copy they save.
+  DestWindow window;
+  const FileRange* first = nullptr;
+  for (const auto& r : block.ranges) {
+    if (r.nbytes == 0) continue;
+    if (first == nullptr || std::make_pair(r.file, r.offset) < std::make_pair(first->file, first->offset)) first = &r;
+  }
+  if (block.bytes >= kPlacedMinBytes && first != nullptr) {
+    const size_t phase = (first->offset - first->dest_offset) % 4096;
+    block.host = pool_->allocate_placed(block.bytes, phase, /*defer_pin=*/true);
+    window = DestWindow{block.host->begin(), block.host->begin() + block.host->size()};
+  } else {
+    block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);
+  }
   std::shared_ptr<PoolAllocation> keep_alive = block.host;
   block.host_bytes = at::from_blob(
       block.host->data(), {static_cast<int64_t>(block.bytes)}, [keep_alive](void*) {},
@@ -334,7 +349,7 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
   if (pins && pool_->allows_pageable_fallback()) {
     // A pageable fallback warns, which must happen on the caller's thread to reach Python: read and
     // pin here, one block at a time.
-    reader->read(block.ranges, dest);
+    reader->read(block.ranges, dest, window);
     pool_->pin(*block.host);
   } else {
     std::lock_guard<std::mutex> lock(pending_mutex_);
@@ -343,7 +358,7 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
     // The read starts at once, whatever the pin: the disk never waits for a registration. The pin runs
     // beside it on a pin lane; its page faults and the reader's copies land in the same pages, in
     // whichever order, and the bytes the reader wrote stay where they are.
-    load.read = reader->submit(block.ranges, dest);
+    load.read = reader->submit(block.ranges, dest, nullptr, window);
     if (pins) load.pin = queue_pin(keep_alive);
     pending_.push_back(std::move(load));
   }

@@ -74,6 +74,10 @@ std::vector<TensorLayout> plan_layout(const std::vector<std::string>& names, con
 // the same values. Validates like plan_layout. Tensors on a device are copied to the host one at a time.
 std::vector<uint64_t> tensor_digests(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
 
+// Blocks from a checkpoint at least this large get a placed region (PinnedPool::allocate_placed), read
+// in place when their layout mirrors the file.
+constexpr size_t kPlacedMinBytes = 4 << 20;
+
 class LayerStore {
  public:
   explicit LayerStore(std::shared_ptr<PinnedPool> pool);

@@ -134,7 +134,13 @@ const char* backing_name(Backing backing) {
 
 PoolAllocation::PoolAllocation(std::shared_ptr<PinnedPool> pool, size_t slab_id, size_t offset, size_t size,
                                void* ptr, bool pinned)
-    : pool_(std::move(pool)), slab_id_(slab_id), offset_(offset), size_(size), ptr_(ptr), pinned_(pinned) {}
+    : pool_(std::move(pool)),
+      slab_id_(slab_id),
+      offset_(offset),
+      size_(size),
+      ptr_(ptr),
+      pinned_(pinned),
+      begin_(static_cast<uint8_t*>(ptr)) {}
 
 PoolAllocation::~PoolAllocation() { pool_->release(slab_id_, offset_, size_); }
 
@@ -185,6 +191,14 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes, bool defer_p
     offset = 0;
   }
   return hand_out(slab_id, offset, size);
+}
+
+std::shared_ptr<PoolAllocation> PinnedPool::allocate_placed(size_t nbytes, size_t phase, bool defer_pin) {
+  constexpr uintptr_t kPage = 4096;
+  std::shared_ptr<PoolAllocation> allocation = allocate(nbytes + kPlaceSlack, defer_pin);
+  const auto first = reinterpret_cast<uintptr_t>(allocation->begin_) + kPage;
+  allocation->ptr_ = reinterpret_cast<void*>(first + (phase % kPage + kPage - first % kPage) % kPage);
+  return allocation;
 }
 
 std::shared_ptr<PoolAllocation> PinnedPool::hand_out(size_t slab_id, size_t offset, size_t size) {

@@ -77,6 +77,9 @@ class PoolAllocation {
 
   void* data() const { return ptr_; }
   size_t size() const { return size_; }
+  // The allocation's first byte: data() itself, except for a placed allocation (allocate_placed), whose
+  // data() lies up to two pages in; [begin(), begin() + size()) is what it holds.
+  uint8_t* begin() const { return begin_; }
   bool pinned() const { return pinned_; }
 
  private:
@@ -87,6 +90,7 @@ class PoolAllocation {
   size_t size_;
   void* ptr_;
   bool pinned_;
+  uint8_t* begin_ = nullptr;
 };
 
 class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
@@ -107,6 +111,12 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // pinned yet; fill it, then call pin(). The fill faults the pages in with their final contents
   // (torch's copy does so on many threads), so registering them skips a separate zero-fill pass.
   std::shared_ptr<PoolAllocation> allocate(size_t nbytes, bool defer_pin = false);
+  // What allocate_placed holds beyond its bytes.
+  static constexpr size_t kPlaceSlack = 3 * 4096;
+  // allocate(nbytes + kPlaceSlack, defer_pin), with data() placed so that data() % 4096 == phase, at
+  // least a page after begin() and a page before the end: a region a reader lands in place, whose
+  // bytes keep their file offsets' page alignment (DiskReader's DestWindow is [begin(), begin() + size())).
+  std::shared_ptr<PoolAllocation> allocate_placed(size_t nbytes, size_t phase, bool defer_pin = false);
   // Pins the slab of an allocation made with defer_pin (no-op otherwise): faults in the pages not yet
   // there (in steps, see populate_seconds), then registers them. Safe while another thread writes into
   // the slab: neither step changes a byte. On failure: the pool's error, or with

@@ -11,6 +11,7 @@ from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload,
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning import plan_offload, simulate_step
 from fastoffload_ext.planning.costs import BlockCosts, DiskCosts
+from fastoffload_ext.planning.tiers import PLACE_SLACK as P
 from fastoffload_ext.planning.tiers import STAGING_SLACK as S
 from fastoffload_ext.planning.tiers import plan_tiers
 from tests._checkpoints import block_bytes, inputs, meta_stack, record_reads, reference_stack, write_single
@@ -23,18 +24,19 @@ def _table(compute: list[float], disk: DiskCosts | None, h2d: float = 25.0) -> B
 
 
 def test_the_disk_blocks_are_where_the_build_puts_them() -> None:
-    disk = DiskCosts(read_gbps=1.5, host_budget=4 * B + 3 * S, staging_buffers=3)
+    disk = DiskCosts(read_gbps=1.5, host_budget=4 * B + 3 * S + P, staging_buffers=3)
     costs = _table([2.6] * 8, disk)
-    # host budget 4 blocks, 3 of them the staging ring (each with its slack): one block keeps a host copy
-    tiers = plan_tiers([B] * 8, 4 * B + 3 * S, 3)
+    # host budget 4 blocks, 3 of them the staging ring: one block keeps a host copy (each with its slack)
+    tiers = plan_tiers([B] * 8, 4 * B + 3 * S + P, 3)
     assert costs.disk_blocks([]) == tiers.disk == (0, 1, 2, 3, 5, 6, 7)
     # resident blocks leave the offloaded list; the tiers are placed over what is left
-    assert costs.disk_blocks([0, 4]) == tuple([1, 2, 3, 5, 6, 7][p] for p in plan_tiers([B] * 6, 4 * B + 3 * S, 3).disk)
+    remaining = plan_tiers([B] * 6, 4 * B + 3 * S + P, 3).disk
+    assert costs.disk_blocks([0, 4]) == tuple([1, 2, 3, 5, 6, 7][p] for p in remaining)
     assert costs.disk_ms([]) == pytest.approx(7 * B / 1.5e6)
 
 
 def test_a_disk_bound_step_is_the_reads() -> None:
-    costs = _table([2.6] * 8, DiskCosts(read_gbps=1.5, host_budget=4 * B + 3 * S, staging_buffers=3), h2d=55.0)
+    costs = _table([2.6] * 8, DiskCosts(read_gbps=1.5, host_budget=4 * B + 3 * S + P, staging_buffers=3), h2d=55.0)
     timeline = simulate_step(costs, [], 1)
     assert timeline.step_ms == pytest.approx(7 * B / 1.5e6)
     assert (timeline.disk_reads, timeline.read_bytes) == (7, 7 * B)
@@ -54,7 +56,7 @@ def test_one_staging_buffer_serialises_each_read_with_the_copy_out_of_it() -> No
     compute = [60.0, 1.0] * 4
     steps = {}
     for buffers in (1, 2, 3):
-        disk = DiskCosts(read_gbps=1.0, host_budget=buffers * (B + S) + 4 * B, staging_buffers=buffers)
+        disk = DiskCosts(read_gbps=1.0, host_budget=buffers * (B + S) + 4 * (B + P), staging_buffers=buffers)
         costs = _table(compute, disk)
         assert costs.disk_blocks([]) == (0, 2, 4, 6)
         steps[buffers] = simulate_step(costs, [], 1, steps=6).step_ms
@@ -62,7 +64,7 @@ def test_one_staging_buffer_serialises_each_read_with_the_copy_out_of_it() -> No
     assert steps[1] == pytest.approx(4 * (100.0 + copy))  # read, then the copy, then the next read
     assert steps[2] == steps[3] == pytest.approx(400.0)   # the next read runs while the copy does
     # reads fast enough hide behind compute: the step is the compute and its exposed copies
-    fast = _table(compute, DiskCosts(read_gbps=50.0, host_budget=6 * B + 2 * S, staging_buffers=2))
+    fast = _table(compute, DiskCosts(read_gbps=50.0, host_budget=6 * B + 2 * S + 4 * P, staging_buffers=2))
     assert simulate_step(fast, [], 1).step_ms == pytest.approx(simulate_step(_table(compute, None), [], 1).step_ms)
 
 
@@ -70,7 +72,7 @@ def test_the_planner_keeps_a_block_resident_rather_than_prefetching_deeper() -> 
     compute = [8.0, 0.2] * 4  # without a disk, depth 2 lets the short windows borrow from the long ones
     without = plan_offload(_table(compute, None), 3 * B)
     assert (without.resident, without.prefetch_depth) == ((), 2)
-    disk = DiskCosts(read_gbps=2.0, host_budget=3 * B + 2 * S, staging_buffers=2)
+    disk = DiskCosts(read_gbps=2.0, host_budget=3 * B + 2 * S + P, staging_buffers=2)
     plan = plan_offload(_table(compute, disk), 3 * B)
     # one slot fewer is one block resident, so one read less per step
     assert len(plan.resident) == 1 and plan.prefetch_depth == 1

@@ -10,7 +10,8 @@ import torch
 
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext._backend import require_ext
-from fastoffload_ext.storage import DiskOptions
+from fastoffload_ext.planning.tiers import PLACE_SLACK, PLACED_MIN_BYTES, region_bytes
+from fastoffload_ext.storage import DiskOptions, plan_tiers
 from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 
 PAGE = 4096
@@ -107,3 +108,22 @@ def test_the_disk_tier_reads_its_blocks_in_place_bit_exact(tmp_path: Path) -> No
     assert read > 0
     file = reader.open(str(path))
     assert after["in_place_bytes"] - before["in_place_bytes"] == (read if reader.direct(file) else 0)
+
+
+def test_a_large_host_tier_block_is_read_in_place_at_enable(tmp_path: Path) -> None:
+    # d=512 bf16: 6 MiB blocks, above PLACED_MIN_BYTES, so each region is placed at its file offsets'
+    # page alignment and read in place; the host budget counts the region's slack.
+    reference = reference_stack(3, d=512)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    size = block_bytes(reference)
+    assert size >= PLACED_MIN_BYTES and region_bytes(size) == size + PLACE_SLACK
+    model = meta_stack(3, d=512)
+    group = enable_layerwise_offload(model, device="cpu", weights=path)
+    stats = group.engine.reader.stats()
+    file = group.engine.reader.open(str(path))
+    assert stats["in_place_bytes"] == (3 * size if group.engine.reader.direct(file) else 0)
+    x = inputs(d=512)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert plan_tiers([size] * 3, None, 2).host_bytes == 3 * (size + PLACE_SLACK)
+    assert plan_tiers([size // 4] * 3, None, 2).host_bytes == 3 * (size // 4)  # small blocks: exact regions

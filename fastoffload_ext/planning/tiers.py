@@ -1,7 +1,8 @@
 """Which offloaded blocks keep a pinned host copy and which stay on disk, under a host-memory budget.
 
 The budget covers what offload pins in host memory for the block list: the host-tier blocks' packed
-regions plus the disk tier's staging ring (``staging_buffers`` buffers of the largest block, each with
+regions (``region_bytes``: a large block's with PLACE_SLACK bytes more, for the same reason as the
+staging buffers' below) plus the disk tier's staging ring (``staging_buffers`` buffers of the largest block, each with
 STAGING_SLACK bytes more: a block sits in its buffer at its file offsets' page alignment, so that it is
 read with O_DIRECT straight into place, with a page before and after it for the reads' edges). The
 disk-tier blocks are spread evenly over the forward instead of bunched at the end: each disk read then
@@ -19,9 +20,18 @@ from fastoffload_ext.errors import OffloadConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STAGING_SLACK", "TierPlan", "plan_tiers"]
+__all__ = ["PLACED_MIN_BYTES", "PLACE_SLACK", "STAGING_SLACK", "TierPlan", "plan_tiers", "region_bytes"]
 
 STAGING_SLACK = 3 * 4096  # per staging buffer, beyond the largest disk-tier block (the engine's DiskTier::kSlack)
+# A host-tier block of at least PLACED_MIN_BYTES gets PLACE_SLACK bytes more, for the same reason (the
+# engine's kPlacedMinBytes and PinnedPool::kPlaceSlack); a smaller one's region is its bytes.
+PLACED_MIN_BYTES = 4 << 20
+PLACE_SLACK = 3 * 4096
+
+
+def region_bytes(nbytes: int) -> int:
+    """The host bytes a host-tier block of ``nbytes`` built from a checkpoint pins."""
+    return nbytes + PLACE_SLACK if nbytes >= PLACED_MIN_BYTES else nbytes
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,7 @@ def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buff
 
     source: how a refusal names the budget (default ``host_budget=N bytes``).
     """
-    total = sum(block_bytes)
+    total = sum(region_bytes(b) for b in block_bytes)
     everything = tuple(range(len(block_bytes)))
     if host_budget is None or total <= host_budget or not block_bytes:
         return TierPlan(everything, (), 0, 0, total)
@@ -65,7 +75,7 @@ def plan_tiers(block_bytes: Sequence[int], host_budget: int | None, staging_buff
             "raise host_budget (or free host memory), or lower DiskOptions.staging_buffers (at least 1)")
     for keep in range(len(block_bytes) - 1, -1, -1):
         host = _spread(len(block_bytes), keep)
-        host_bytes = sum(block_bytes[i] for i in host)
+        host_bytes = sum(region_bytes(block_bytes[i]) for i in host)
         if host_bytes + staging <= host_budget:
             disk = tuple(i for i in everything if i not in host)
             buffers = min(staging_buffers, len(disk))

@@ -29,6 +29,7 @@ from torch import nn
 from fastoffload_ext import _backend
 from fastoffload_ext.errors import CheckpointError
 from fastoffload_ext.planning.budgets import AUTO
+from fastoffload_ext.planning.tiers import region_bytes
 from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.tiers import TierPlan, plan_tiers, resolve_host_budget
@@ -251,9 +252,10 @@ class CheckpointSource:
         # The encoder trails the reads (the engine encodes a block once later reads are queued): let it
         # catch up, so that the pool holds the host blocks before this one at their compressed size.
         engine.finish_loading()
-        later = sum(self.block_bytes[i] for i in range(index + 1, len(self.blocks)) if not self.blocks[i].on_disk)
+        later = sum(region_bytes(self.block_bytes[i]) for i in range(index + 1, len(self.blocks))
+                    if not self.blocks[i].on_disk)
         held = int(engine.pool.stats()["in_use_bytes"])
-        return held + self.block_bytes[index] + later + self.tiers.staging_bytes <= self.host_budget
+        return held + region_bytes(self.block_bytes[index]) + later + self.tiers.staging_bytes <= self.host_budget
 
     def load_block_buffers(self, model: nn.Module, device: torch.device) -> None:
         """The buffers inside the offloaded blocks, read onto ``device``: attaching a block moves its
