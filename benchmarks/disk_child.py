@@ -174,8 +174,8 @@ def _wait_reader_idle(reader: Any, quiet_s: float = 0.05, timeout_s: float = 10.
 
 def _counters(group: Any) -> dict[str, float]:
     reader, disk = group.engine.reader.stats(), group.engine.disk_stats()
-    return {"bytes": reader["bytes_read"], "in_place": reader["in_place_bytes"], "wall": reader["wall_seconds"], "idle": reader["idle_seconds"],
-            "read": reader["read_seconds"], "waits": disk["waits"], "wait_s": disk["wait_seconds"],
+    return {"bytes": reader["bytes_read"], "in_place": reader["in_place_bytes"], "wall": reader["wall_seconds"],
+            "idle": reader["idle_seconds"], "read": reader["read_seconds"], "waits": disk["waits"], "wait_s": disk["wait_seconds"],
             "idle_waits_s": disk["idle_in_waits_seconds"], "out_of_order": disk["out_of_order"],
             "copy_wait_s": disk["copy_wait_seconds"]}
 

@@ -72,6 +72,12 @@ struct DestWindow {
   uint8_t* end = nullptr;
 };
 
+// The page offset at which `ranges`' destination must start for them to land in place: a layout that
+// mirrors the file keeps one distance between file and destination offsets, so any range tells it.
+inline size_t page_phase(const std::vector<FileRange>& ranges) {
+  return ranges.empty() ? 0 : static_cast<size_t>((ranges.front().offset - ranges.front().dest_offset) % 4096);
+}
+
 enum class ReadMode { kAuto, kDirect, kBuffered };
 ReadMode parse_read_mode(const std::string& name);
 

@@ -83,13 +83,10 @@ void DiskTier::submit(Staging& staging, size_t block, bool wait_for_copy) {
     prepare = [copy, copied] { copy->host_wait(*copied); };
   }
   const std::vector<FileRange>& ranges = ranges_[position_.at(block)];
-  // base = packed offset 0, one page in, shifted so that base + dest_offset has its file offset's
-  // alignment: the reader then reads the block in place when its layout mirrors the file.
+  // The block's packed offset 0 is placed so that each byte keeps its file offset's page alignment: the
+  // reader then reads the block in place when its layout mirrors the file.
   auto* data = static_cast<uint8_t*>(staging.memory->data());
-  constexpr uintptr_t kPage = 4096;
-  const uintptr_t wanted = ranges.empty() ? 0 : (ranges.front().offset - ranges.front().dest_offset) % kPage;
-  const uintptr_t shift = (wanted + kPage - reinterpret_cast<uintptr_t>(data) % kPage) % kPage;
-  uint8_t* base = data + kPage + shift;
+  uint8_t* base = PinnedPool::placed(data, page_phase(ranges));
   staging.job = reader_->submit(ranges, base, std::move(prepare), DestWindow{data, data + staging_size_});
   staging.base = base;
   staging.block = static_cast<int64_t>(block);  // only once the read is under way: submit may throw

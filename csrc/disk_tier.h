@@ -60,7 +60,7 @@ class DiskTier {
   // What a staging buffer holds beyond the largest block: each block is placed in its buffer so that its
   // bytes keep their file offsets' alignment (a block read with O_DIRECT lands in place, see DestWindow),
   // with a page before and after for the reads' head and tail pages.
-  static constexpr size_t kSlack = 3 * 4096;
+  static constexpr size_t kSlack = PinnedPool::kPlaceSlack;
   // Takes `buffers` (at least one, `bytes` + kSlack each, pinned pool memory) as the staging ring and
   // starts the first reads. Calling it again (more blocks, larger blocks) waits for the reads in flight into the
   // old ring, drops it and starts over.

@@ -328,14 +328,8 @@ size_t LayerStore::add_from_file(const std::vector<std::string>& names, const st
   // layout that mirrors the file is read in place; a small one's extra pages would cost more than the
   // copy they save.
   DestWindow window;
-  const FileRange* first = nullptr;
-  for (const auto& r : block.ranges) {
-    if (r.nbytes == 0) continue;
-    if (first == nullptr || std::make_pair(r.file, r.offset) < std::make_pair(first->file, first->offset)) first = &r;
-  }
-  if (block.bytes >= kPlacedMinBytes && first != nullptr) {
-    const size_t phase = (first->offset - first->dest_offset) % 4096;
-    block.host = pool_->allocate_placed(block.bytes, phase, /*defer_pin=*/true);
+  if (block.bytes >= kPlacedMinBytes) {
+    block.host = pool_->allocate_placed(block.bytes, page_phase(block.ranges), /*defer_pin=*/true);
     window = DestWindow{block.host->begin(), block.host->begin() + block.host->size()};
   } else {
     block.host = pool_->allocate(block.bytes, /*defer_pin=*/true);

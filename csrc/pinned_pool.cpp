@@ -193,11 +193,15 @@ std::shared_ptr<PoolAllocation> PinnedPool::allocate(size_t nbytes, bool defer_p
   return hand_out(slab_id, offset, size);
 }
 
-std::shared_ptr<PoolAllocation> PinnedPool::allocate_placed(size_t nbytes, size_t phase, bool defer_pin) {
+uint8_t* PinnedPool::placed(uint8_t* begin, size_t phase) {
   constexpr uintptr_t kPage = 4096;
+  const auto first = reinterpret_cast<uintptr_t>(begin) + kPage;
+  return reinterpret_cast<uint8_t*>(first + (phase % kPage + kPage - first % kPage) % kPage);
+}
+
+std::shared_ptr<PoolAllocation> PinnedPool::allocate_placed(size_t nbytes, size_t phase, bool defer_pin) {
   std::shared_ptr<PoolAllocation> allocation = allocate(nbytes + kPlaceSlack, defer_pin);
-  const auto first = reinterpret_cast<uintptr_t>(allocation->begin_) + kPage;
-  allocation->ptr_ = reinterpret_cast<void*>(first + (phase % kPage + kPage - first % kPage) % kPage);
+  allocation->ptr_ = placed(allocation->begin_, phase);
   return allocation;
 }
 

@@ -117,6 +117,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // least a page after begin() and a page before the end: a region a reader lands in place, whose
   // bytes keep their file offsets' page alignment (DiskReader's DestWindow is [begin(), begin() + size())).
   std::shared_ptr<PoolAllocation> allocate_placed(size_t nbytes, size_t phase, bool defer_pin = false);
+  // The first address at least a page after `begin` whose offset in its page is `phase`: where a placed
+  // region's data lies in its kPlaceSlack-larger memory (allocate_placed; the disk tier's staging).
+  static uint8_t* placed(uint8_t* begin, size_t phase);
   // Pins the slab of an allocation made with defer_pin (no-op otherwise): faults in the pages not yet
   // there (in steps, see populate_seconds), then registers them. Safe while another thread writes into
   // the slab: neither step changes a byte. On failure: the pool's error, or with

@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PLACED_MIN_BYTES", "PLACE_SLACK", "STAGING_SLACK", "TierPlan", "plan_tiers", "region_bytes"]
 
-STAGING_SLACK = 3 * 4096  # per staging buffer, beyond the largest disk-tier block (the engine's DiskTier::kSlack)
-# A host-tier block of at least PLACED_MIN_BYTES gets PLACE_SLACK bytes more, for the same reason (the
-# engine's kPlacedMinBytes and PinnedPool::kPlaceSlack); a smaller one's region is its bytes.
-PLACED_MIN_BYTES = 4 << 20
+# A placed region's bytes beyond its data (the engine's PinnedPool::kPlaceSlack): every staging buffer
+# has them, and so has a host-tier block of at least PLACED_MIN_BYTES (kPlacedMinBytes); a smaller
+# block's region is its bytes.
 PLACE_SLACK = 3 * 4096
+STAGING_SLACK = PLACE_SLACK  # per staging buffer, beyond the largest disk-tier block
+PLACED_MIN_BYTES = 4 << 20
 
 
 def region_bytes(nbytes: int) -> int:
