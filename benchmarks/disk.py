@@ -366,8 +366,9 @@ def _measure(ctx: Context, spec: Any, path: Path) -> None:
 
 
 # Start-up children per budget, and the stream child's rounds (benchmarks.disk_child.ROUNDS): the
-# disk's speed drifts between minutes, so a row is the median of its repeats, with their spread.
-STARTUP_REPEATS = 2
+# disk's speed drifts between minutes, so a row is the median of its repeats, with their spread. Three,
+# so that the median is one run and not the mean of two (one slow run of two decided a row on the H200).
+STARTUP_REPEATS = 3
 
 
 def _startup_row(config: dict[str, Any], path: Path, timeout: float) -> dict[str, Any]:
