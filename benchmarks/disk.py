@@ -24,7 +24,8 @@ Tables:
   Each budget runs STARTUP_REPEATS children; each is judged against the mean of the reader's sequential
   reads (of the checkpoint's first BRACKET_BYTES) right before and right after it, since a shared
   disk's speed drifts between minutes; the row is the median run ("x bound" = enable / bound), with the
-  range of the runs. "reader idle s" is the wall time from the reader's creation (early in enable) to
+  range of the runs. "x file bound" holds enable to 1.2 x the whole checkpoint's bytes / read bandwidth
+  instead, the looser form: the same where every block is in host memory, far looser with a disk tier. "reader idle s" is the wall time from the reader's creation (early in enable) to
   the end with no read request in flight, "reads in flight" their mean over that time (worst-RSS run).
   What the bound leaves out and enable still does: parsing the headers' JSON and checking them against
   the model, making the reader, pinning the host tier's regions and the staging ring, registering the
@@ -75,7 +76,7 @@ TABLES = {
                  Column("enable_range", "enable s range"),
                  Column("read_gib", "GiB read", ".3f"), Column("bw_gb_s", "bw GB/s", ".2f"),
                  Column("read_bound_s", "1.2 x read/bw s", ".3f"), Column("x_read_bound", "x bound", ".3f"),
-                 Column("time_ok", "time ok"),
+                 Column("time_ok", "time ok"), Column("x_file_bound", "x file bound", ".3f"),
                  Column("rss_over_base_gib", "peak RSS-base GiB", ".3f"), Column("rss_bound_gib", "bound GiB", ".3f"),
                  Column("rss_ok", "RSS ok"), Column("direct_share", "O_DIRECT share", ".2f"),
                  Column("reader_idle_s", "reader idle s", ".3f"), Column("in_flight", "reads in flight", ".2f"),
@@ -386,10 +387,13 @@ def _startup_row(config: dict[str, Any], path: Path, timeout: float) -> dict[str
     enable = [r["enable_s"] for r in runs]
     bounds = [1.2 * r["bytes_read"] / r["bandwidth"] for r in runs]
     ratios = [e / b for e, b in zip(enable, bounds)]
+    # The looser bound, over the whole file instead of what enable reads: the two agree when every block
+    # is in host memory; with a disk tier the strict one holds enable's fixed costs to a smaller read.
+    file_ratios = [e / (1.2 * path.stat().st_size / r["bandwidth"]) for e, r in zip(enable, runs)]
     worst = max(runs, key=lambda r: r["rss_over_base_gib"] / r["rss_bound_gib"])
     row = dict(worst)  # byte counts are the same in every run; RSS is judged on the worst one
     row.update(enable_s=median(enable), enable_range=_range(enable), enable_s_runs=enable, read_bound_s=median(bounds),
-               x_read_bound=median(ratios), time_ok=median(ratios) <= 1.0,
+               x_read_bound=median(ratios), time_ok=median(ratios) <= 1.0, x_file_bound=median(file_ratios),
                bw_gb_s=median([r["bandwidth"] for r in runs]) / 1e9, bw_gb_s_reads=[b / 1e9 for b in reads],
                rss_ok=all(r["rss_ok"] for r in runs))
     row.update(phase_summary(runs))
