@@ -25,8 +25,9 @@ Tables:
   reads (of the checkpoint's first BRACKET_BYTES) right before and right after it, since a shared
   disk's speed drifts between minutes; the row is the median run ("x bound" = enable / bound), with the
   range of the runs. "x file bound" holds enable to 1.2 x the whole checkpoint's bytes / read bandwidth
-  instead, the looser form: the same where every block is in host memory, far looser with a disk tier. "reader idle s" is the wall time from the reader's creation (early in enable) to
-  the end with no read request in flight, "reads in flight" their mean over that time (worst-RSS run).
+  instead, the looser form: the same where every block is in host memory, far looser with a disk tier.
+  "reader idle s" is the wall time from the reader's creation (early in enable) to the end with no
+  read request in flight, "reads in flight" their mean over that time (worst-RSS run).
   What the bound leaves out and enable still does: parsing the headers' JSON and checking them against
   the model, making the reader, pinning the host tier's regions and the staging ring, registering the
   blocks; so the row also says where the time went (run at the median enable time; every run's figures
