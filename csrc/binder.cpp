@@ -1,5 +1,7 @@
 #include "binder.h"
 
+#include <algorithm>
+
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/TensorImpl.h>
@@ -13,9 +15,22 @@ namespace {
 // metadata field and re-assigns the parameter's own version counter to itself. Between a parameter and
 // the views and placeholders built for it only the storage, sizes, strides and offset differ, so when
 // the dispatch keys and the dtype already agree those four are set and nothing else, at about half the
-// cost. Anything else (a parameter cast or moved by someone, an inference tensor, symbolic shapes) takes
-// the full copy, exactly as before.
-inline void rebind(const at::Tensor& param, const at::Tensor& data) {
+// cost, from the block's flat arrays rather than from the source tensor. Anything else (a parameter cast
+// or moved by someone, an inference tensor, symbolic shapes) takes the full copy from the source tensor,
+// exactly as before.
+template <typename ShapeT>
+inline void rebind(c10::TensorImpl* impl, const c10::Storage& storage, const ShapeT& shape, const int64_t* dims,
+                   const at::Tensor& source) {
+  if (impl->key_set() == shape.keys && impl->dtype() == shape.dtype && !impl->has_symbolic_sizes_strides()) {
+    impl->set_storage_keep_dtype(storage);
+    impl->set_sizes_and_strides(c10::IntArrayRef(dims + shape.dims, shape.ndim),
+                                c10::IntArrayRef(dims + shape.dims + shape.ndim, shape.ndim), shape.offset);
+    return;
+  }
+  impl->shallow_copy_from(source.getIntrusivePtr());
+}
+
+inline void rebind_full(const at::Tensor& param, const at::Tensor& data) {
   c10::TensorImpl* impl = param.unsafeGetTensorImpl();
   const c10::TensorImpl* source = data.unsafeGetTensorImpl();
   if (impl->key_set() == source->key_set() && impl->dtype() == source->dtype() &&
@@ -32,9 +47,6 @@ inline void rebind(const at::Tensor& param, const at::Tensor& data) {
 // one dependent load after another: measured in a real forward, the loops cost about twice what they
 // cost back to back. Asking for the lines a few parameters ahead lets those misses overlap.
 constexpr size_t kPrefetchAhead = 4;
-// A storage's reference count is reached through a TensorImpl: asked for once that TensorImpl (fetched
-// kPrefetchAhead parameters earlier) has had time to arrive.
-constexpr size_t kStorageAhead = 2;
 
 inline void prefetch_impl(const at::Tensor& tensor) {
 #if defined(__GNUC__)
@@ -47,24 +59,24 @@ inline void prefetch_impl(const at::Tensor& tensor) {
 #endif
 }
 
-inline void prefetch_storage(const at::Tensor& tensor) {
+// A parameter's version counter lives in an object of its own, one more scattered line per parameter in
+// the per-step check. VariableVersion holds nothing but the pointer to it; a prefetch of whatever that
+// pointer is cannot fault, so a layout change in torch would cost the prefetch, never correctness.
+constexpr size_t kVersionAhead = 2;
+static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is expected to be one pointer");
+
+inline void prefetch_version(const at::Tensor& tensor) {
 #if defined(__GNUC__)
-  __builtin_prefetch(tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  __builtin_prefetch(*reinterpret_cast<const void* const*>(&tensor.unsafeGetTensorImpl()->version_counter()));
 #else
   (void)tensor;
 #endif
 }
 
-// Before parameter j is rebound to sources[j]: the TensorImpls of both a few parameters ahead, and the
-// storage whose count changes (`counted`: the parameters before a bind, whose storages are the
-// placeholders' it drops; the placeholders before a release, whose storages it takes).
-inline void prefetch_ahead(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& sources,
-                           const std::vector<at::Tensor>& counted, size_t j) {
-  if (j + kPrefetchAhead < tensors.size()) {
-    prefetch_impl(tensors[j + kPrefetchAhead]);
-    prefetch_impl(sources[j + kPrefetchAhead]);
-  }
-  if (j + kStorageAhead < tensors.size()) prefetch_storage(counted[j + kStorageAhead]);
+// Before parameter j is rebound: the TensorImpl a few parameters ahead (the flat arrays are read in
+// order, which the hardware prefetches by itself).
+inline void prefetch_ahead(const std::vector<at::Tensor>& tensors, size_t j) {
+  if (j + kPrefetchAhead < tensors.size()) prefetch_impl(tensors[j + kPrefetchAhead]);
 }
 
 inline uint32_t version_of(const at::Tensor& param) {
@@ -73,20 +85,50 @@ inline uint32_t version_of(const at::Tensor& param) {
 
 }  // namespace
 
+void Binder::Shapes::add(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  Shape entry;
+  entry.offset = impl->storage_offset();
+  entry.dims = static_cast<uint32_t>(dims.size());
+  entry.ndim = static_cast<uint32_t>(impl->dim());
+  entry.keys = impl->key_set();
+  entry.dtype = impl->dtype();
+  dims.insert(dims.end(), impl->sizes().begin(), impl->sizes().end());
+  dims.insert(dims.end(), impl->strides().begin(), impl->strides().end());
+  shape.push_back(entry);
+}
+
+void Binder::rebind_all(const Bound& bound, const c10::Storage& storage, const Shapes& shapes,
+                        const std::vector<at::Tensor>& sources) {
+  const int64_t* dims = shapes.dims.data();
+  for (size_t j = 0; j < bound.tensors.size(); ++j) {
+    prefetch_ahead(bound.tensors, j);
+    rebind(bound.tensors[j].unsafeGetTensorImpl(), storage, shapes.shape[j], dims, sources[j]);
+  }
+}
+
 void Binder::set_block(size_t index, const StoredBlock& block) {
   TORCH_CHECK(index <= blocks_.size(), "fastoffload: internal error: binder block ", std::to_string(index), " out of order");
   if (index == blocks_.size()) blocks_.emplace_back();
   Bound& bound = blocks_[index];
   bound.tensors = block.tensors;
   bound.views.clear();
+  bound.slot_storage.clear();
+  bound.view_shapes = Shapes();
+  bound.compact_views = false;
   bound.placeholders.clear();
   bound.placeholders.reserve(block.layout.size());
+  bound.placeholder_shapes = Shapes();
   // Ordinary tensors even when offload is enabled inside inference_mode(): a parameter bound to an
   // inference tensor would lose its version counting (see build_views).
   c10::InferenceMode normal_tensors(false);
+  bound.placeholder_storage = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_)).storage();
   for (const auto& entry : block.layout) {
     std::vector<int64_t> shape(std::max<size_t>(entry.sizes.size(), 1), 0);
-    bound.placeholders.push_back(at::empty(shape, at::TensorOptions().dtype(entry.dtype).device(device_)));
+    at::Tensor placeholder = at::empty(shape, at::TensorOptions().dtype(entry.dtype).device(device_));
+    placeholder.unsafeGetTensorImpl()->set_storage_keep_dtype(bound.placeholder_storage);
+    bound.placeholder_shapes.add(placeholder);
+    bound.placeholders.push_back(std::move(placeholder));
   }
 }
 
@@ -99,12 +141,31 @@ void Binder::build_views(size_t index, const StoredBlock& block, const SlotRing&
   // the resident model, and keep the cheap rebind above.
   c10::InferenceMode normal_tensors(false);
   bound.views.assign(ring.size(), {});
+  bound.slot_storage.assign(ring.size(), c10::Storage());
+  bound.view_shapes = Shapes();
   for (size_t s = 0; s < ring.size(); ++s) {
     const at::Tensor& buffer = ring.slot(s).buffer;
     const auto options = at::TensorOptions().device(buffer.device());
     auto& views = bound.views[s];
     views.reserve(block.layout.size());
     for (const auto& entry : block.layout) views.push_back(view_of(buffer.storage(), options, 0, entry));
+    bound.slot_storage[s] = buffer.storage();
+  }
+  // One set of shapes serves every slot when each slot's views differ only in their storage (they
+  // always do; checked rather than assumed, else each rebind reads its view).
+  bound.compact_views = !bound.views.empty();
+  if (bound.compact_views)
+    for (const at::Tensor& view : bound.views[0]) bound.view_shapes.add(view);
+  for (size_t s = 1; s < bound.views.size() && bound.compact_views; ++s) {
+    Shapes other;
+    for (const at::Tensor& view : bound.views[s]) other.add(view);
+    for (size_t j = 0; j < other.shape.size() && bound.compact_views; ++j) {
+      const Shape& a = other.shape[j];
+      const Shape& b = bound.view_shapes.shape[j];
+      bound.compact_views = a.offset == b.offset && a.ndim == b.ndim && a.keys == b.keys && a.dtype == b.dtype &&
+                            std::equal(other.dims.begin() + a.dims, other.dims.begin() + a.dims + 2 * a.ndim,
+                                       bound.view_shapes.dims.begin() + b.dims);
+    }
   }
 }
 
@@ -118,9 +179,13 @@ void Binder::bind_slot(size_t index, size_t slot) {
   const auto& views = bound.views[slot];
   // No record_versions: rebinding keeps a parameter's version counter and its value, and the caller
   // has just checked (first_unexpected) that every version is the recorded one.
+  if (bound.compact_views) {
+    rebind_all(bound, bound.slot_storage[slot], bound.view_shapes, views);
+    return;
+  }
   for (size_t j = 0; j < bound.tensors.size(); ++j) {
-    prefetch_ahead(bound.tensors, views, bound.tensors, j);
-    rebind(bound.tensors[j], views[j]);
+    prefetch_ahead(bound.tensors, j);
+    rebind_full(bound.tensors[j], views[j]);
   }
 }
 
@@ -128,7 +193,7 @@ void Binder::bind_buffer(size_t index, const StoredBlock& block, const at::Tenso
   Bound& bound = blocks_.at(index);
   const auto options = at::TensorOptions().device(buffer.device());
   for (size_t j = 0; j < bound.tensors.size(); ++j)
-    rebind(bound.tensors[j], view_of(buffer.storage(), options, 0, block.layout[j]));
+    rebind_full(bound.tensors[j], view_of(buffer.storage(), options, 0, block.layout[j]));
   record_versions(index);
 }
 
@@ -147,10 +212,7 @@ int64_t Binder::first_written(size_t index) const {
 
 void Binder::bind_placeholders(size_t index) const {
   const Bound& bound = blocks_[index];
-  for (size_t j = 0; j < bound.tensors.size(); ++j) {
-    prefetch_ahead(bound.tensors, bound.placeholders, bound.placeholders, j);
-    rebind(bound.tensors[j], bound.placeholders[j]);
-  }
+  rebind_all(bound, bound.placeholder_storage, bound.placeholder_shapes, bound.placeholders);
 }
 
 void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) const {
@@ -163,14 +225,13 @@ void Binder::bind_values(size_t index, const std::vector<at::Tensor>& values) co
 int64_t Binder::first_unexpected(size_t index) const {
   const Bound& bound = blocks_[index];
   const size_t versions = bound.versions.size();
+  const c10::StorageImpl* placeholder = bound.placeholder_storage.unsafeGetStorageImpl();
   for (size_t j = 0; j < bound.tensors.size(); ++j) {
-    if (j + kPrefetchAhead < bound.tensors.size()) {
-      prefetch_impl(bound.tensors[j + kPrefetchAhead]);
-      prefetch_impl(bound.placeholders[j + kPrefetchAhead]);
-    }
+    prefetch_ahead(bound.tensors, j);
+    // Its TensorImpl was asked for kPrefetchAhead - kVersionAhead parameters ago.
+    if (j + kVersionAhead < bound.tensors.size()) prefetch_version(bound.tensors[j + kVersionAhead]);
     const c10::TensorImpl* impl = bound.tensors[j].unsafeGetTensorImpl();
-    if (impl->unsafe_storage().unsafeGetStorageImpl() !=
-            bound.placeholders[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ||
+    if (impl->unsafe_storage().unsafeGetStorageImpl() != placeholder ||
         (j < versions && impl->version_counter().current_version() != bound.versions[j]))
       return static_cast<int64_t>(j);
   }
@@ -179,11 +240,10 @@ int64_t Binder::first_unexpected(size_t index) const {
 
 int64_t Binder::first_foreign(size_t index) const {
   const Bound& bound = blocks_[index];
-  for (size_t j = 0; j < bound.tensors.size(); ++j) {
-    const c10::StorageImpl* held = bound.tensors[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-    if (held != bound.placeholders[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl())
+  const c10::StorageImpl* placeholder = bound.placeholder_storage.unsafeGetStorageImpl();
+  for (size_t j = 0; j < bound.tensors.size(); ++j)
+    if (bound.tensors[j].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() != placeholder)
       return static_cast<int64_t>(j);
-  }
   return -1;
 }
 

@@ -7,7 +7,12 @@
 //
 // A placeholder is rank-preserving and empty (shape (0,)*ndim, (0,) for scalars), of the parameter's
 // dtype, on the offload device: code that inspects `p.device`, `p.dtype` or `p.dim()` between steps
-// sees what it saw on a resident model, as with FastVideo's offload.
+// sees what it saw on a resident model, as with FastVideo's offload. A block's placeholders share one
+// empty storage.
+//
+// The hot path does not read the view and placeholder tensors themselves: what a rebind sets (the
+// storage, sizes, strides and offset) is kept per block in flat arrays (`Shapes`), read in order, so
+// that the only scattered memory a bind or release touches is the parameters' own TensorImpls.
 #pragma once
 
 #include <cstddef>
@@ -54,12 +59,33 @@ class Binder {
   const std::vector<at::Tensor>& placeholders(size_t index) const { return blocks_.at(index).placeholders; }
 
  private:
+  // Per parameter, what a rebind to a view (or a placeholder) sets, and the dispatch keys and dtype the
+  // parameter must have for that short rebind (else the full shallow copy from the tensor itself).
+  struct Shape {
+    int64_t offset = 0;  // storage offset, in elements
+    uint32_t dims = 0;   // sizes at dims[dims .. dims + ndim), strides right after
+    uint32_t ndim = 0;
+    c10::DispatchKeySet keys;
+    caffe2::TypeMeta dtype;
+  };
+  struct Shapes {
+    std::vector<Shape> shape;
+    std::vector<int64_t> dims;
+    void add(const at::Tensor& tensor);
+  };
   struct Bound {
     std::vector<at::Tensor> tensors;
-    std::vector<at::Tensor> placeholders;
+    std::vector<at::Tensor> placeholders;        // views of `placeholder_storage`
     std::vector<std::vector<at::Tensor>> views;  // [slot][tensor]
     std::vector<uint32_t> versions;              // version counters as of the last bind
+    c10::Storage placeholder_storage;            // empty, shared by the block's placeholders
+    Shapes placeholder_shapes;
+    Shapes view_shapes;                          // the same in every slot (each slot's views start at 0)
+    std::vector<c10::Storage> slot_storage;      // [slot]
+    bool compact_views = false;                  // view_shapes hold for every slot
   };
+  static void rebind_all(const Bound& bound, const c10::Storage& storage, const Shapes& shapes,
+                         const std::vector<at::Tensor>& sources);
   at::Device device_;
   std::vector<Bound> blocks_;
 };
