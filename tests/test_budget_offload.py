@@ -4,6 +4,7 @@ Both backends, with the host as the device (CI) and, marked ``cuda``, on a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -198,6 +199,27 @@ def test_observe_step_flags_drift_beyond_the_tolerance() -> None:
     fresh = group.replan(costs)
     predicted = fresh.plan.predicted_step_ms
     assert not fresh.observe_step(predicted * 1.05) and fresh.observe_step(predicted * 1.5)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+def test_a_calibrated_plan_judges_drift_against_the_step_it_timed_not_its_prediction(device: str) -> None:
+    model, reference, x = _setup(device)
+    group = fo.enable_layerwise_offload(model, device=device, device_budget=4 * BLOCK_BYTES)
+    assert group.plan.measured_step_ms == 0.0 and group.plan.reference_step_ms == group.plan.predicted_step_ms
+    with torch.inference_mode():
+        want = reference(x)
+        group.calibrate(lambda: model(x), repeats=3)
+        now = fo.get_offload_group(model)
+        measured = now.plan.measured_step_ms
+        assert measured > 0 and now.plan.reference_step_ms == measured
+        assert now.stats()["plan"]["measured_step_ms"] == measured
+        assert "once applied" in now.plan.explain()
+        # A prediction that errs by half (as a biased calibration can) does not read as drift by itself.
+        now.plan = dataclasses.replace(now.plan, predicted_step_ms=measured * 2.0)
+        assert not now.observe_step(measured * 1.1) and not now.observe_step(measured * 0.9)
+        assert now.observe_step(measured * 1.3) and now.observe_step(measured * 0.7)
+        assert torch.equal(model(x), want)
     _finish(model, reference)
 
 

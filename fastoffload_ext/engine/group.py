@@ -85,10 +85,11 @@ class LayerwiseOffloadGroup:
         return replanning.replan(self, costs)
 
     def observe_step(self, measured_ms: float, step: Callable[[], Any] | None = None) -> bool:
-        """Whether a measured step is further from the plan's prediction than its tolerance (a resolution
-        or batch change): then calibrate again, which re-plans. Given ``step`` (one forward), a drifted
-        group calibrates with it right away; the group on the model may then be a new one
-        (``get_offload_group(model)``)."""
+        """Whether a measured step (wall time of one forward, the device drained) is further than the
+        plan's tolerance from the step timed when a calibration applied the plan (before any calibration:
+        from its prediction), as after a resolution or batch change: then calibrate again, which re-plans.
+        Given ``step`` (one forward), a drifted group calibrates with it right away; the group on the model
+        may then be a new one (``get_offload_group(model)``)."""
         drifted = self.plan is not None and self.plan.drifted(measured_ms)
         if drifted and step is not None:
             self.calibrate(step)

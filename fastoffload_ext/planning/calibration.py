@@ -484,6 +484,25 @@ def measure_host_decode_gbps(*, nbytes: int = DECODE_PROBE_BYTES, repeats: int =
     return gbps
 
 
+def time_step_ms(step: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
+    """Median wall time of ``step`` (ms), the device drained before and after each run, after one
+    untimed run: the step as a caller timing its loop sees it."""
+
+    def drain() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()
+    times = []
+    for _ in range(max(1, repeats)):
+        drain()
+        begin = time.perf_counter()
+        step()
+        drain()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
 # A simulated gap this short means the block's copy was ready when the block before it ended.
 HIDDEN_GAP_MS = 1e-3
 
@@ -529,4 +548,5 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
 
 __all__ = ["ASSUMED_H2D_GBPS", "BANDWIDTH_PROBE_BYTES", "SPREAD_LIMIT", "BlockTimer", "Measurement",
            "cached_h2d_gbps", "calibrate_costs", "fit_block_overhead", "fit_host_overhead", "measure_blocks",
-           "measure_h2d_gbps", "measure_host_decode_gbps", "probe_bytes_for", "spread_of", "with_host_figures"]
+           "measure_h2d_gbps", "measure_host_decode_gbps", "probe_bytes_for", "spread_of", "time_step_ms",
+           "with_host_figures"]

@@ -59,7 +59,11 @@ class OffloadPlan:
     host_hooks_ms: float = 0.0  # of host_ms, the offload hooks' host cost per step
     disk_blocks: int = 0    # offloaded blocks the disk tier reads every step (costs.disk)
     disk_ms: float = 0.0    # their reads per step at the disk's bandwidth
-    tolerance: float = 0.15  # a measured step this far off the prediction calls for a re-plan
+    tolerance: float = 0.15  # a measured step this far off the reference calls for a re-plan
+    # The step as timed right after a calibration applied this plan (0: never timed). Drift is judged
+    # against it when there is one: the prediction carries the calibration's bias (a host-bound model's
+    # predicted step errs high by up to a fifth), which must not read as a resolution change every step.
+    measured_step_ms: float = 0.0
 
     @property
     def offloaded(self) -> tuple[int, ...]:
@@ -85,11 +89,17 @@ class OffloadPlan:
     def calibrated(self) -> bool:
         return self.costs.calibrated
 
+    @property
+    def reference_step_ms(self) -> float:
+        """What a measured step is compared with: the step timed after the plan was applied, else the
+        prediction."""
+        return self.measured_step_ms if self.measured_step_ms > 0 else self.predicted_step_ms
+
     def drifted(self, measured_step_ms: float) -> bool:
-        """Whether a measured step is further from the prediction than ``tolerance`` (relative)."""
-        if not self.calibrated or self.predicted_step_ms <= 0:
+        """Whether a measured step is further from :attr:`reference_step_ms` than ``tolerance`` (relative)."""
+        if not self.calibrated or self.reference_step_ms <= 0:
             return True
-        return abs(measured_step_ms / self.predicted_step_ms - 1.0) > self.tolerance
+        return abs(measured_step_ms / self.reference_step_ms - 1.0) > self.tolerance
 
     def same_layout(self, other: OffloadPlan) -> bool:
         """Same resident set and depth: applying ``other`` instead of this one changes nothing."""
@@ -108,6 +118,7 @@ class OffloadPlan:
             "raw_offloaded_bytes": self.raw_offloaded_bytes, "staging_bytes": self.staging_bytes,
             "overhead_ms": self.overhead_ms, "host_ms": self.host_ms, "device_ms": self.device_ms,
             "host_hooks_ms": self.host_hooks_ms, "host_bound": self.host_bound,
+            "measured_step_ms": self.measured_step_ms, "tolerance": self.tolerance,
             "disk_blocks": self.disk_blocks, "disk_ms": self.disk_ms, "disk_bound": self.disk_bound,
         }
 
@@ -126,7 +137,9 @@ class OffloadPlan:
                if self.disk_blocks and self.costs.disk is not None else format_bytes(self.host_bytes)),
             f"moved per step: {moved}",
             f"predicted {self.predicted_step_ms:.3f} ms/step, ideal {self.ideal_ms:.3f} ms, hook overhead "
-            f"{self.overhead_ms:.3f} ms; {self.why}",
+            f"{self.overhead_ms:.3f} ms"
+            + (f", measured {self.measured_step_ms:.3f} ms/step once applied" if self.measured_step_ms > 0 else "")
+            + f"; {self.why}",
         ]
         if self.disk_blocks:
             disk = self.costs.disk

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
-from fastoffload_ext.planning.calibration import calibrate_costs
+from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
 from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_block, estimate_tensors
 from fastoffload_ext.planning.costs import BlockCosts, DiskCosts, module_packed_bytes, packed_bytes
@@ -87,7 +87,9 @@ def _check_current(group: Any) -> None:
 
 def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,
               h2d_gbps: float | None = None) -> BlockCosts:
-    """Measures the group's cost table with ``step`` (one forward); re-plans a planned group from it."""
+    """Measures the group's cost table with ``step`` (one forward); re-plans a planned group from it, then
+    times ``step`` on the layout now applied: that time is what later steps are compared with
+    (``OffloadPlan.drifted``)."""
     _check_current(group)
     reserve = group.enable_kwargs.get("activation_reserve_bytes")
     sizes = _block_bytes(group)
@@ -102,8 +104,11 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
         logger.info("measured step %.3f ms against the predicted %.3f ms: %s the %.0f %% tolerance",
                     measured.step_ms, group.plan.predicted_step_ms, verdict, 100 * group.plan.tolerance)
-    if replan and group.plan is not None:
-        replan_group(group, costs, keep_disk_layout=True)
+    now = replan_group(group, costs, keep_disk_layout=True) if replan and group.plan is not None else group
+    if now.plan is not None:
+        now.plan = dataclasses.replace(now.plan, measured_step_ms=time_step_ms(step, now.device))
+        logger.info("the applied plan's step: %.3f ms measured, %.3f ms predicted", now.plan.measured_step_ms,
+                    now.plan.predicted_step_ms)
     return costs
 
 
