@@ -24,7 +24,10 @@ count and Flux with both block lists in one ring, ``benchmarks/dit_workloads.py`
    misses with the figure that explains it. Every ratio to the resident model is taken within each
    round (the resident step of that round) and the median over rounds is reported, with the lowest and
    highest round beside the ideal: the host's speed can flip mid-run, and a ratio of medians would then
-   pair a fast round of one side with a slow round of the other.
+   pair a fast round of one side with a slow round of the other. The resident model is also timed a
+   second time in every round, as a configuration of its own ("control": the resident model against
+   itself, per round): what a host-bound row's ratios can move with no offload at all. A missed ideal
+   whose ratio the control's rounds reach is noted as inside that row's noise.
 3. A depth sweep, every block offloaded, depth 1/2/3 interleaved: depth 2 and 3 never slower than 1
    beyond 2 %.
 
@@ -79,6 +82,7 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 QUICK_FRACTIONS = (0.0, 0.5, 1.0)
 QUICK_DIT_FRACTIONS = (0.0, 0.5)  # the diffusers models under --quick: 0 %, 50 % and "auto"
 RESIDENT = "resident"
+CONTROL = "resident again"  # the same resident model, timed once more per round: the row's noise
 DEPTHS = (1, 2, 3)
 TARGET_X_BEST = 1.03
 TARGET_X_IDEAL = 1.05
@@ -103,7 +107,8 @@ TABLES = {
             Column("spread", "spread", ".1%"), Column("best", "best grid"),
             Column("x_best", "x best", ".3f"), Column("resident_ms", "resident ms", ".2f"),
             Column("x_ideal", "x ideal", ".3f"),
-            Column("x_ideal_rounds", "x ideal rounds"), Column("hooks_ms", "hooks ms", ".2f"),
+            Column("x_ideal_rounds", "x ideal rounds"), Column("control", "control [rounds]"),
+            Column("hooks_ms", "hooks ms", ".2f"),
             Column("x_ideal_hooks", "x ideal+hooks", ".3f"), Column("x_floor", "x floor", ".3f"),
             Column("peak_mib", "peak MiB", ".0f"), Column("mem_ok", "mem<=budget"), Column("bit_equal", "bit-equal"),
             Column("pass", "pass"),
@@ -338,6 +343,7 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
         iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
+        timers[CONTROL] = shared["resident_timer"](iters)
         rounds = run_interleaved(timers, rounds=_rounds(ctx))
         best = min(live, key=rounds.median_ms)
         result.update(budget_mib=budget / MiB, plan=f"{len(plan.resident)}/{plan.blocks} d{plan.prefetch_depth}",
@@ -348,7 +354,7 @@ def _interleave(ctx: Context, plan: Any, budget: int, costs: Any, master: nn.Mod
                       resident_ms=rounds.median_ms(RESIDENT), x_resident=rounds.ratio("plan", RESIDENT),
                       rounds=rounds.as_dict(), why=plan.why, bit_equal=live["plan"].bit_equal(shared["reference"]))
         result["x_predicted"] = result["ms"] / plan.predicted_step_ms if plan.predicted_step_ms > 0 else None
-        result.update(_against_resident(rounds, plan))
+        result.update(_against_resident(rounds, plan), **control_figures(rounds.ratios(CONTROL, RESIDENT)))
         return result
     finally:
         for config in live.values():
@@ -368,6 +374,12 @@ def round_ratios(mine: Sequence[float], reference: Sequence[float], *, add_ms: f
         raise ValueError(f"per-round ratios need the same number of rounds on both sides, got {len(mine)} and "
                          f"{len(reference)}")
     return [m / max(r + add_ms, at_least_ms) for m, r in zip(mine, reference)]
+
+
+def control_figures(ratios: Sequence[float]) -> dict[str, Any]:
+    """The resident model against itself, round by round: its median, its lowest and highest round."""
+    middle, (low, high) = _median_range(ratios)
+    return {"x_control": middle, "x_control_range": [low, high], "control": f"{middle:.3f} [{low:.3f}..{high:.3f}]"}
 
 
 def _median_range(values: Sequence[float]) -> tuple[float, list[float]]:
@@ -445,6 +457,11 @@ def _misses(row: dict[str, Any], label: str, workload: Workload) -> list[str]:
         else:
             notes.append(f"x ideal {row['x_ideal']:.3f}: copy {row['copy_ms']:.2f} ms vs compute "
                          f"{row['resident_ms']:.2f} ms; uneven blocks leave copies exposed behind short blocks")
+    if row.get("x_ideal") is not None and row["x_ideal"] > TARGET_X_IDEAL and row.get("x_control_range"):
+        low, high = row["x_control_range"]
+        if row["x_ideal"] <= high:
+            notes.append(f"inside this row's noise: the resident model against itself ran {row['x_control']:.3f}x "
+                         f"[{low:.3f}, {high:.3f}] in the same rounds")
     if row.get("mem_ok") is False:
         notes.append(f"peak {row['peak_mib']:.1f} MiB over the {row['budget_mib']:.1f} MiB budget")
     if label == "50%" and workload.name in FLOOR_WORKLOADS and row.get("x_floor", 0) > TARGET_X_FLOOR:

@@ -165,6 +165,23 @@ def test_notes_name_each_missed_target_and_its_reason() -> None:
         "copy-bound blocks resident to even that out"]
 
 
+def test_a_missed_ideal_inside_the_control_rounds_is_noted_as_noise() -> None:
+    from benchmarks.budgets import _misses, control_figures
+    from benchmarks.workloads import stack_workload
+
+    w3 = stack_workload("W3", cpu=True)
+    control = control_figures([1.0, 0.9, 1.2, 1.05, 0.97])
+    assert control == {"x_control": 1.0, "x_control_range": [0.9, 1.2], "control": "1.000 [0.900..1.200]"}
+    host = dict(x_ideal=1.15, x_ideal_hooks=1.04, hooks_ms=0.9, copy_ms=1.0, resident_ms=10.0)
+    notes = _misses(_row(**host, **control), "75%", w3)
+    assert notes == ["x ideal 1.150: the hooks' fixed cost (0.90 ms a step) accounts for it",
+                     "inside this row's noise: the resident model against itself ran 1.000x [0.900, 1.200] in the "
+                     "same rounds"]
+    quiet = control_figures([1.0, 0.99, 1.01])
+    assert _misses(_row(**host, **quiet), "75%", w3) == notes[:1]
+    assert _misses(_row(**host), "75%", w3) == notes[:1]  # rows from before the control have none
+
+
 class _Ctx:
     def __init__(self, quick: bool) -> None:
         self.quick = quick
