@@ -61,8 +61,9 @@ class OffloadPlan:
     disk_ms: float = 0.0    # their reads per step at the disk's bandwidth
     tolerance: float = 0.15  # a measured step this far off the reference calls for a re-plan
     # The step as timed right after a calibration applied this plan (0: never timed). Drift is judged
-    # against it when there is one: the prediction carries the calibration's bias (a host-bound model's
-    # predicted step errs high by up to a fifth), which must not read as a resolution change every step.
+    # against it when there is one: the prediction carries the calibration's bias and the host's drift
+    # (a host-bound model's measured step was 0.52-1.35 of it on the H200), which must not read as a
+    # resolution change every step.
     measured_step_ms: float = 0.0
 
     @property

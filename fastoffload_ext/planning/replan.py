@@ -102,8 +102,8 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
     group.costs = costs
     if group.plan is not None and group.plan.calibrated:
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
-        logger.info("measured step %.3f ms against the predicted %.3f ms: %s the %.0f %% tolerance",
-                    measured.step_ms, group.plan.predicted_step_ms, verdict, 100 * group.plan.tolerance)
+        logger.info("measured step %.3f ms against the plan's reference %.3f ms: %s the %.0f %% tolerance",
+                    measured.step_ms, group.plan.reference_step_ms, verdict, 100 * group.plan.tolerance)
     now = replan_group(group, costs, keep_disk_layout=True) if replan and group.plan is not None else group
     if now.plan is not None:
         now.plan = dataclasses.replace(now.plan, measured_step_ms=time_step_ms(step, now.device))
