@@ -226,9 +226,13 @@ def test_a_spill_file_changed_after_enable_is_refused_and_nothing_is_lost(tmp_pa
     group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True)
     spill = Path(group.engine.spill_path)
     assert _run_exact(model, reference, "cpu", steps=1)
-    data = bytearray(spill.read_bytes())
-    data[100] ^= 0xFF
-    spill.write_bytes(bytes(data))
+    # One byte flipped in place: a rewrite from the start would truncate the file first, and a read-ahead
+    # landing in that moment sees a short file instead of changed bytes.
+    with spill.open("r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)[0]
+        handle.seek(100)
+        handle.write(bytes([byte ^ 0xFF]))
     x = inputs()
     with pytest.raises(RuntimeError, match=r"fastoffload: checkpoint file .*\.fastoffload-spill-.* changed after offload "
                                            r"was enabled"):
