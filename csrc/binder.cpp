@@ -10,26 +10,6 @@
 namespace fastoffload {
 namespace {
 
-// The whole cost of acquiring and releasing a block with many small parameters is this function,
-// twice per parameter per step. shallow_copy_from (what `param.data = t` does underneath) copies every
-// metadata field and re-assigns the parameter's own version counter to itself. Between a parameter and
-// the views and placeholders built for it only the storage, sizes, strides and offset differ, so when
-// the dispatch keys and the dtype already agree those four are set and nothing else, at about half the
-// cost, from the block's flat arrays rather than from the source tensor. Anything else (a parameter cast
-// or moved by someone, an inference tensor, symbolic shapes) takes the full copy from the source tensor,
-// exactly as before.
-template <typename ShapeT>
-inline void rebind(c10::TensorImpl* impl, const c10::Storage& storage, const ShapeT& shape, const int64_t* dims,
-                   const at::Tensor& source) {
-  if (impl->key_set() == shape.keys && impl->dtype() == shape.dtype && !impl->has_symbolic_sizes_strides()) {
-    impl->set_storage_keep_dtype(storage);
-    impl->set_sizes_and_strides(c10::IntArrayRef(dims + shape.dims, shape.ndim),
-                                c10::IntArrayRef(dims + shape.dims + shape.ndim, shape.ndim), shape.offset);
-    return;
-  }
-  impl->shallow_copy_from(source.getIntrusivePtr());
-}
-
 inline void rebind_full(const at::Tensor& param, const at::Tensor& data) {
   c10::TensorImpl* impl = param.unsafeGetTensorImpl();
   const c10::TensorImpl* source = data.unsafeGetTensorImpl();
@@ -98,6 +78,25 @@ void Binder::Shapes::add(const at::Tensor& tensor) {
   shape.push_back(entry);
 }
 
+// The whole cost of acquiring and releasing a block with many small parameters is this function,
+// twice per parameter per step. shallow_copy_from (what `param.data = t` does underneath) copies every
+// metadata field and re-assigns the parameter's own version counter to itself. Between a parameter and
+// the views and placeholders built for it only the storage, sizes, strides and offset differ, so when
+// the dispatch keys and the dtype already agree those four are set and nothing else, at about half the
+// cost, from the block's flat arrays rather than from the source tensor. Anything else (a parameter cast
+// or moved by someone, an inference tensor, symbolic shapes) takes the full copy from the source tensor,
+// exactly as before.
+inline void Binder::rebind(c10::TensorImpl* impl, const c10::Storage& storage, const Shape& shape, const int64_t* dims,
+                           const at::Tensor& source) {
+  if (impl->key_set() == shape.keys && impl->dtype() == shape.dtype && !impl->has_symbolic_sizes_strides()) {
+    impl->set_storage_keep_dtype(storage);
+    impl->set_sizes_and_strides(c10::IntArrayRef(dims + shape.dims, shape.ndim),
+                                c10::IntArrayRef(dims + shape.dims + shape.ndim, shape.ndim), shape.offset);
+    return;
+  }
+  impl->shallow_copy_from(source.getIntrusivePtr());
+}
+
 void Binder::rebind_all(const Bound& bound, const c10::Storage& storage, const Shapes& shapes,
                         const std::vector<at::Tensor>& sources) {
   const int64_t* dims = shapes.dims.data();
@@ -159,13 +158,7 @@ void Binder::build_views(size_t index, const StoredBlock& block, const SlotRing&
   for (size_t s = 1; s < bound.views.size() && bound.compact_views; ++s) {
     Shapes other;
     for (const at::Tensor& view : bound.views[s]) other.add(view);
-    for (size_t j = 0; j < other.shape.size() && bound.compact_views; ++j) {
-      const Shape& a = other.shape[j];
-      const Shape& b = bound.view_shapes.shape[j];
-      bound.compact_views = a.offset == b.offset && a.ndim == b.ndim && a.keys == b.keys && a.dtype == b.dtype &&
-                            std::equal(other.dims.begin() + a.dims, other.dims.begin() + a.dims + 2 * a.ndim,
-                                       bound.view_shapes.dims.begin() + b.dims);
-    }
+    bound.compact_views = other == bound.view_shapes;
   }
 }
 

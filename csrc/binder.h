@@ -67,11 +67,16 @@ class Binder {
     uint32_t ndim = 0;
     c10::DispatchKeySet keys;
     caffe2::TypeMeta dtype;
+    bool operator==(const Shape& other) const {
+      return offset == other.offset && dims == other.dims && ndim == other.ndim && keys == other.keys &&
+             dtype == other.dtype;
+    }
   };
   struct Shapes {
     std::vector<Shape> shape;
     std::vector<int64_t> dims;
     void add(const at::Tensor& tensor);
+    bool operator==(const Shapes& other) const { return shape == other.shape && dims == other.dims; }
   };
   struct Bound {
     std::vector<at::Tensor> tensors;
@@ -84,6 +89,8 @@ class Binder {
     std::vector<c10::Storage> slot_storage;      // [slot]
     bool compact_views = false;                  // view_shapes hold for every slot
   };
+  static void rebind(c10::TensorImpl* impl, const c10::Storage& storage, const Shape& shape, const int64_t* dims,
+                     const at::Tensor& source);
   static void rebind_all(const Bound& bound, const c10::Storage& storage, const Shapes& shapes,
                          const std::vector<at::Tensor>& sources);
   at::Device device_;
