@@ -202,8 +202,11 @@ def recheck(group: Any) -> Any:
         return group
     except OffloadConfigError as error:
         logger.info("the encoded blocks do not fit the plan made from estimates (%s); planning again", error)
+    settings = group.enable_kwargs
     try:
-        new = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget, cyclic=group.cyclic)
+        new = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget,
+                           resident=settings.get("fixed_resident"), prefetch_depth=settings.get("fixed_depth"),
+                           cyclic=group.cyclic)
     except OffloadConfigError as error:
         logger.warning("fastoffload: the compressed blocks are larger than estimated and no layout fits the budgets "
                        "with them (%s); keeping the layout enable applied", error)
@@ -248,6 +251,15 @@ def with_disk_tier(group: Any) -> None:
     logger.info("fastoffload: %s", group.plan.why)
 
 
+# What enable resolved from the caller's own resident_blocks / prefetch_depth: a plan applied again by a
+# re-plan goes through enable(plan=...), which records none, so they are carried to the new group by hand.
+_CALLER_FIXED = ("fixed_resident", "fixed_depth")
+
+
+def _carry_fixed(old: Any, new: Any) -> None:
+    new.enable_kwargs.update({key: old.enable_kwargs.get(key) for key in _CALLER_FIXED})
+
+
 def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
 
@@ -264,11 +276,13 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
         try:
             restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
             restored.costs = group.costs
+            _carry_fixed(group, restored)
         except BaseException as second:
-            logger.error("fastoffload: re-planning failed and the previous layout could not be applied again (%s); "
-                         "the model is in host memory without offload", second)
+            logger.error("fastoffload: re-planning failed and the previous layout could not be applied again "
+                         "(%s); the model is in host memory without offload", second)
         raise
     fresh.costs = costs
+    _carry_fixed(group, fresh)
     return fresh
 
 

@@ -1,0 +1,58 @@
+"""Re-planning an offloaded model, adversarially: what a re-plan must keep (the caller's fixed half of the
+layout, ordinary tensors, exact values) and what it must refuse. The host as the device, both backends."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastoffload_ext as fo
+from fastoffload_ext.planning import BlockCosts, module_packed_bytes
+
+from ._models import Block, make_pair, params_equal
+
+BACKENDS = ["ext", "python"]
+N = 6
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))
+
+
+def _setup(seed: int = 0):
+    model, reference = make_pair(N, seed=seed)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(seed + 1))
+    return model, reference, x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fixed_resident_set_survives_a_second_replan(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES,
+                                        resident_blocks=[0])
+    assert group.resident == (0,) and group.prefetch_depth == 1
+    # One compute-heavy block: the planner deepens the prefetch, a new layout that is applied again.
+    fresh = group.replan(BlockCosts([3.0] + [0.1] * 5, [BLOCK_BYTES] * N, 1e-2))
+    assert fresh is not group and fresh.resident == (0,) and fresh.prefetch_depth == 2
+    # A table on which a free choice would spread the resident blocks: the caller fixed block 0 alone.
+    again = fresh.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+    assert again.resident == (0,)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fixed_prefetch_depth_survives_a_second_replan(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES,
+                                        prefetch_depth=2)
+    assert group.plan.prefetch_depth == 2
+    # Half-size blocks 0-2: every block fits, a new layout (nothing offloaded).
+    fresh = group.replan(BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3))
+    assert fresh is not group and fresh.resident == tuple(range(N))
+    again = fresh.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+    assert again.plan.prefetch_depth == 2 and again.prefetch_depth == 2
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
