@@ -56,3 +56,36 @@ def test_a_fixed_prefetch_depth_survives_a_second_replan(backend: str) -> None:
         assert torch.equal(model(x), reference(x))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replan_inside_inference_mode_leaves_ordinary_parameters(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * BLOCK_BYTES)
+    with torch.inference_mode():  # a denoising loop that re-plans as it goes (calibrate, observe_step)
+        fresh = group.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+        assert fresh is not group and torch.equal(model(x), reference(x))
+    # Still offloaded: gradients to the input through the frozen blocks, as on the resident model.
+    got, want = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(got).sum().backward()
+    reference(want).sum().backward()
+    assert torch.equal(got.grad, want.grad)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    assert not any(p.is_inference() for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_calibration_inside_inference_mode_leaves_parameters_trainable(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * BLOCK_BYTES)
+    with torch.inference_mode():
+        group.calibrate(lambda: model(x), repeats=1)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    model.requires_grad_(True)
+    reference.requires_grad_(True)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    grads, expected = dict(model.named_parameters()), dict(reference.named_parameters())
+    assert all(torch.equal(grads[name].grad, expected[name].grad) for name in expected)

@@ -20,6 +20,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
 from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
@@ -266,21 +268,25 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     model = group.model_ref
     arguments = dict(group.enable_kwargs.get("arguments", {}))
     arguments.update(resident_blocks=None, prefetch_depth=None)
-    disable_layerwise_offload(model, device="cpu")
-    try:
-        fresh = enable_layerwise_offload(model, **arguments, plan=plan, device_budget=plan.device_budget)
-    except BaseException:
-        # Enable rolled itself back; the layout that ran before is applied again, so a failed re-plan
-        # leaves the model offloaded as it was (with its current values), then the error is raised.
-        old = group.plan
+    # A re-plan is often reached from inside the caller's inference_mode() loop (calibrate, observe_step):
+    # the tensors disable and enable make must still be ordinary ones, or every block that becomes
+    # resident would hold inference tensors from then on, which autograd and requires_grad_ refuse.
+    with torch.inference_mode(False):
+        disable_layerwise_offload(model, device="cpu")
         try:
-            restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
-            restored.costs = group.costs
-            _carry_fixed(group, restored)
-        except BaseException as second:
-            logger.error("fastoffload: re-planning failed and the previous layout could not be applied again "
-                         "(%s); the model is in host memory without offload", second)
-        raise
+            fresh = enable_layerwise_offload(model, **arguments, plan=plan, device_budget=plan.device_budget)
+        except BaseException:
+            # Enable rolled itself back; the layout that ran before is applied again, so a failed re-plan
+            # leaves the model offloaded as it was (with its current values), then the error is raised.
+            old = group.plan
+            try:
+                restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
+                restored.costs = group.costs
+                _carry_fixed(group, restored)
+            except BaseException as second:
+                logger.error("fastoffload: re-planning failed and the previous layout could not be applied again "
+                             "(%s); the model is in host memory without offload", second)
+            raise
     fresh.costs = costs
     _carry_fixed(group, fresh)
     return fresh
