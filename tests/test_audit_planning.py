@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fastoffload_ext as fo
-from fastoffload_ext.planning import BlockCosts, module_packed_bytes
+from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.planning import BlockCosts, module_packed_bytes, plan_offload
 
 from ._models import Block, make_pair, params_equal
 
@@ -89,3 +90,12 @@ def test_a_calibration_inside_inference_mode_leaves_parameters_trainable(backend
     reference(x).sum().backward()
     grads, expected = dict(model.named_parameters()), dict(reference.named_parameters())
     assert all(torch.equal(grads[name].grad, expected[name].grad) for name in expected)
+
+
+@pytest.mark.parametrize("resident", [(i for i in (0, 1)), iter([0, 1]), 2, "01"])
+def test_plan_offload_refuses_a_resident_set_that_is_not_a_collection(resident: object) -> None:
+    costs = BlockCosts([0.1] * N, [BLOCK_BYTES] * N, 1e-3)
+    with pytest.raises(OffloadConfigError, match="plan_offload's resident must be None or a collection of block indices"):
+        plan_offload(costs, 5 * BLOCK_BYTES, resident=resident)
+    # The same indices as a collection fix the resident set exactly.
+    assert plan_offload(costs, 5 * BLOCK_BYTES, resident=(0, 1)).resident == (0, 1)

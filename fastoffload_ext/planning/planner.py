@@ -264,6 +264,10 @@ def _check_inputs(costs: BlockCosts, device_budget: int | None, host_budget: int
                                  f"{prefetch_depth!r}")
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
         raise OffloadConfigError(f"fastoffload: plan_offload's max_depth must be an integer >= 1, got {max_depth!r}")
+    if resident is not None and (not isinstance(resident, Collection) or isinstance(resident, (str, bytes))):
+        # A generator would be used up by the check below and then read as no resident block at all.
+        raise OffloadConfigError(f"fastoffload: plan_offload's resident must be None or a collection of block indices "
+                                 f"(a list, tuple, set or range; the first N blocks: range(N)), got {resident!r}")
     if resident is not None:
         bad = [b for b in resident if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < costs.blocks]
         if bad:
