@@ -2,12 +2,16 @@
 layout, ordinary tensors, exact values) and what it must refuse. The host as the device, both backends."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import fastoffload_ext as fo
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning import BlockCosts, module_packed_bytes, plan_offload
+
+from benchmarks.workloads import BlockStack
 
 from ._models import Block, make_pair, params_equal
 
@@ -99,3 +103,31 @@ def test_plan_offload_refuses_a_resident_set_that_is_not_a_collection(resident: 
         plan_offload(costs, 5 * BLOCK_BYTES, resident=resident)
     # The same indices as a collection fix the resident set exactly.
     assert plan_offload(costs, 5 * BLOCK_BYTES, resident=(0, 1)).resident == (0, 1)
+
+
+def _compressible_pair(d: int = 64):
+    """bf16 blocks with small weights (as initialised models have): the codec codes them."""
+    torch.manual_seed(0)
+    model = BlockStack(d, N, 2).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.02)
+    model.requires_grad_(False)
+    return model, copy.deepcopy(model)
+
+
+def test_a_raw_table_given_to_a_compressed_group_is_planned_with_the_coded_copies() -> None:
+    model, reference = _compressible_pair()
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    block = module_packed_bytes(model.blocks[0])
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", compress=True, device_budget=4 * block)
+    # A table as one measured on a GPU (copies beside compute) with raw sizes: the coded copies need the
+    # decoder's staging on the device, which the re-plan must count, not discover at enable and refuse.
+    fresh = group.replan(BlockCosts([1.0, 0.1] * 3, [block] * N, 1e-3))
+    assert fresh is fo.get_offload_group(model) and fresh.compress_mode == "on"
+    assert fresh.plan.staging_bytes > 0 and fresh.plan.device_bytes <= 4 * block
+    with torch.inference_mode():
+        want = reference(x)
+        assert all(torch.equal(model(x), want) for _ in range(3))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

@@ -157,6 +157,11 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layou
     fixed_resident = settings.get("fixed_resident")
     fixed_depth = settings.get("fixed_depth")
     auto = settings.get("arguments", {}).get("compress") == "auto" and group.engine is not None
+    if group.compress_mode == "on" and not table.compressed:
+        # A raw table (one the caller built) for a group that sends coded copies: planned raw, the layout
+        # would be scored again with coded sizes and the decoder's staging at enable and could be refused
+        # there, after the model was taken apart. It is planned with the coded sizes from the start.
+        table = _coded_table(group, table)
     if auto:
         # "auto" under a plan: raw and coded copies are planned again from the measured table.
         new = choose_codec_plan(table, _coded_table(group, table), old.device_budget, host_budget=old.host_budget,
