@@ -240,4 +240,10 @@ int64_t Binder::first_foreign(size_t index) const {
   return -1;
 }
 
+bool Binder::rebound_by_caller(size_t index, size_t j) const {
+  const Bound& bound = blocks_.at(index);
+  return bound.tensors.at(j).unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() !=
+         bound.placeholder_storage.unsafeGetStorageImpl();
+}
+
 }  // namespace fastoffload

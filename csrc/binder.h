@@ -50,6 +50,9 @@ class Binder {
   // Index of the first parameter that was rebound by someone else while holding its placeholder,
   // or -1 when all still hold their placeholders.
   int64_t first_foreign(size_t index) const;
+  // Whether parameter `j` of block `index`, offloaded, holds anything but its placeholder (someone
+  // rebound it, e.g. `param.data = t`).
+  bool rebound_by_caller(size_t index, size_t j) const;
   // Index of the first parameter whose version counter moved since the block was last bound (an
   // in-place write, e.g. `weight.mul_(2)` on its placeholder or on its slot), or -1.
   int64_t first_written(size_t index) const;

@@ -727,11 +727,20 @@ void OffloadEngine::restore(size_t block, at::Device target) {
                           : stored.on_disk ? store_.read_block(block, *reader_)
                                            : store_.raw_bytes(block, verify_);
   for (size_t j = 0; j < stored.layout.size(); ++j) {
+    const at::Tensor& param = stored.tensors[j];
+    const TensorLayout& entry = stored.layout[j];
+    // A value the caller gave an offloaded parameter (`param.data = t`, which the next acquire refuses)
+    // is its current value: kept, as on a resident model, rather than the host copy it replaced.
+    if (!live && binder_.rebound_by_caller(block, j) && param.scalar_type() == entry.dtype &&
+        param.sizes().vec() == entry.sizes) {
+      values.push_back(param.variable_data().to(target, /*non_blocking=*/false, /*copy=*/true));
+      continue;
+    }
     // Current values: a running or materialized block's live tensors (they may have been changed in
     // place), otherwise the host copy.
-    const at::Tensor source = live ? stored.tensors[j].variable_data()
-                                   : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, stored.layout[j]);
-    at::Tensor value = clone_with_layout(source, stored.layout[j], target);
+    const at::Tensor source = live ? param.variable_data()
+                                   : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, entry);
+    at::Tensor value = clone_with_layout(source, entry, target);
     // A cast after enable (model.half()) left a placeholder of the new dtype: the restored model
     // follows the cast, as the resident model would have, rather than silently keeping the old dtype.
     const at::ScalarType now = stored.tensors[j].scalar_type();

@@ -111,6 +111,48 @@ def test_in_place_edit_inside_mutate_params_scope_is_kept(backend: str) -> None:
     assert params_equal(model, reference)
 
 
+# ---- parameters replaced while offloaded ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_replaced_by_a_new_object_runs_and_is_kept(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    new = torch.randn(48, 16, generator=torch.Generator().manual_seed(7))
+    model.blocks[1].qkv.weight = nn.Parameter(new.clone(), requires_grad=False)
+    reference.blocks[1].qkv.weight = nn.Parameter(new.clone(), requires_grad=False)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_value_rebound_while_offloaded_survives_disable(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    new = torch.randn(48, 16, generator=torch.Generator().manual_seed(8))
+    model.blocks[1].qkv.weight.data = new.clone()
+    reference.blocks[1].qkv.weight.data = new.clone()
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_a_rebound_value_refused_by_the_ext_backend_is_still_there_after_disable() -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    new = torch.randn(48, 16, generator=torch.Generator().manual_seed(9))
+    model.blocks[1].qkv.weight.data = new.clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="parameter 'qkv.weight' of block 1 was replaced while"):
+        model(_x())
+    # The refusal's advice is to disable first: doing so keeps the value it refused to overwrite.
+    fo.disable_layerwise_offload(model)
+    reference.blocks[1].qkv.weight.data = new.clone()
+    assert params_equal(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+
+
 # ---- casts after enable -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)

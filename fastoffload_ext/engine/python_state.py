@@ -20,6 +20,9 @@ Deliberate differences from the seed, each tested:
   since the block last ran raises at the next acquire instead of running on stale values; restore
   follows a cast, so ``.half()`` then disable gives float16, as on the resident model.
 - A restored (detached) block refuses acquire with the core's "detached" message.
+- A parameter the caller replaced with a new ``nn.Parameter`` object while its block was offloaded is
+  no longer this state's: it runs and is restored as the caller left it, as on the ext backend (the
+  seed would refuse it as "changed in place" and then bind its placeholder, losing the new value).
 - The device copies and placeholders are ordinary tensors even when made inside ``inference_mode()``:
   a parameter rebound to an inference tensor stops counting versions, so an in-place write to it in
   an inference_mode forward would be silently lost (the resident model keeps it; here it raises).
@@ -70,6 +73,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.gate = ForwardGate()
         self.block_index: int | None = None
         self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
+        self._offloaded: dict[str, nn.Parameter] = {}  # the parameter objects on_init offloaded
         self._detached = False
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -93,7 +97,15 @@ class LayerwiseOffloadState(SeedEntryPoints):
         for _, param in named:
             param.data = tensor_placeholder(param.data, self.device)
         self._versions = {name: param._version for name, param in named}
+        self._offloaded = dict(named)
         self._detached = False
+
+    def _own_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters that are still the objects on_init offloaded (a state built by hand
+        without on_init: all of them)."""
+        named = list(self.module_ref.named_parameters())
+        own = self._offloaded
+        return [(name, param) for name, param in named if own.get(name) is param] if own else named
 
     def _where(self) -> str:
         return str(self.block_index) if self.block_index is not None else type(self.module_ref).__name__
@@ -130,10 +142,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def _bind_loaded(self) -> None:
         gpu = self.gpu_named_parameters
-        named = list(self.module_ref.named_parameters())
+        named = self._own_parameters()
         for name, param in named:
             self._check_binding(name, param, self.cpu_named_parameters[name])
-        if len(gpu) != len(named):  # a prefetch loads all of a block or none of it
+        if any(name not in gpu for name, _ in named):  # a prefetch loads all of a block or none of it
             # Nothing prefetched this block: load it now, on the current stream.
             _ordinary(lambda: gpu.update({name: self.cpu_named_parameters[name].to(self.device, copy=True)
                                           for name, _ in named if name not in gpu}))
@@ -171,7 +183,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.gate.end(id(self))
 
     def _bind_placeholders(self) -> None:
-        for name, param in self.module_ref.named_parameters():
+        for name, param in self._own_parameters():
             if name in self.cpu_named_parameters:
                 param.data = tensor_placeholder(param.data, self.device)
 
@@ -188,7 +200,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         with self.gate.exclusive():  # another thread's running block finishes first
+            own = self._offloaded
             for name, param in module.named_parameters():
+                if own and own.get(name) is not param:
+                    continue  # replaced by the caller: not this state's to restore
                 host = self.cpu_named_parameters.get(name)
                 if host is None:
                     logger.warning("Parameter %s not found in the offload state during detachment.", name)
@@ -196,6 +211,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
                 param.data = self._current_value(param, host, device)
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
+            self._offloaded = {}
             self._detached = True
             self.gate.forget(id(self))
 
