@@ -131,3 +131,24 @@ def test_a_raw_table_given_to_a_compressed_group_is_planned_with_the_coded_copie
         assert all(torch.equal(model(x), want) for _ in range(3))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replan_inside_mutate_params_scope_is_refused_and_the_scope_still_lands(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * BLOCK_BYTES)
+    offloaded = next(i for i in range(N) if i not in group.resident)
+    hook = fo.ModuleHookManager.get_from(model.blocks[offloaded]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    with hook.mutate_params_scope(), torch.no_grad():
+        model.blocks[offloaded].o.weight.mul_(2)
+        with pytest.raises(fo.OffloadStateError, match=f"offloaded block {offloaded} is inside mutate_params_scope"):
+            group.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+    assert fo.get_offload_group(model) is group
+    with torch.no_grad():
+        reference.blocks[offloaded].o.weight.mul_(2)
+    # The scope's change landed in the host copy; a re-plan after the scope is fine and keeps it.
+    fresh = group.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(fresh.model_ref)
+    assert params_equal(model, reference)

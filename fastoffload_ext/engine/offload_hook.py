@@ -92,7 +92,9 @@ class LayerwiseOffloadHook(ForwardHook):
         resumes. The rebuild also runs when the scope exits with an exception.
         """
         self.state.begin_mutation()
+        self.state.mutating = True
         try:
             yield
         finally:
+            self.state.mutating = False
             self.state.end_mutation()

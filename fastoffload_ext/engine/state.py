@@ -85,6 +85,9 @@ class SeedEntryPoints:
     Compiler boundaries, as the hook's entry points are: dynamo must not trace host-side weight movement.
     """
 
+    # True inside the block's mutate_params_scope() (set by the hook): a re-plan waits for its end.
+    mutating: bool = False
+
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:
         self.acquire()  # type: ignore[attr-defined]

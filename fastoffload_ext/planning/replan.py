@@ -85,6 +85,12 @@ def _check_current(group: Any) -> None:
     if get_offload_group(group.model_ref) is not group:
         raise OffloadStateError("fastoffload: this offload group is no longer the one on its model (offload was "
                                 "disabled or re-planned); use get_offload_group(model) for the current one")
+    inside = {id(state.module_ref) for state in group.states if getattr(state, "mutating", False)}
+    mutating = [index for index, block in enumerate(group.blocks) if id(block) in inside]
+    if mutating:
+        raise OffloadStateError(f"fastoffload: offloaded block {mutating[0]} is inside mutate_params_scope(); a "
+                                "re-plan offloads every block again and would take its weights from under the "
+                                "scope. Calibrate or re-plan after the scope has exited")
 
 
 def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,
