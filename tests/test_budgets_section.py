@@ -182,6 +182,19 @@ def test_a_missed_ideal_inside_the_control_rounds_is_noted_as_noise() -> None:
     assert _misses(_row(**host), "75%", w3) == notes[:1]  # rows from before the control have none
 
 
+
+def test_an_all_resident_row_that_misses_is_named_as_two_objects_of_one_model() -> None:
+    from benchmarks.budgets import _misses
+    from benchmarks.workloads import stack_workload
+
+    w3 = stack_workload("W3", cpu=True)
+    resident = _row(x_ideal=1.157, x_ideal_hooks=1.157, hooks_ms=0.0, copy_ms=0.0, resident_ms=15.86)
+    assert _misses(resident, "auto", w3) == [
+        "x ideal 1.157: nothing is offloaded (no copy, no hook), so this is a second resident model object against "
+        "the first; the host runs two objects of one model at different speeds (the control times one object "
+        "against itself)"]
+
+
 class _Ctx:
     def __init__(self, quick: bool) -> None:
         self.quick = quick
