@@ -152,3 +152,17 @@ def test_a_replan_inside_mutate_params_scope_is_refused_and_the_scope_still_land
         assert torch.equal(model(x), reference(x))
     fo.disable_layerwise_offload(fresh.model_ref)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cost_table_for_another_block_count_is_refused_before_anything_changes(backend: str) -> None:
+    model, reference, x = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * BLOCK_BYTES)
+    with pytest.raises(OffloadConfigError, match="the cost table has 7 blocks, but the offloaded list 'blocks' has 6; "
+                                                 "nothing was changed"):
+        group.replan(BlockCosts([1.0] * 7, [BLOCK_BYTES] * 7, 1e-3))
+    assert fo.get_offload_group(model) is group
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

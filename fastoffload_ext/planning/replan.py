@@ -149,6 +149,11 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layou
     if table is None:
         raise OffloadStateError("fastoffload: nothing to re-plan from: call group.calibrate(step) first, or pass a "
                                 "BlockCosts table")
+    if table.blocks != len(group.blocks):
+        # Refused before anything changes: enable would refuse it only after the model was taken apart.
+        raise OffloadConfigError(f"fastoffload: the cost table has {table.blocks} blocks, but the offloaded list "
+                                 f"'{group.list_name}' has {len(group.blocks)}; nothing was changed. Build the table "
+                                 "from this model (group.calibrate(step) measures one)")
     old = group.plan
     if old is None:
         raise OffloadStateError("fastoffload: this offload has a fixed layout (enabled without device_budget or "
