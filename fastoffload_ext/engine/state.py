@@ -85,7 +85,7 @@ class SeedEntryPoints:
     Compiler boundaries, as the hook's entry points are: dynamo must not trace host-side weight movement.
     """
 
-    # True inside the block's mutate_params_scope() (set by the hook): a re-plan waits for its end.
+    # True inside the block's mutate_params_scope() (set by the hook): a re-plan is refused meanwhile.
     mutating: bool = False
 
     @torch.compiler.disable
