@@ -15,7 +15,7 @@ from torch import nn
 
 from fastoffload_ext.engine.autograd import SavedTensorGuard
 from fastoffload_ext.engine.hooks import ForwardHook
-from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
 
 __all__ = ["LayerwiseOffloadHook"]
@@ -89,12 +89,11 @@ class LayerwiseOffloadHook(ForwardHook):
 
         Change them in place (LoRA merge) or replace submodules (adapter conversion adds parameters):
         on exit, the host copy is rebuilt from whatever parameters the block has then, and offload
-        resumes. The rebuild also runs when the scope exits with an exception.
+        resumes. The rebuild also runs when the scope exits with an exception. Scopes on one block nest
+        (so does a ``load_state_dict()`` inside one): the outermost exit rebuilds.
         """
-        self.state.begin_mutation()
-        self.state.mutating = True
+        enter_mutation(self.state)
         try:
             yield
         finally:
-            self.state.mutating = False
-            self.state.end_mutation()
+            leave_mutation(self.state)

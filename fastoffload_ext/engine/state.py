@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["BlockOffloadState", "SeedEntryPoints", "real_copy", "tensor_placeholder"]
+__all__ = ["BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "real_copy", "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -79,6 +79,30 @@ def real_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return copy
 
 
+def enter_mutation(state: BlockOffloadState) -> None:
+    """``begin_mutation`` of ``state``, unless its block is already inside one.
+
+    Mutations nest (a ``mutate_params_scope()`` inside another on the same block, a ``load_state_dict()``
+    inside a scope): only the outermost one materializes the block and, in :func:`leave_mutation`, rebuilds
+    the host copy. An inner one that rebuilt it would turn the parameters back into placeholders under
+    the outer scope, whose own rebuild would then take those placeholders for the block's values.
+    """
+    depth = getattr(state, "mutation_depth", 0)
+    if depth == 0:
+        state.begin_mutation()
+    state.mutation_depth = depth + 1  # type: ignore[attr-defined]
+    state.mutating = True  # type: ignore[attr-defined]
+
+
+def leave_mutation(state: BlockOffloadState) -> None:
+    """Ends what :func:`enter_mutation` started; the outermost end rebuilds the host copy."""
+    depth = max(getattr(state, "mutation_depth", 1) - 1, 0)
+    state.mutation_depth = depth  # type: ignore[attr-defined]
+    if depth == 0:
+        state.mutating = False  # type: ignore[attr-defined]
+        state.end_mutation()
+
+
 class SeedEntryPoints:
     """FastVideo's three method names, over a state's ``acquire``/``prefetch``/``release``.
 
@@ -87,6 +111,8 @@ class SeedEntryPoints:
 
     # True inside the block's mutate_params_scope() (set by the hook): a re-plan is refused meanwhile.
     mutating: bool = False
+    # How many mutations (scopes, loads) the block is inside now: they nest (enter_mutation).
+    mutation_depth: int = 0
 
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:

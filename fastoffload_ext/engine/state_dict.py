@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR
-from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class StateDictHooks:
         refused = self.refusal()
         if refused is not None:
             raise refused
-        self.state.begin_mutation()
+        enter_mutation(self.state)  # inside mutate_params_scope() the load goes into the scope's live values
         self._loading = True
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
@@ -92,7 +92,7 @@ class StateDictHooks:
             return
         self._loading = False
         with torch.no_grad():
-            self.state.end_mutation()
+            leave_mutation(self.state)
 
 
 class LoadGuard:

@@ -1,0 +1,70 @@
+"""User-facing operations on an offloaded model and their combinations, on both backends.
+
+Nested mutation scopes, loads and forwards inside a scope, re-entrant blocks, ...: each either gives
+exactly what the resident model gives, or raises a message that says what to do, with every value
+intact afterwards.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastoffload_ext as fo
+
+from ._models import make_pair, offload_hook, params_equal
+
+BACKENDS = ["ext", "python"]
+
+
+def _x(seed: int = 1) -> torch.Tensor:
+    return torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _frozen_pair(n_blocks: int = 3, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    model, reference = make_pair(n_blocks, seed=seed)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    return model, reference
+
+
+# ---- mutate_params_scope ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("edit_first", [False, True])
+def test_nested_mutate_scopes_on_one_block_keep_every_value(backend: str, edit_first: bool) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = offload_hook(model.blocks[1])
+    with torch.no_grad():
+        with hook.mutate_params_scope():
+            if edit_first:
+                for m in (model, reference):
+                    m.blocks[1].o.weight.mul_(2)
+            with hook.mutate_params_scope():
+                for m in (model, reference):
+                    m.blocks[1].o.bias.add_(1)
+            # Still inside the outer scope: the weights are still real.
+            assert torch.equal(model.blocks[1].o.weight, reference.blocks[1].o.weight)
+            model.blocks[1].up.weight.add_(3)
+            reference.blocks[1].up.weight.add_(3)
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_inside_a_mutate_scope_keeps_the_loaded_values(backend: str) -> None:
+    model, _ = _frozen_pair()
+    other, _ = _frozen_pair(seed=5)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = offload_hook(model.blocks[1])
+    with torch.no_grad():
+        with hook.mutate_params_scope():
+            model.blocks[1].o.weight.mul_(2)
+            model.load_state_dict(other.state_dict())
+            assert torch.equal(model.blocks[1].o.weight, other.blocks[1].o.weight)
+        for _ in range(2):
+            assert torch.equal(model(_x()), other(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, other)
