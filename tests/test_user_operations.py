@@ -68,3 +68,64 @@ def test_load_state_dict_inside_a_mutate_scope_keeps_the_loaded_values(backend: 
             assert torch.equal(model(_x()), other(_x()))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, other)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("edit", [False, True])
+def test_a_forward_inside_a_mutate_scope_keeps_every_value(backend: str, edit: bool) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = offload_hook(model.blocks[1])
+    with torch.no_grad():
+        with hook.mutate_params_scope():
+            if edit:
+                for m in (model, reference):
+                    m.blocks[1].o.weight.mul_(2)
+            assert torch.equal(model(_x()), reference(_x()))  # e.g. checking a merged LoRA before leaving
+            assert torch.equal(model.blocks[1].o.weight, reference.blocks[1].o.weight)
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+# ---- blocks that call themselves ----------------------------------------------------------------
+
+class Recurrent(torch.nn.Module):
+    """A block that runs itself once more inside its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+        y = self.lin(x)
+        if again:
+            y = self(y, again=False)
+        return self.lin(y)
+
+
+class Recurrents(torch.nn.Module):
+    def __init__(self, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Recurrent() for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_that_calls_itself_is_bit_exact(backend: str) -> None:
+    torch.manual_seed(0)
+    model = Recurrents().requires_grad_(False)
+    torch.manual_seed(0)
+    reference = Recurrents().requires_grad_(False)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(_x()), reference(_x()))
+    assert all(p.numel() == 0 for p in model.blocks.parameters())  # released after the outer call
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

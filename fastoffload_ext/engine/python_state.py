@@ -9,6 +9,9 @@ Deliberate differences from the seed, each tested:
   prefetch_depth >= the block count wraps onto loaded blocks) is left alone instead of failing the
   seed's assertion.
 - Releasing a block that is not loaded is a no-op (after an error or a detach mid-step).
+- Acquires nest: a block that calls itself, or a forward inside the block's ``mutate_params_scope()``,
+  runs on the values already bound, and only the outermost release drops them (the seed's inner
+  release left the outer call, or the scope's rebuild, with placeholders).
 - A grad-recording forward through an offloaded block whose parameters require grad raises
   (``messages.GRAD_ERROR``): the device copy is dropped before backward could use it. Under
   ``torch.no_grad()``/``torch.inference_mode()`` the check costs one flag read.
@@ -74,6 +77,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.block_index: int | None = None
         self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
         self._offloaded: dict[str, nn.Parameter] = {}  # the parameter objects on_init offloaded
+        self._depth = 0  # acquires not yet released: they nest (a re-entrant block, a forward inside a mutation)
         self._detached = False
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -128,6 +132,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if torch.is_grad_enabled():
             self._check_grad()
         self.gate.begin(id(self))
+        if self._depth > 0 and not self._detached:
+            # Already bound (a block that calls itself, or a forward inside mutate_params_scope): the
+            # parameters hold the live values, which a rebind would replace and the release would drop.
+            self._depth += 1
+            return
         try:
             # Checked inside the gate: a restore from another thread may have finished while this
             # thread waited to enter.
@@ -139,6 +148,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         except BaseException:
             self.release()  # out of device memory half-way: no parameter stays bound, no copy stays held
             raise
+        self._depth = 1
 
     def _bind_loaded(self) -> None:
         gpu = self.gpu_named_parameters
@@ -178,6 +188,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
     def release(self) -> None:
         if self.module_ref is None:
             return
+        if self._depth > 1:  # an inner acquire of a block still bound: the outer one releases
+            self._depth -= 1
+            self.gate.end(id(self))
+            return
+        self._depth = 0
         _ordinary(self._bind_placeholders)
         self.gpu_named_parameters.clear()
         self.gate.end(id(self))
@@ -196,6 +211,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.cpu_named_parameters.clear()
             self.gpu_named_parameters.clear()
             self.on_init(self.module_ref)
+            self._depth = 0
             self.gate.end(id(self))
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
@@ -212,6 +228,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
             self._offloaded = {}
+            self._depth = 0
             self._detached = True
             self.gate.forget(id(self))
 
