@@ -129,3 +129,20 @@ def test_a_block_that_calls_itself_is_bit_exact(backend: str) -> None:
     assert all(p.numel() == 0 for p in model.blocks.parameters())  # released after the outer call
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+# ---- disable_layerwise_offload ------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disable_to_the_meta_device(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+    fo.disable_layerwise_offload(model, device="meta")
+    assert fo.get_offload_group(model) is None
+    got = dict(model.blocks.named_parameters())
+    want = dict(reference.blocks.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(got[k].is_meta and got[k].shape == want[k].shape and got[k].dtype == want[k].dtype for k in want)
+    assert all(not p.requires_grad for p in got.values())

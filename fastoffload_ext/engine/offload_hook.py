@@ -47,7 +47,13 @@ class LayerwiseOffloadHook(ForwardHook):
 
     def on_detach(self, module: nn.Module) -> None:
         device = self.detach_device if self.detach_device is not None else self.state.device
-        self.state.restore(module, device)
+        if device.type == "meta" and not getattr(self.state, "restores_to_meta", False):
+            # A parameter cannot be rebound across device kinds (``param.data = meta`` raises), so the
+            # block comes back on the host and then goes to meta as ``module.to("meta")`` takes it there.
+            self.state.restore(module, torch.device("cpu"))
+            module.to(device)
+        else:
+            self.state.restore(module, device)
         self.state_dict_hooks.detach()
 
     # The entry points are compiler boundaries: torch.compile must not trace into host-side weight

@@ -36,6 +36,8 @@ DISK_LOAD_ERROR = ("fastoffload: this block is in the disk tier: its weights are
 class CheckpointOffloadState(ExtLayerwiseOffloadState):
     """A block packed from (host tier) or streamed from (disk tier) a checkpoint."""
 
+    restores_to_meta = True  # restore() takes a block to the meta device itself, without a read
+
     def __init__(self, engine: Any, device: torch.device, source: CheckpointSource) -> None:
         super().__init__(engine, device)
         self.source = source
