@@ -146,3 +146,19 @@ def test_disable_to_the_meta_device(backend: str) -> None:
     assert got.keys() == want.keys()
     assert all(got[k].is_meta and got[k].shape == want[k].shape and got[k].dtype == want[k].dtype for k in want)
     assert all(not p.requires_grad for p in got.values())
+
+
+# ---- the hook surface ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_removing_one_blocks_offload_hook_by_hand_leaves_the_rest_running(backend: str) -> None:
+    model, reference = _frozen_pair(4)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())  # the fast path has resolved block 1's prefetch target (block 2)
+        fo.ModuleHookManager.get_from(model.blocks[2]).remove_forward_hook(fo.LayerwiseOffloadHook.name())
+        assert all(p.numel() > 0 for p in model.blocks[2].parameters())  # real values again
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

@@ -30,6 +30,8 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block over the compiled core (backend ``"ext"``)."""
 
     backend = "ext"
+    # Detaches of any ext block so far: a change makes try_acquire_and_prefetch resolve its targets again.
+    _detaches = 0
 
     def __init__(self, engine: Any, device: torch.device, next_state: BlockOffloadState | None = None) -> None:
         self.engine = engine
@@ -50,6 +52,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self._target_handles: tuple[int, ...] | None = None
         self._targets_seen: list[BlockOffloadState] | None = None
         self._targets_len = -1
+        self._detaches_seen = -1
 
     def _attached(self) -> bool:
         return self.handle is not None and not self.engine.is_removed(self.handle)
@@ -91,7 +94,8 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         engine's blocks (the hook's per-step entry; on a host-bound model each call across the boundary
         counts). Returns False, having done nothing, otherwise: the caller takes the general path."""
         targets = self.prefetch_targets
-        if targets is not self._targets_seen or len(targets) != self._targets_len:
+        if targets is not self._targets_seen or len(targets) != self._targets_len or \
+                self._detaches_seen != ExtLayerwiseOffloadState._detaches:
             self._resolve_targets(targets)
         handles = self._target_handles
         if handles is None:
@@ -104,19 +108,22 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         # edit in place that keeps the length can only leave a prefetch stale, never a block wrong (acquire
         # loads whatever was not prefetched).
         handles: list[int] = []
+        self._detaches_seen = ExtLayerwiseOffloadState._detaches
         for target in targets:
             if not isinstance(target, ExtLayerwiseOffloadState) or target.engine is not self.engine or \
                     target.handle is None or type(target).prefetch is not ExtLayerwiseOffloadState.prefetch:
                 self._target_handles = None
                 return  # the general path, tried again next time: a target may be attached later
-            handles.append(target.handle)
+            if target._attached():  # a block detached on its own (its hook removed) is not prefetched
+                handles.append(target.handle)
         same = type(self).acquire is ExtLayerwiseOffloadState.acquire and \
             type(self).release is ExtLayerwiseOffloadState.release and self.handle is not None
         self._target_handles = tuple(handles) if same else None
         self._targets_seen, self._targets_len = targets, len(targets)
 
     def prefetch(self) -> None:
-        self.engine.prefetch(self.handle)
+        if self._attached():  # a detached block runs as an ordinary module now: nothing to copy ahead
+            self.engine.prefetch(self.handle)
 
     def release(self) -> None:
         if self.handle is not None:
@@ -137,6 +144,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     def restore(self, module: nn.Module, device: torch.device) -> None:
         if self._attached():
             self.engine.restore(self.handle, device)
+        ExtLayerwiseOffloadState._detaches += 1  # the blocks that prefetch this one resolve their targets again
 
     def host_bytes(self) -> int:
         # The raw and/or the compressed copy (both while compress="auto" measures).

@@ -100,6 +100,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         # meta parameters go back, and a parameter that was real before enable becomes a meta one.
         if self._attached():
             self.engine.drop(self.handle)
+        ExtLayerwiseOffloadState._detaches += 1  # as super().restore counts it
         self._put_back_originals()
         for name, entry in zip(self.block.names, self.block.entries):
             prefix, _, leaf = name.rpartition(".")
