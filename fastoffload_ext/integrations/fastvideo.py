@@ -6,7 +6,8 @@ imported from ``fastvideo.hooks.layerwise_offload`` when it was first imported. 
 the source module alone would miss that copy, so :func:`install` walks every loaded module under
 ``fastvideo`` and rebinds each module-level name that still holds one of FastVideo's originals; modules
 imported afterwards pick the new names up from the source module. Every rebinding is recorded, and
-:func:`uninstall` puts back exactly those (skipping any name someone else rebound in between).
+:func:`uninstall` puts back exactly those (skipping any name someone else rebound in between), and
+also the names a FastVideo module imported while installed, which still hold a replacement.
 
 What is replaced, and why:
 
@@ -153,6 +154,24 @@ def install(**options: Any) -> None:
                 len(installation.rebound), options or "default")
 
 
+def _restore_later_imports(installation: _Installation) -> None:
+    """FastVideo modules imported while installed took a replacement from a source module: give them the original.
+
+    Only a name that still holds this installation's own replacement object is touched, so a name someone
+    else rebound is left as it is. Without this, such a module would keep running this engine after
+    uninstall(), and after a second install() it would keep the first installation's options.
+    """
+    originals = {id(replacement): (replacement, original)
+                 for _, _, original, replacement in installation.rebound}
+    recorded = {(id(module), attribute) for module, attribute, _, _ in installation.rebound}
+    for module in _fastvideo_modules():
+        for attribute, value in list(vars(module).items()):
+            found = originals.get(id(value))
+            if found is None or found[0] is not value or (id(module), attribute) in recorded:
+                continue
+            setattr(module, attribute, found[1])
+
+
 def uninstall() -> bool:
     """Put back every FastVideo name :func:`install` replaced. Returns False when nothing was installed.
 
@@ -168,6 +187,7 @@ def uninstall() -> bool:
             setattr(module, attribute, original)
         else:
             logger.warning("fastoffload: %s.%s changed after install(); left as it is", module.__name__, attribute)
+    _restore_later_imports(installation)
     _current = None
     logger.info("FastVideo uses its own layerwise offload again")
     return True

@@ -1,0 +1,70 @@
+"""Edge cases of the layers above the engine: the pipeline kit, the device policy and the integrations.
+
+Each test pins one behaviour that was wrong (a lost value, a silent wrong answer or an unhelpful error)
+and is kept so it stays right.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fastoffload_ext import get_offload_group
+from tests._models import make_pair
+
+# ---- FastVideo integration: modules imported while installed ----------------------------------------
+
+
+@pytest.fixture
+def fastvideo_integration() -> Iterator[types.ModuleType]:
+    from tests._fastvideo import import_fastvideo
+
+    import_fastvideo("fastvideo.hooks.layerwise_offload")
+    from fastoffload_ext.integrations import fastvideo as integration
+
+    integration.uninstall()
+    yield integration
+    integration.uninstall()
+
+
+def _late_fastvideo_module(name: str) -> types.ModuleType:
+    """A FastVideo module imported while the integration is installed (it imports the entry point by name)."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec("from fastvideo.hooks.layerwise_offload import enable_layerwise_offload", module.__dict__)
+    return module
+
+
+def test_fastvideo_module_imported_while_installed_gets_fastvideo_back_on_uninstall(
+        fastvideo_integration: types.ModuleType) -> None:
+    import fastvideo.hooks.layerwise_offload as fv_offload
+
+    original = fv_offload.enable_layerwise_offload
+    fastvideo_integration.install(device="cpu")
+    late = _late_fastvideo_module("fastvideo._edge_late_import")
+    try:
+        assert late.enable_layerwise_offload is fv_offload.enable_layerwise_offload is not original
+        assert fastvideo_integration.uninstall() is True
+        assert late.enable_layerwise_offload is original
+    finally:
+        sys.modules.pop("fastvideo._edge_late_import", None)
+
+
+def test_fastvideo_module_imported_between_installs_runs_the_new_options(
+        fastvideo_integration: types.ModuleType) -> None:
+    fastvideo_integration.install(device="cpu", prefetch_depth=2)
+    late = _late_fastvideo_module("fastvideo._edge_between_installs")
+    try:
+        fastvideo_integration.install(device="cpu", backend="python")
+        model, reference = make_pair(3)
+        late.enable_layerwise_offload(model)
+        group = get_offload_group(model)
+        assert group is not None and (group.backend, group.prefetch_depth) == ("python", 1)
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    finally:
+        sys.modules.pop("fastvideo._edge_between_installs", None)
