@@ -68,3 +68,32 @@ def test_fastvideo_module_imported_between_installs_runs_the_new_options(
             assert torch.equal(model(x), reference(x))
     finally:
         sys.modules.pop("fastvideo._edge_between_installs", None)
+
+
+# ---- diffusers integration: which denoisers to offload ----------------------------------------------
+
+
+def test_offload_transformer_names_given_as_a_string_is_refused_clearly() -> None:
+    from fastoffload_ext.integrations.diffusers import offload_transformer
+    from tests._pipelines import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    with pytest.raises(TypeError, match=r"^fastoffload: offload_transformer\(\) names must be a sequence of "
+                                        r"attribute names, got the string 'transformer'"):
+        offload_transformer(pipe, names="transformer", device="cpu")
+    assert get_offload_group(pipe.transformer) is None
+
+
+def test_offload_transformer_name_without_a_module_offloads_nothing_and_says_so() -> None:
+    from fastoffload_ext.integrations.diffusers import offload_transformer
+    from tests._pipelines import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    assert pipe.transformer_2 is None
+    with pytest.raises(ValueError, match=r"^fastoffload: offload_transformer\(\) cannot offload pipe\.transformer_2: "
+                                         r"it holds None, not an nn\.Module"):
+        offload_transformer(pipe, names=("transformer", "transformer_2"), device="cpu")
+    # Checked before anything is offloaded: a half-applied call would leave pipe.transformer offloaded
+    # without the pipeline's wrappers (enable_model_cpu_offload would then hook it).
+    assert get_offload_group(pipe.transformer) is None
+    assert "enable_model_cpu_offload" not in vars(pipe)

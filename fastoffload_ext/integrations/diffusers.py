@@ -177,6 +177,26 @@ def _wrap_pipeline_offloads(pipe: Any) -> None:
     object.__setattr__(pipe, "enable_sequential_cpu_offload", enable_sequential_cpu_offload)
 
 
+def _check_names(pipe: Any, names: Any) -> tuple[str, ...]:
+    """``names`` as a tuple, every one an attribute of ``pipe`` holding a module; checked before anything is
+    offloaded, so a bad name cannot leave one denoiser offloaded without the pipeline's wrappers."""
+    if isinstance(names, str):
+        raise TypeError(f"fastoffload: offload_transformer() names must be a sequence of attribute names, got the "
+                        f"string {names!r}; write names=({names!r},)")
+    chosen = tuple(names)
+    for name in chosen:
+        if not isinstance(name, str):
+            raise TypeError(f"fastoffload: offload_transformer() names must be attribute names (strings), got "
+                            f"{name!r} ({type(name).__name__})")
+        model = getattr(pipe, name, None)
+        if not isinstance(model, nn.Module):
+            held = "nothing" if not hasattr(pipe, name) else repr(model) if model is None else type(model).__name__
+            raise ValueError(f"fastoffload: offload_transformer() cannot offload pipe.{name}: it holds {held}, not an "
+                             f"nn.Module; name only the denoisers this {type(pipe).__name__} has, or leave names=None "
+                             f"to offload those of {', '.join(DENOISER_NAMES)} that hold a module")
+    return chosen
+
+
 def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
                         **options: Any) -> dict[str, LayerwiseOffloadGroup]:
     """Enable layerwise offload on the pipeline's denoiser(s) and define the pipeline's moves on them.
@@ -190,9 +210,13 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
     Returns:
         Attribute name -> the offload group. A denoiser the engine declined (no CUDA and no device
         given) is left out and stays as it was.
+
+    Raises:
+        TypeError: ``names`` is a string, or holds something other than strings.
+        ValueError: a name in ``names`` holds no module on ``pipe``; nothing is offloaded.
     """
     present = tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
-    chosen = names if names is not None else present
+    chosen = _check_names(pipe, names) if names is not None else present
     groups: dict[str, LayerwiseOffloadGroup] = {}
     for name in chosen:
         model = getattr(pipe, name)
