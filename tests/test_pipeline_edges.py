@@ -97,3 +97,36 @@ def test_offload_transformer_name_without_a_module_offloads_nothing_and_says_so(
     # without the pipeline's wrappers (enable_model_cpu_offload would then hook it).
     assert get_offload_group(pipe.transformer) is None
     assert "enable_model_cpu_offload" not in vars(pipe)
+
+
+# ---- apply_offload_config: layerwise options the engine accepts ------------------------------------
+
+
+@pytest.mark.parametrize("resident", [{0, 2}, [1], "auto"], ids=["set", "list", "auto"])
+def test_apply_offload_config_passes_every_resident_blocks_form_the_engine_takes(resident: object) -> None:
+    from fastoffload_ext import enable_layerwise_offload
+    from fastoffload_ext.pipeline.configure import LayerwiseAction, apply_offload_config
+
+    model, reference = make_pair(4)
+    direct, _ = make_pair(4)
+    expected = enable_layerwise_offload(direct, device="cpu", resident_blocks=resident)
+    applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer=model, device="cpu",
+                                   layerwise_options={"resident_blocks": resident})
+    assert applied.layerwise is LayerwiseAction.APPLIED
+    assert expected is not None and applied.layerwise_result.resident == expected.resident
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("resident", [-1, True, [0, -1], "all"])
+def test_apply_offload_config_still_refuses_bad_resident_blocks_before_loading(resident: object) -> None:
+    from fastoffload_ext.errors import OffloadConfigError
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    loaded: list[str] = []
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: resident_blocks (indices )?must be"):
+        apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer="dit", device="cpu",
+                             components={"dit": lambda: loaded.append("dit") or make_pair(4)[0]},
+                             layerwise_options={"resident_blocks": resident})
+    assert loaded == []

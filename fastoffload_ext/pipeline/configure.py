@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -197,10 +197,25 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                         "its keyword arguments, e.g. prefetch_depth=, resident_blocks=, backend=") from None
     check_knobs(options.get("prefetch_depth", 1), options.get("cyclic", True), options.get("pinned_limit_bytes"),
                 options.get("pin_backing"))
-    resident = options.get("resident_blocks")
-    if resident is not None and (isinstance(resident, bool) or not isinstance(resident, int) or resident < 0):
-        raise OffloadConfigError(f"fastoffload: resident_blocks must be None or an integer >= 0, got {resident!r}")
+    _check_resident_blocks(options.get("resident_blocks"))
     return dict(options)
+
+
+def _check_resident_blocks(resident: Any) -> None:
+    """The forms ``enable_layerwise_offload`` takes (None, N, a collection of indices, ``"auto"``), without the
+    block count, which only the loaded model has: the engine checks the upper bound when it runs."""
+    if resident is None or (isinstance(resident, str) and resident == "auto"):
+        return
+    if isinstance(resident, int) and not isinstance(resident, bool):
+        if resident >= 0:
+            return
+    elif isinstance(resident, Collection) and not isinstance(resident, (str, bytes, bool)):
+        if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in resident):
+            return
+        raise OffloadConfigError(f"fastoffload: resident_blocks indices must be integers >= 0 (blocks of the "
+                                 f"transformer's block list), got {resident!r}")
+    raise OffloadConfigError(f"fastoffload: resident_blocks must be None or an integer >= 0, got {resident!r}; or "
+                             "pass a collection of block indices, or 'auto'")
 
 
 def _check_layerwise_target(device: torch.device | str | None, options: Mapping[str, Any]) -> None:
