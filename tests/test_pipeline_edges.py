@@ -130,3 +130,20 @@ def test_apply_offload_config_still_refuses_bad_resident_blocks_before_loading(r
                              components={"dit": lambda: loaded.append("dit") or make_pair(4)[0]},
                              layerwise_options={"resident_blocks": resident})
     assert loaded == []
+
+
+# ---- apply_offload_config: what it reports for a lazy transformer the engine will decline --------------
+
+
+def test_lazy_transformer_the_engine_will_decline_is_reported_skipped(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from fastoffload_ext.pipeline.configure import LayerwiseAction, apply_offload_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": True}}},
+                                   transformer="dit", components={"dit": lambda: make_pair(3)[0]})
+    # No CUDA and no device: every load would be declined, so "applied on load" would be untrue.
+    assert applied.layerwise is LayerwiseAction.SKIPPED
+    assert applied.explain().splitlines()[0].startswith("Layerwise offload: skipped")
+    assert "no device was given and CUDA is not available" in caplog.text
+    assert get_offload_group(applied.components["dit"].materialize()) is None

@@ -86,7 +86,8 @@ class LayerwiseAction(enum.StrEnum):
     ON_LOAD = "on_load"
     """The transformer is lazy: offload is applied to every instance it loads (and to the loaded one now)."""
     SKIPPED = "skipped"
-    """``enable_layerwise_offload`` declined and returned None (no CUDA and no ``device`` given); it logged why."""
+    """No CUDA and no ``device`` given: ``enable_layerwise_offload`` declined (it logged why), or, for a lazy
+    transformer, would decline every load, so no transform was registered (a warning says so)."""
     DISABLED = "disabled"
     """``engine.offload.dit_layerwise`` resolved to False; see the resolution for which rule decided it."""
     NO_TRANSFORMER = "no_transformer"
@@ -251,6 +252,16 @@ def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device |
     from fastoffload_ext.engine.layerwise import enable_layerwise_offload
 
     if is_lazy_module(target):
+        from fastoffload_ext.engine.options import resolve_device
+
+        if resolve_device(device) is None:
+            # The engine would decline every load (and say so each time); registering would report ON_LOAD
+            # for an offload that never happens.
+            logger.warning("engine.offload.dit_layerwise is on but no device was given and CUDA is not available, "
+                           "so the lazy transformer is not offloaded when it loads; pass device= to "
+                           "apply_offload_config")
+            return LayerwiseAction.SKIPPED, None
+
         def offload_on_load(module: Any) -> Any:
             enable_layerwise_offload(module, device=device, **options)
             return module
