@@ -78,7 +78,10 @@ class LazyModule:
 
     Every attribute access, call and ``isinstance`` check is forwarded to the real component, which
     is loaded first if needed. :meth:`release` drops the reference and empties the allocator cache;
-    any later use runs the loader again, so releasing too early costs time, never correctness.
+    any later use runs the loader again and the transforms of :meth:`set_materialize_transform`. What
+    was done to the loaded instance through the proxy (``eval()``, ``to(dtype)``, ``load_state_dict``)
+    is not replayed: put such setup in the loader or in a materialize transform, and releasing early
+    then costs time, never correctness.
 
     Args:
         name: the component's name, used in log messages and errors.
