@@ -288,6 +288,27 @@ def test_tied_weights_are_refused_and_nothing_changes(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_list_reached_by_a_second_name_is_offloaded_not_refused_as_tied(backend: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    model.stages = model.blocks  # the same modules under another attribute: calling them runs their hooks
+    reference.stages = reference.blocks
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model.stages[1](x), reference.stages[1](x))
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    # A submodule of a block reached from outside it would run without the block's hook: still refused.
+    model, _, _ = _setup(3, "cpu")
+    model.side = model.blocks[1].o
+    with pytest.raises(ValueError, match=r"parameter side.weight is the same tensor as blocks.1.o.weight"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert fo.get_offload_group(model) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_meta_parameters_are_refused(backend: str) -> None:
     with torch.device("meta"):
         model = Stack(2)

@@ -112,18 +112,26 @@ def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLis
                                          "into a placeholder). Untie them (clone one), or keep those blocks resident "
                                          "with resident_blocks")
             owner[key] = (where, param)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        key = storage_key(param)
-        if key not in owner:
+    # An offloaded block reached by another path (``self.alias = self.blocks``) is the same module, and
+    # calling it there runs its offload hook: not a tie. A submodule of a block reached from outside the
+    # block would run without the hook, on placeholders, and stays refused.
+    offloaded_blocks = {id(blocks[index]) for index in offloaded_indices}
+    inside: list[str] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if any(prefix.startswith(block_prefix) for block_prefix in inside):
             continue
-        if name.startswith(f"{list_name}."):
-            index = int(name[len(list_name) + 1:].split(".", 1)[0])
-            if index in offloaded_indices:
-                continue
-        other_where, other = owner[key]
-        raise OffloadConfigError(_tie_text(name, param, other_where, other) + ", which would be offloaded: weights "
-                                 "tied between an offloaded block and the rest of the model are not supported. Untie "
-                                 "them (clone one), or keep that block resident with resident_blocks")
+        if id(module) in offloaded_blocks:
+            inside.append(f"{prefix}.")
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            key = storage_key(param)
+            if key in owner:
+                other_where, other = owner[key]
+                name = f"{prefix}.{leaf}" if prefix else leaf
+                raise OffloadConfigError(_tie_text(name, param, other_where, other) + ", which would be offloaded: "
+                                         "weights tied between an offloaded block and the rest of the model are not "
+                                         "supported. Untie them (clone one), or keep that block resident with "
+                                         "resident_blocks")
 
 
 def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> None:
