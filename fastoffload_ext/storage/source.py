@@ -70,6 +70,14 @@ def _aligned(nbytes: int, alignment: int) -> int:
     return (nbytes + alignment - 1) // alignment * alignment
 
 
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor read by ``safe_open`` that owns its memory. On the CPU, safetensors returns views of a
+    private mapping of the checkpoint file: a later in-place write to the file would change the model's
+    weights under it, and a truncation would kill the process (SIGBUS) at the next read. A copy holds the
+    bytes as they were read (the check after the read says they were the ones the header described)."""
+    return tensor.clone() if tensor.device.type == "cpu" else tensor
+
+
 # The start-up's phases, in the order they run (see CheckpointSource.phases).
 PHASES = ("checkpoint", "match", "reader", "spill", "resident", "attach", "finish")
 
@@ -277,7 +285,7 @@ class CheckpointSource:
             for path, in_file in by_file.items():
                 with safe_open(path, framework="pt", device=str(device)) as handle:
                     for name in in_file:
-                        self._assign(model, name, lambda n=name: handle.get_tensor(n), self._replaced)
+                        self._assign(model, name, lambda n=name: _owned(handle.get_tensor(n)), self._replaced)
                         self._loaded.add(name)
                 self.checkpoint.check_unchanged(path)  # what was just read is the file the header described
 
