@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
@@ -61,3 +62,58 @@ def test_resident_tensors_on_the_host_survive_a_truncated_checkpoint(tmp_path: P
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and "exact" in done.stdout, (done.returncode, done.stderr[-2000:])
 
+
+class TiedBlock(torch.nn.Module):
+    """Two projections sharing one weight inside the block (as an encoder-decoder pair may)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+        self.b = torch.nn.Linear(d, d)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class TiedStack(torch.nn.Module):
+    def __init__(self, n_blocks: int, d: int = 32) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(TiedBlock(d) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _tied_checkpoint(tmp_path: Path) -> tuple[TiedStack, Path]:
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    reference = TiedStack(4)
+    path = tmp_path / "tied.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in reference.state_dict().items()}, str(path))
+    return reference, path
+
+
+@pytest.mark.parametrize("host_budget", ["all", "one block"])
+def test_a_weight_tied_inside_a_block_is_filled_under_both_names(tmp_path: Path, host_budget: str) -> None:
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    reference, path = _tied_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = TiedStack(4)
+    budget = None if host_budget == "all" else 2 * (32 * 32 + 32) * 4 + 8192 + 2 * STAGING_SLACK
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    assert all(block.b.weight is block.a.weight for block in model.blocks)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    disable_layerwise_offload(model, device="meta")
+    assert all(block.b.weight is block.a.weight and block.a.weight.is_meta for block in model.blocks)

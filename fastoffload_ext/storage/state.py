@@ -48,16 +48,29 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
     def on_disk(self) -> bool:
         return self.block.on_disk
 
+    @staticmethod
+    def _aliases(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+        """Every (owner, attribute) of each parameter of ``module``, by the parameter's id: a parameter tied
+        inside the block (``b.weight = a.weight``) is listed once by ``named_parameters()`` but is held
+        under each of its names, and a replacement must reach all of them or the tie breaks."""
+        places: dict[int, list[tuple[nn.Module, str]]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            prefix, _, leaf = name.rpartition(".")
+            places.setdefault(id(param), []).append((module.get_submodule(prefix), leaf))
+        return places
+
     def _replace_meta_parameters(self, module: nn.Module) -> list[torch.Tensor]:
         params = []
+        places = self._aliases(module)
         for name in self.block.names:
             prefix, _, leaf = name.rpartition(".")
             owner = module.get_submodule(prefix)
             param = owner._parameters[leaf]
             if param.is_meta:
                 empty = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
-                self._originals.append((owner, leaf, param))
-                owner._parameters[leaf] = empty
+                for place, key in places.get(id(param), [(owner, leaf)]):
+                    self._originals.append((place, key, param))
+                    place._parameters[key] = empty
                 param = empty
             params.append(param)
         return params
@@ -102,13 +115,16 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
             self.engine.drop(self.handle)
         ExtLayerwiseOffloadState._detaches += 1  # as super().restore counts it
         self._put_back_originals()
+        places = self._aliases(module)
         for name, entry in zip(self.block.names, self.block.entries):
             prefix, _, leaf = name.rpartition(".")
             owner = module.get_submodule(prefix)
             param = owner._parameters[leaf]
             if param is not None and not param.is_meta:
-                owner._parameters[leaf] = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
-                                                       requires_grad=param.requires_grad)
+                meta = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
+                                    requires_grad=param.requires_grad)
+                for place, key in places.get(id(param), [(owner, leaf)]):  # a tie stays a tie
+                    place._parameters[key] = meta
 
     def check_files(self) -> None:
         """Raises the reader's error when a file this disk-tier block is read from changed since enable
