@@ -117,3 +117,16 @@ def test_a_weight_tied_inside_a_block_is_filled_under_both_names(tmp_path: Path,
     enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
     disable_layerwise_offload(model, device="meta")
     assert all(block.b.weight is block.a.weight and block.a.weight.is_meta for block in model.blocks)
+
+
+@pytest.mark.parametrize("weight_map", [["a.safetensors"], {"blocks.0.qkv.weight": None}, {"x": 3}])
+def test_a_malformed_index_is_refused_naming_it(tmp_path: Path, weight_map: object) -> None:
+    import json
+    from fastoffload_ext.errors import CheckpointError
+    from tests._checkpoints import write_sharded
+    index = write_sharded(reference_stack(2), tmp_path / "ckpt", shards=2)
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model = meta_stack(2)
+    with pytest.raises(CheckpointError, match=f"fastoffload: {index} is not a safetensors index"):
+        enable_layerwise_offload(model, device="cpu", weights=index)
+    assert all(p.is_meta for p in model.parameters())

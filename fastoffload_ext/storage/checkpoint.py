@@ -135,6 +135,10 @@ def _index_files(index: Path) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"fastoffload: {index} is not a safetensors index (a JSON object with a "
                               f"'weight_map'): {error}") from error
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) and shard for shard in weight_map.values()):
+        raise CheckpointError(f"fastoffload: {index} is not a safetensors index: its 'weight_map' must map each "
+                              "tensor name to the file name of its shard (a JSON object of strings); re-save the "
+                              "checkpoint or fix the index")
     return sorted({str(index.parent / shard) for shard in weight_map.values()})
 
 
