@@ -130,3 +130,57 @@ def test_a_malformed_index_is_refused_naming_it(tmp_path: Path, weight_map: obje
     with pytest.raises(CheckpointError, match=f"fastoffload: {index} is not a safetensors index"):
         enable_layerwise_offload(model, device="cpu", weights=index)
     assert all(p.is_meta for p in model.parameters())
+
+
+class TiedOutside(torch.nn.Module):
+    """An output projection tied to the input one (as a language model's head to its embedding)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d, bias=False)
+        self.blocks = torch.nn.ModuleList(TiedBlockFirstB(d) for _ in range(3))
+        self.out = torch.nn.Linear(d, d, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class TiedBlockFirstB(torch.nn.Module):
+    """A tie inside the block whose first-listed name ('b.weight') is the one save_model drops."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.b = torch.nn.Linear(d, d)
+        self.a = torch.nn.Linear(d, d)
+        self.a.weight = self.b.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("resident_blocks", [None, 3])
+def test_a_checkpoint_written_by_save_model_fills_every_name_of_a_tie(tmp_path: Path, resident_blocks) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+    torch.manual_seed(0)
+    reference = TiedOutside()
+    path = tmp_path / "tied.safetensors"
+    save_model(reference, str(path))  # keeps one name of each tie
+    with safe_open(str(path), "pt") as handle:
+        assert "out.weight" not in handle.keys() and "blocks.0.b.weight" not in handle.keys()
+    with torch.device("meta"):
+        model = TiedOutside()
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    assert model.out.weight is model.inp.weight
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    assert all(block.a.weight is block.b.weight for block in model.blocks)

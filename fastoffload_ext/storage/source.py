@@ -166,9 +166,13 @@ class CheckpointSource:
         sources, sizes = [], []
         for index in offloaded:
             names, entries = [], []
+            # A weight tied inside the block may be stored under any one of its names.
+            aliases: dict[int, list[str]] = {}
+            for name, param in blocks[index].named_parameters(remove_duplicate=False):
+                aliases.setdefault(id(param), []).append(f"{list_name}.{index}.{name}")
             for name, param in blocks[index].named_parameters():
                 key = f"{list_name}.{index}.{name}"
-                entry = checkpoint.get(key)
+                entry = next((found for found in map(checkpoint.get, aliases[id(param)]) if found is not None), None)
                 if entry is None:
                     raise _missing(checkpoint, key, "parameter")
                 if entry.dtype != param.dtype or tuple(entry.shape) != tuple(param.shape):
@@ -192,12 +196,19 @@ class CheckpointSource:
                           offloaded_indices: list[int]) -> dict[str, TensorEntry]:
         offloaded = {f"{list_name}.{i}." for i in offloaded_indices}
         resident: dict[str, TensorEntry] = {}
+        # A tensor held under several names (tied weights) needs only one of them in the checkpoint:
+        # safetensors' save_model, and the libraries built on it, keep one name of each tie.
+        stored: dict[int, TensorEntry] = {}
+        for name, tensor, _ in cls._named_tensors(model):
+            entry = checkpoint.get(name)
+            if entry is not None:
+                stored.setdefault(id(tensor), entry)
         for name, tensor, kind in cls._named_tensors(model):
             block_prefix = name.split(".", 2)[:2]
             is_offloaded_param = kind == "parameter" and ".".join(block_prefix) + "." in offloaded
             if is_offloaded_param:
                 continue
-            entry = checkpoint.get(name)
+            entry = checkpoint.get(name) or stored.get(id(tensor))
             if entry is None:
                 if tensor.is_meta:
                     if kind == "buffer":
@@ -285,7 +296,8 @@ class CheckpointSource:
             for path, in_file in by_file.items():
                 with safe_open(path, framework="pt", device=str(device)) as handle:
                     for name in in_file:
-                        self._assign(model, name, lambda n=name: _owned(handle.get_tensor(n)), self._replaced)
+                        key = self.resident[name].name  # another name of a tied tensor may hold its values
+                        self._assign(model, name, lambda k=key: _owned(handle.get_tensor(k)), self._replaced)
                         self._loaded.add(name)
                 self.checkpoint.check_unchanged(path)  # what was just read is the file the header described
 
