@@ -184,3 +184,65 @@ def test_a_checkpoint_written_by_save_model_fills_every_name_of_a_tie(tmp_path: 
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
     assert all(block.a.weight is block.b.weight for block in model.blocks)
+
+
+class StridedBlock(torch.nn.Module):
+    """A block with a parameter created transposed (strides (1, 3)): its sum depends on the layout."""
+
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.t = torch.nn.Parameter(torch.randn(d, 3).t())
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.t.sum()
+
+
+class StridedStack(torch.nn.Module):
+    def __init__(self, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.head = StridedBlock()
+        self.blocks = torch.nn.ModuleList(StridedBlock() for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _strided_checkpoint(tmp_path: Path) -> tuple[StridedStack, Path]:
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    reference = StridedStack()
+    path = tmp_path / "strided.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    return reference, path
+
+
+def test_tensors_outside_the_offloaded_blocks_keep_the_model_s_strides(tmp_path: Path) -> None:
+    reference, path = _strided_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = StridedStack()
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=3)  # nothing offloaded
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model.head.t.stride() == reference.head.t.stride() and model.blocks[0].t.stride() == (1, 3)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+
+
+def test_a_strided_parameter_of_an_offloaded_block_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    from fastoffload_ext.errors import CheckpointError
+    reference, path = _strided_checkpoint(tmp_path)
+    with torch.device("meta"):
+        model = StridedStack()
+    with pytest.raises(CheckpointError, match=r"fastoffload: parameter 'blocks.0.t' has strides \[1, 3\].*"
+                                              "keep that block resident"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    assert all(p.is_meta for p in model.parameters())
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=3)
+    x = torch.randn(2, 48)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -78,6 +78,16 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
+def _laid_out_as(old: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:
+    """``loaded`` (contiguous, as read) with the strides of the tensor it replaces, as ``load_state_dict``
+    (which copies into the existing tensor) leaves them: the kernels that run on a tensor, and so the
+    last bits of their results, can depend on its layout."""
+    if old.stride() == loaded.stride() or old.is_contiguous():
+        return loaded
+    laid_out = torch.empty_like(old, device=loaded.device)  # keeps a dense layout, else contiguous
+    return laid_out.copy_(loaded) if laid_out.stride() != loaded.stride() else loaded
+
+
 # The start-up's phases, in the order they run (see CheckpointSource.phases).
 PHASES = ("checkpoint", "match", "reader", "spill", "resident", "attach", "finish")
 
@@ -131,6 +141,7 @@ class CheckpointSource:
         checkpoint = open_checkpoint(weights)
         opened = time.perf_counter()
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
+        cls._check_layouts(list_name, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
@@ -158,6 +169,21 @@ class CheckpointSource:
         credit = sum(p.numel() * p.element_size() for i in offloaded for p in blocks[i].parameters()
                      if p.device.type == "cpu")
         return on_host, credit
+
+    @staticmethod
+    def _check_layouts(list_name: str, blocks: nn.ModuleList, offloaded: list[int]) -> None:
+        """Every parameter of an offloaded block has the contiguous layout of its shape."""
+        for index in offloaded:
+            for name, param in blocks[index].named_parameters():
+                key = f"{list_name}.{index}.{name}"
+                if not param.is_contiguous():
+                    raise CheckpointError(
+                        f"fastoffload: parameter '{key}' has strides {list(param.stride())}, not the contiguous "
+                        f"layout of its shape {list(param.shape)}; a block built from weights= is packed in the "
+                        "checkpoint's row-major order, so the parameter would change its layout and its block "
+                        "could compute other results than the resident model. Build the model with contiguous "
+                        "parameters, keep that block resident (resident_blocks), or load the model and enable "
+                        "without weights=")
 
     @staticmethod
     def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
@@ -308,13 +334,14 @@ class CheckpointSource:
             old = module._parameters[leaf]
             new = replaced.get(id(old))
             if new is None:
-                new = nn.Parameter(load(), requires_grad=old.requires_grad)
+                new = nn.Parameter(_laid_out_as(old, load()), requires_grad=old.requires_grad)
                 replaced[id(old)] = new
             self._undo.append((module, "parameter", leaf, old))
             module._parameters[leaf] = new
         else:
-            self._undo.append((module, "buffer", leaf, module._buffers[leaf]))
-            module._buffers[leaf] = load()
+            old = module._buffers[leaf]
+            self._undo.append((module, "buffer", leaf, old))
+            module._buffers[leaf] = _laid_out_as(old, load())
 
     def start(self, engine: Any) -> None:
         """Waits for the host tier's reads and pins, and starts the disk tier, if any.
