@@ -246,3 +246,13 @@ def test_a_strided_parameter_of_an_offloaded_block_is_refused_before_anything_ch
     x = torch.randn(2, 48)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("budget", [{}, {"device_budget": 1 << 20}])
+def test_a_state_dict_passed_as_weights_is_refused_saying_what_to_do(budget: dict) -> None:
+    from fastoffload_ext.errors import OffloadConfigError
+    model = meta_stack(3)
+    with pytest.raises(OffloadConfigError, match="fastoffload: weights= takes the path of a safetensors checkpoint.*"
+                                                 "got OrderedDict.*load them into the model first"):
+        enable_layerwise_offload(model, device="cpu", weights=reference_stack(3).state_dict(), **budget)
+    assert all(p.is_meta for p in model.parameters())

@@ -7,6 +7,7 @@ check in :func:`validate_arguments`.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -231,6 +232,8 @@ def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget
     Other cases are refused later, by ``check_storage_arguments``."""
     if weights is None or choose_backend(backend, device) != "ext" or not isinstance(disk_options, (DiskOptions,
                                                                                                    type(None))):
+        return None
+    if not isinstance(weights, (str, os.PathLike)):
         return None
 
     def costs() -> Any:

@@ -60,6 +60,11 @@ def check_storage_arguments(weights: Any, disk_options: Any, backend: str, share
             raise OffloadConfigError("fastoffload: disk_options needs weights=: the blocks that do not fit in host "
                                      "memory are read from the checkpoint file")
         return share_host_copy
+    if not isinstance(weights, (str, os.PathLike)):
+        raise OffloadConfigError(f"fastoffload: weights= takes the path of a safetensors checkpoint (a .safetensors "
+                                 f"file, a sharded checkpoint's *.index.json, or a folder holding one), got "
+                                 f"{type(weights).__name__}. To offload a model from tensors in memory (a state "
+                                 "dict), load them into the model first and enable without weights=")
     if backend != "ext":
         raise OffloadConfigError("fastoffload: weights= needs the compiled core (backend 'ext'); the python backend "
                                  "builds from a materialized model: load the state dict first")
