@@ -256,3 +256,51 @@ def test_a_state_dict_passed_as_weights_is_refused_saying_what_to_do(budget: dic
                                                  "got OrderedDict.*load them into the model first"):
         enable_layerwise_offload(model, device="cpu", weights=reference_stack(3).state_dict(), **budget)
     assert all(p.is_meta for p in model.parameters())
+
+
+class _InterruptAfterAcquire:
+    """The engine, with a Ctrl-C raised the moment one acquire has returned: where CPython raises a
+    SIGINT that arrived while the acquire waited for a disk read with the GIL released."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.armed = True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def _then_interrupt(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def acquire_and_prefetch(self, *args: object) -> None:
+        self.inner.acquire_and_prefetch(*args)
+        self._then_interrupt()
+
+    def acquire(self, *args: object) -> None:
+        self.inner.acquire(*args)
+        self._then_interrupt()
+
+
+def test_ctrl_c_landing_just_after_a_disk_block_is_acquired_leaves_no_slot_held(tmp_path: Path) -> None:
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    from tests._checkpoints import block_bytes
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path,
+                                     host_budget=2 * block_bytes(reference) + 8192 + 2 * STAGING_SLACK)
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        for index in (1, 3):  # two interrupted steps: as many as there are slots
+            state = group.states[index]
+            state.engine = _InterruptAfterAcquire(state.engine)
+            with pytest.raises(KeyboardInterrupt):
+                model(x)
+            state.engine = state.engine.inner
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)

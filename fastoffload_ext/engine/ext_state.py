@@ -129,6 +129,15 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         if self.handle is not None:
             self.engine.release(self.handle)
 
+    def release_if_running(self) -> None:
+        """Releases the block when the engine holds it as running: after an entry that raised, which may
+        have acquired it (an exception raised just after the acquire returned) or not (the acquire failed)."""
+        if not self._attached():
+            return
+        slot = self.engine.slot_of(self.handle)
+        if slot >= 0 and self.engine.slot_state(slot) == "in_use":
+            self.engine.release(self.handle)
+
     def begin_mutation(self) -> None:
         if self.shared_segment is not None:
             # One rank's LoRA merge would change every rank's weights under them (or, repacked

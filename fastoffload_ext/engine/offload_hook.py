@@ -7,6 +7,7 @@ block's state dict holds the host copy's values (state_dict.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leav
 from fastoffload_ext.engine.state_dict import StateDictHooks
 
 __all__ = ["LayerwiseOffloadHook"]
+
+logger = logging.getLogger(__name__)
 
 
 class LayerwiseOffloadHook(ForwardHook):
@@ -71,9 +74,22 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
-        if self._one_call_entry is None or not self._one_call_entry():
-            self._acquire_then_prefetch()
-        self.saved_tensors.enter()
+        try:
+            if self._one_call_entry is None or not self._one_call_entry():
+                self._acquire_then_prefetch()
+            self.saved_tensors.enter()
+        except BaseException:
+            # A Ctrl-C is raised at the first bytecode after the engine's acquire returns (an acquire that
+            # waits for a disk read drops the GIL, so that is where it lands): the block is running then,
+            # but the caller never learns that this entry completed and never releases it. Each such block
+            # would hold its slot for good, and once every slot is held no block can load again.
+            release = getattr(self.state, "release_if_running", None)
+            if release is not None:
+                try:
+                    release()
+                except Exception:  # the original error is the one to raise
+                    logger.exception("fastoffload: releasing a block after its entry raised failed")
+            raise
 
     def _acquire_then_prefetch(self) -> None:
         state = self.state
