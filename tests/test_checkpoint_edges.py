@@ -304,3 +304,24 @@ def test_ctrl_c_landing_just_after_a_disk_block_is_acquired_leaves_no_slot_held(
             assert torch.equal(model(x), expected)
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("how", ["ext", "python", "weights"])
+def test_state_dict_of_a_block_with_a_tied_weight_holds_the_value_under_every_name(tmp_path: Path, how: str) -> None:
+    reference, path = _tied_checkpoint(tmp_path)
+    if how == "weights":
+        with torch.device("meta"):
+            model = TiedStack(4)
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    else:
+        model = TiedStack(4)
+        model.load_state_dict(reference.state_dict())
+        enable_layerwise_offload(model, device="cpu", backend=how)
+    saved, expected = model.state_dict(), reference.state_dict()
+    assert saved.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
+    fresh = TiedStack(4)
+    fresh.load_state_dict(saved)  # what a caller does with a saved state dict
+    assert params_equal(fresh, reference)
+    disable_layerwise_offload(model, device="cpu")

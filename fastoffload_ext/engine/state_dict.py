@@ -62,13 +62,26 @@ class StateDictHooks:
         self._handles = []
 
     def _real_values(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name, host in self.state.cpu_named_parameters.items():
-            key = prefix + name
-            entry = state_dict.get(key)
-            if entry is None or tuple(entry.shape) == tuple(host.shape):
-                continue  # not saved, or a live value (running, or inside mutate_params_scope)
-            value = host.detach().clone()
-            state_dict[key] = value if value.dtype == entry.dtype else value.to(entry.dtype)
+        host_values = self.state.cpu_named_parameters
+        if not host_values:
+            return
+        # A parameter tied inside the block (``b.weight = a.weight``) is offloaded under its first name but
+        # saved under every one: each gets the same real value, as the resident model's state dict has it.
+        names: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        aliases = {group[0]: group for group in names.values()}
+        for name, host in host_values.items():
+            value = None
+            for alias in aliases.get(name, [name]):
+                key = prefix + alias
+                entry = state_dict.get(key)
+                if entry is None or tuple(entry.shape) == tuple(host.shape):
+                    continue  # not saved, or a live value (running, or inside mutate_params_scope)
+                if value is None:
+                    value = host.detach().clone()
+                    value = value if value.dtype == entry.dtype else value.to(entry.dtype)
+                state_dict[key] = value
 
     def refusal(self) -> OffloadStateError | None:
         """The error a load into this block raises before it changes anything (None: it loads)."""
