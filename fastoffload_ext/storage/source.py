@@ -165,7 +165,9 @@ class CheckpointSource:
         if host_budget != AUTO:
             return 0, 0  # a given budget is taken as it is
         # On the host device the resident weights land in host memory too, beside the pinned blocks.
-        on_host = sum(e.nbytes for e in resident.values()) if device is not None and device.type == "cpu" else 0
+        # Each tensor once: the names of a tied weight share one entry.
+        unique = {entry.name: entry for entry in resident.values()}
+        on_host = sum(e.nbytes for e in unique.values()) if device is not None and device.type == "cpu" else 0
         credit = sum(p.numel() * p.element_size() for i in offloaded for p in blocks[i].parameters()
                      if p.device.type == "cpu")
         return on_host, credit
