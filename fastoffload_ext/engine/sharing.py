@@ -109,7 +109,10 @@ def block_digests(block: nn.Module) -> list[int]:
     from fastoffload_ext import _backend
 
     named = list(block.named_parameters())
-    return list(_backend.require_ext().tensor_digests([n for n, _ in named], [p.detach() for _, p in named]))
+    # The owner hashes the bytes it packs, where negative and conjugate views are resolved: hash the values
+    # too, not the storage (a negative view's storage holds minus its values; no copy without the bit).
+    values = [p.detach().resolve_conj().resolve_neg() for _, p in named]
+    return list(_backend.require_ext().tensor_digests([n for n, _ in named], values))
 
 
 def _shm_free_bytes() -> int | None:
