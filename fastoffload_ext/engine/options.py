@@ -230,10 +230,8 @@ def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget
                 device: torch.device, backend: str) -> Callable[[], Any] | None:
     """With ``weights`` on the compiled core: what tells a plan about the disk tier (``storage.disk_costs``).
     Other cases are refused later, by ``check_storage_arguments``."""
-    if weights is None or choose_backend(backend, device) != "ext" or not isinstance(disk_options, (DiskOptions,
-                                                                                                   type(None))):
-        return None
-    if not isinstance(weights, (str, os.PathLike)):
+    if not isinstance(weights, (str, os.PathLike)) or choose_backend(backend, device) != "ext" or \
+            not isinstance(disk_options, (DiskOptions, type(None))):
         return None
 
     def costs() -> Any:

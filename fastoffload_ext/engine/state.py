@@ -13,7 +13,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "real_copy", "tensor_placeholder"]
+__all__ = ["BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "parameter_names", "real_copy",
+           "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -77,6 +78,16 @@ def real_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy = torch.empty_like(tensor, device=device)
     copy.copy_(tensor)
     return copy
+
+
+def parameter_names(module: nn.Module, prefix: str = "") -> dict[int, list[str]]:
+    """Every name of each parameter of ``module`` (``prefix`` before each), by the parameter's id, in
+    ``named_parameters`` order: a weight tied inside the module (``b.weight = a.weight``) is one
+    parameter that ``named_parameters()`` lists once but the module holds, saves and loads under each name."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(prefix + name)
+    return names
 
 
 def enter_mutation(state: BlockOffloadState) -> None:

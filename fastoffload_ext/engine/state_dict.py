@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR
-from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
+from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -67,10 +67,7 @@ class StateDictHooks:
             return
         # A parameter tied inside the block (``b.weight = a.weight``) is offloaded under its first name but
         # saved under every one: each gets the same real value, as the resident model's state dict has it.
-        names: dict[int, list[str]] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        aliases = {group[0]: group for group in names.values()}
+        aliases = {group[0]: group for group in parameter_names(module).values()}
         for name, host in host_values.items():
             value = None
             for alias in aliases.get(name, [name]):

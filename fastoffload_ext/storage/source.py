@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext import _backend
+from fastoffload_ext.engine.state import parameter_names
 from fastoffload_ext.errors import CheckpointError
 from fastoffload_ext.planning.budgets import AUTO
 from fastoffload_ext.planning.tiers import region_bytes
@@ -195,9 +196,7 @@ class CheckpointSource:
         for index in offloaded:
             names, entries = [], []
             # A weight tied inside the block may be stored under any one of its names.
-            aliases: dict[int, list[str]] = {}
-            for name, param in blocks[index].named_parameters(remove_duplicate=False):
-                aliases.setdefault(id(param), []).append(f"{list_name}.{index}.{name}")
+            aliases = parameter_names(blocks[index], f"{list_name}.{index}.")
             for name, param in blocks[index].named_parameters():
                 key = f"{list_name}.{index}.{name}"
                 entry = next((found for found in map(checkpoint.get, aliases[id(param)]) if found is not None), None)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.offload_state import ExtLayerwiseOffloadState
+from fastoffload_ext.engine.state import parameter_names
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.storage.source import BlockSource, CheckpointSource
 
@@ -53,11 +54,11 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         """Every (owner, attribute) of each parameter of ``module``, by the parameter's id: a parameter tied
         inside the block (``b.weight = a.weight``) is listed once by ``named_parameters()`` but is held
         under each of its names, and a replacement must reach all of them or the tie breaks."""
-        places: dict[int, list[tuple[nn.Module, str]]] = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            prefix, _, leaf = name.rpartition(".")
-            places.setdefault(id(param), []).append((module.get_submodule(prefix), leaf))
-        return places
+        def place(name: str) -> tuple[nn.Module, str]:
+            owner, _, leaf = name.rpartition(".")
+            return module.get_submodule(owner), leaf
+
+        return {key: [place(name) for name in names] for key, names in parameter_names(module).items()}
 
     def _replace_meta_parameters(self, module: nn.Module) -> list[torch.Tensor]:
         params = []
