@@ -240,6 +240,81 @@ def test_observe_step_with_a_step_calibrates_and_replans_a_drifted_group() -> No
     _finish(model, reference)
 
 
+def _peak_measured_as(monkeypatch: pytest.MonkeyPatch, peak: int) -> None:
+    """Calibrations on the host-as-device measure no activation peak; this one reports ``peak``."""
+    from fastoffload_ext.planning import calibration
+
+    measure = calibration.measure_blocks
+    monkeypatch.setattr(calibration, "measure_blocks",
+                        lambda *a, **k: dataclasses.replace(measure(*a, **k), activation_bytes=peak))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calibration_replaces_the_reserve_enable_assumed_with_the_peak_it_measured(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference, x = _setup("cpu")
+    budget = (2 + N) * BLOCK_BYTES  # every block resident, two slots' worth to spare, no reserve given
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=budget)
+    assert group.plan.costs.activation_bytes == 0 and len(group.resident) == N
+    _peak_measured_as(monkeypatch, 3 * BLOCK_BYTES)
+    with torch.inference_mode():
+        group.calibrate(lambda: model(x), repeats=3)
+    now = fo.get_offload_group(model)
+    # Three blocks' worth of activations: with two slots, three of the six blocks still fit.
+    assert now.plan.costs.activation_bytes == 3 * BLOCK_BYTES and now.costs.activation_bytes == 3 * BLOCK_BYTES
+    assert now.plan.device_bytes <= budget and len(now.resident) == N - 3
+    # A later re-plan from a table of bytes only keeps the measured reserve.
+    later = now.replan(BlockCosts([1.0] * N, [BLOCK_BYTES] * N, 1.0, overlap=False))
+    assert later.plan.costs.activation_bytes == 3 * BLOCK_BYTES and len(later.resident) == N - 3
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+def test_a_given_reserve_outranks_the_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", device_budget=(2 + N) * BLOCK_BYTES,
+                                        activation_reserve=3 * BLOCK_BYTES)
+    assert len(group.resident) == N - 3
+    _peak_measured_as(monkeypatch, BLOCK_BYTES)  # would let every block stay resident
+    with torch.inference_mode():
+        group.calibrate(lambda: model(x), repeats=3)
+    now = fo.get_offload_group(model)
+    assert now.plan.costs.activation_bytes == 3 * BLOCK_BYTES and len(now.resident) == N - 3
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+def test_without_a_measured_peak_the_reserve_enable_applied_stands() -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", device_budget="auto")
+    assumed = group.plan.costs.activation_bytes
+    assert assumed > 0  # 10 % of the free memory
+    with torch.inference_mode():
+        group.calibrate(lambda: model(x), repeats=3)
+        now = fo.get_offload_group(model)
+        assert now.plan.costs.activation_bytes == assumed
+        fresh = now.replan(BlockCosts([1.0] * N, [BLOCK_BYTES] * N, 1.0, overlap=False))
+        assert fresh.plan.costs.activation_bytes == assumed
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_auto_budget_counts_the_measured_activation_peak_after_calibration(backend: str) -> None:
+    model, reference, x = _setup("cuda", n=8)
+    group = fo.enable_layerwise_offload(model, device="cuda", backend=backend, device_budget="auto")
+    guess = group.plan.costs.activation_bytes  # 10 % of the free memory: gigabytes on a GPU
+    with torch.inference_mode():
+        group.calibrate(lambda: model(x), repeats=3)
+    now = fo.get_offload_group(model)
+    reserve = now.plan.costs.activation_bytes
+    # The peak of a 2x5x16 input plus the allocator's slack, not the guess.
+    assert 0 < reserve < 8 * 1024 * 1024 < guess
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_peak_memory_stays_within_the_budget(backend: str) -> None:

@@ -92,6 +92,19 @@ def default_costs(blocks: Sequence[nn.Module], device: torch.device, activation_
                       activation_bytes=activation_bytes, overlap=device.type == "cuda", calibrated=False)
 
 
+# Where a calibration leaves the activation peak it measured, in the group's settings.
+MEASURED_RESERVE = "measured_activation_reserve"
+
+
+def activation_reserve(settings: dict[str, Any]) -> int | None:
+    """The activation reserve a re-plan counts: the caller's ``activation_reserve``, else the peak a
+    calibration measured, else the one enable applied (10 % of the free memory under "auto", else 0)."""
+    for key in ("activation_reserve", MEASURED_RESERVE, "activation_reserve_bytes"):
+        if settings.get(key) is not None:
+            return int(settings[key])
+    return None
+
+
 def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torch.device,
              costs: BlockCosts | None) -> tuple[int | None, int | None, int]:
     """(device budget, host budget, activation reserve) in bytes."""
@@ -223,8 +236,12 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
                                  f"more than device_budget {format_bytes(budget)}; re-plan with this budget")
     _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO,
                 "on" if plan.compressed and compress != "off" else "off")
-    settings.update(fixed_resident=None, fixed_depth=None, activation_reserve_bytes=settings["activation_reserve"])
+    # The reserve the plan counts (a re-plan keeps it unless the caller gave one or a calibration measured it).
+    reserve = settings["activation_reserve"]
+    settings.update(fixed_resident=None, fixed_depth=None,
+                    activation_reserve_bytes=reserve if reserve is not None else plan.costs.activation_bytes)
     return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 
 
-__all__ = ["AUTO_RESERVE_FRACTION", "Layout", "check_prefetch_depth", "default_costs", "resolve_layout"]
+__all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "Layout", "activation_reserve", "check_prefetch_depth",
+           "default_costs", "resolve_layout"]

@@ -27,6 +27,7 @@ from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
 from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_block, estimate_tensors
 from fastoffload_ext.planning.costs import BlockCosts, DiskCosts, module_packed_bytes, packed_bytes
+from fastoffload_ext.planning.layout import MEASURED_RESERVE, activation_reserve
 from fastoffload_ext.planning.planner import plan_offload
 
 logger = logging.getLogger(__name__)
@@ -99,14 +100,21 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
     times ``step`` on the layout now applied: that time is what later steps are compared with
     (``OffloadPlan.drifted``)."""
     _check_current(group)
-    reserve = group.enable_kwargs.get("activation_reserve_bytes")
+    settings = group.enable_kwargs
+    given = settings.get("activation_reserve")
     sizes = _block_bytes(group)
     # The hooks' fixed cost is fitted against this layout's simulated gaps; the bytes a copy moves are
     # read after the step ran (an "auto" codec decides during it).
-    costs, measured = calibrate_costs(group.blocks, step, group.device, sizes, activation_reserve=reserve,
+    costs, measured = calibrate_costs(group.blocks, step, group.device, sizes, activation_reserve=given,
                                       h2d_gbps=h2d_gbps, repeats=repeats, resident=group.resident,
                                       depth=group.prefetch_depth, cyclic=group.cyclic,
                                       transfer_bytes=lambda: transfer_bytes(group, sizes))
+    if given is None:
+        # The measured peak replaces enable's stand-in (10 % of the free memory under "auto", else 0) for
+        # this and every later re-plan; where nothing was measured (the host as the device) it stands.
+        if measured.activation_bytes is not None:
+            settings[MEASURED_RESERVE] = measured.activation_bytes
+        costs = costs.with_activation_bytes(activation_reserve(settings) or 0)
     group.costs = costs
     if group.plan is not None and group.plan.calibrated:
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
@@ -160,7 +168,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layou
                                 "'auto'), so there is nothing to re-plan; enable with device_budget=... or "
                                 "resident_blocks='auto' to let the planner choose")
     settings = group.enable_kwargs
-    reserve = settings.get("activation_reserve_bytes")
+    reserve = activation_reserve(settings)
     if reserve is not None:
         table = table.with_activation_bytes(reserve)
     if table.disk is None and old.costs.disk is not None:
@@ -269,9 +277,10 @@ def with_disk_tier(group: Any) -> None:
     logger.info("fastoffload: %s", group.plan.why)
 
 
-# What enable resolved from the caller's own resident_blocks / prefetch_depth: a plan applied again by a
-# re-plan goes through enable(plan=...), which records none, so they are carried to the new group by hand.
-_CALLER_FIXED = ("fixed_resident", "fixed_depth")
+# What enable resolved from the caller's own resident_blocks / prefetch_depth, and the activation peak a
+# calibration measured: a plan applied again by a re-plan goes through enable(plan=...), which records
+# none of them, so they are carried to the new group by hand.
+_CALLER_FIXED = ("fixed_resident", "fixed_depth", MEASURED_RESERVE)
 
 
 def _carry_fixed(old: Any, new: Any) -> None:
