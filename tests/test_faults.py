@@ -142,6 +142,34 @@ def test_keyboard_interrupt_between_blocks(backend: str, position: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("position", POSITIONS)
+def test_keyboard_interrupt_while_a_block_exits(backend: str, position: str, monkeypatch) -> None:
+    """Ctrl-C landing in the hook's exit, after block k's forward returned and before its release: the
+    block still gives its slot back (else two of those hold every slot and no later step can load)."""
+    from fastoffload_ext.engine.autograd import SavedTensorGuard
+
+    model, reference, x, want = _setup()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
+    k = POSITIONS[position]
+    hook = offload_hook(model.blocks[k])
+    real_leave = SavedTensorGuard.leave
+
+    def leave(self):
+        real_leave(self)
+        if self is hook.saved_tensors:
+            raise KeyboardInterrupt(f"interrupted while block {k} exits")
+
+    monkeypatch.setattr(SavedTensorGuard, "leave", leave)
+    for _ in range(2):
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt, match=f"while block {k} exits"):
+            model(x)
+        assert_idle(model, group)
+    monkeypatch.setattr(SavedTensorGuard, "leave", real_leave)
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("position", POSITIONS)
 def test_detach_from_inside_a_running_block(backend: str, position: str) -> None:
     """disable_layerwise_offload called from a pre-hook inside block k: the step in flight still
     computes the right output, and the model is an ordinary resident model afterwards."""

@@ -102,8 +102,11 @@ class LayerwiseOffloadHook(ForwardHook):
             raise
 
     def _leave(self) -> None:
-        self.saved_tensors.leave()
-        self.state.release()
+        try:
+            self.saved_tensors.leave()
+        finally:
+            # A Ctrl-C landing inside the scope's exit must not keep the block holding its slot (see _enter).
+            self.state.release()
 
     @contextlib.contextmanager
     def mutate_params_scope(self) -> Iterator[None]:
