@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastoffload_ext as fo
-from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning import BlockCosts, OffloadPlan, module_packed_bytes, plan_offload
 
 from ._models import OFFLOAD_DEVICES, Block, make_pair, params_equal, place_outside_blocks
@@ -205,7 +205,8 @@ def test_observe_step_flags_drift_beyond_the_tolerance() -> None:
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 def test_a_calibrated_plan_judges_drift_against_the_step_it_timed_not_its_prediction(device: str) -> None:
     model, reference, x = _setup(device)
-    group = fo.enable_layerwise_offload(model, device=device, device_budget=4 * BLOCK_BYTES)
+    # A budget for the blocks alone: the reserve is given, so the activations measured on CUDA do not count.
+    group = fo.enable_layerwise_offload(model, device=device, device_budget=4 * BLOCK_BYTES, activation_reserve=0)
     assert group.plan.measured_step_ms == 0.0 and group.plan.reference_step_ms == group.plan.predicted_step_ms
     with torch.inference_mode():
         want = reference(x)
@@ -266,6 +267,24 @@ def test_calibration_replaces_the_reserve_enable_assumed_with_the_peak_it_measur
     # A later re-plan from a table of bytes only keeps the measured reserve.
     later = now.replan(BlockCosts([1.0] * N, [BLOCK_BYTES] * N, 1.0, overlap=False))
     assert later.plan.costs.activation_bytes == 3 * BLOCK_BYTES and len(later.resident) == N - 3
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_measured_peak_no_layout_fits_beside_is_refused_and_the_layout_kept(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference, x = _setup("cpu")
+    budget = 4 * BLOCK_BYTES
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=budget)
+    resident = group.resident
+    _peak_measured_as(monkeypatch, budget)
+    with torch.inference_mode(), pytest.raises(OffloadConfigError, match=re.escape(
+            "fastoffload: this step's activations peaked at 56.0 KiB (with the allocator's slack), which the plan "
+            "now keeps as its activation reserve, and no layout fits device_budget 56.0 KiB beside it; the layout "
+            "enable applied is kept")):
+        group.calibrate(lambda: model(x), repeats=3)
+    assert fo.get_offload_group(model) is group and group.resident == resident
     _run_exactly(model, reference, x)
     _finish(model, reference)
 

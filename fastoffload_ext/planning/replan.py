@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
+from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
 from fastoffload_ext.planning.codec_choice import carry_choice, choose_codec_plan
 from fastoffload_ext.planning.compressed import estimate_block, estimate_tensors
@@ -120,7 +121,17 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
         logger.info("measured step %.3f ms against the plan's reference %.3f ms: %s the %.0f %% tolerance",
                     measured.step_ms, group.plan.reference_step_ms, verdict, 100 * group.plan.tolerance)
-    now = replan_group(group, costs, keep_disk_layout=True) if replan and group.plan is not None else group
+    try:
+        now = replan_group(group, costs, keep_disk_layout=True) if replan and group.plan is not None else group
+    except OffloadConfigError as error:
+        if given is not None or measured.activation_bytes is None:
+            raise
+        raise OffloadConfigError(
+            f"fastoffload: this step's activations peaked at {format_bytes(measured.activation_bytes)} (with "
+            "the allocator's slack), which the plan now keeps as its activation reserve, and no layout fits "
+            f"device_budget {format_bytes(group.plan.device_budget)} beside it; the layout enable applied is kept, "
+            "but its steps use more device memory than the budget. Raise device_budget, or enable again with an "
+            f"activation_reserve of your own. The planner's refusal: {error}") from error
     if now.plan is not None:
         now.plan = dataclasses.replace(now.plan, measured_step_ms=time_step_ms(step, now.device))
         logger.info("the applied plan's step: %.3f ms measured, %.3f ms predicted", now.plan.measured_step_ms,
