@@ -109,3 +109,32 @@ def test_replay_is_bit_exact_with_fresh_inputs(n_blocks: int, depth: int) -> Non
         graph(torch.zeros(3, 8, 64, device="cuda").bfloat16())
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("static, fresh, message", [
+    ((torch.zeros(2),), (torch.zeros(3),), r"input\[0\] must match the captured input, a tensor \(2,\) "
+     r"torch.float32, got a tensor \(3,\) torch.float32"),
+    ((torch.zeros(2),), (), r"input must match the captured input, a tuple of 1, got a tuple of 0"),
+    ({"x": torch.zeros(2)}, {"x": torch.zeros(2), "mask": torch.ones(2)},
+     r"keyword input must match the captured input, a dict with keys \['x'\], got a dict with keys \['mask', 'x'\]"),
+    ({"x": torch.zeros(2)}, {}, r"a dict with keys \['x'\], got a dict with keys \[\]"),
+    ({"scale": None}, {"scale": torch.ones(2)}, r"input\['scale'\] must match the captured input, None, got a tensor"),
+    ({"scale": 2.0}, {"scale": 3.0}, r"input\['scale'\] must match the captured input, 2.0, got 3.0"),
+])
+def test_a_replay_refuses_inputs_the_graph_would_not_see(static, fresh, message) -> None:
+    """An extra keyword would be dropped and a missing one replayed with the captured value: both would
+    give another model's answer without a word, so a replay refuses them, as it refuses another shape."""
+    from fastoffload_ext.engine.graphs import _copy_inputs
+
+    where = "keyword input" if isinstance(static, dict) else "input"
+    with pytest.raises(ValueError, match=message):
+        _copy_inputs(static, fresh, where)
+
+
+def test_a_replay_copies_matching_inputs_into_the_captured_ones() -> None:
+    from fastoffload_ext.engine.graphs import _copy_inputs
+
+    static = (torch.zeros(2), [torch.zeros(1)], {"k": torch.zeros(3), "flag": True})
+    _copy_inputs(static, (torch.ones(2), [torch.full((1,), 2.0)], {"flag": True, "k": torch.full((3,), 3.0)}))
+    assert torch.equal(static[0], torch.ones(2)) and torch.equal(static[1][0], torch.full((1,), 2.0))
+    assert torch.equal(static[2]["k"], torch.full((3,), 3.0))

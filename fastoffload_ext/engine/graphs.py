@@ -73,13 +73,32 @@ def _clone_inputs(value: Any) -> Any:
     return value
 
 
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {tuple(value.shape)} {value.dtype}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return repr(value)
+
+
 def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
+    """Copies ``fresh`` into the captured inputs; anything the graph would not see refuses the replay (an
+    extra keyword, a missing one, another shape) instead of being dropped."""
     if isinstance(static, torch.Tensor):
-        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape or fresh.dtype != static.dtype:
-            got = (f"{tuple(fresh.shape)} {fresh.dtype}" if isinstance(fresh, torch.Tensor) else type(fresh).__name__)
-            raise OffloadConfigError(f"fastoffload: {where} must match the captured input, {tuple(static.shape)} "
-                                     f"{static.dtype}, got {got}; capture another OffloadedCUDAGraph for other "
-                                     "shapes")
+        matches = isinstance(fresh, torch.Tensor) and fresh.shape == static.shape and fresh.dtype == static.dtype
+    elif isinstance(static, (list, tuple)):
+        matches = isinstance(fresh, (list, tuple)) and len(fresh) == len(static)
+    elif isinstance(static, dict):
+        matches = isinstance(fresh, dict) and fresh.keys() == static.keys()
+    else:
+        matches = not isinstance(fresh, (torch.Tensor, list, tuple, dict)) and bool(static == fresh)
+    if not matches:
+        raise OffloadConfigError(f"fastoffload: {where} must match the captured input, {_describe(static)}, got "
+                                 f"{_describe(fresh)}; a replay runs exactly the captured forward, so capture "
+                                 "another OffloadedCUDAGraph for other inputs")
+    if isinstance(static, torch.Tensor):
         static.copy_(fresh)
     elif isinstance(static, (list, tuple)):
         for i, (s, f) in enumerate(zip(static, fresh, strict=True)):
@@ -87,9 +106,6 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
     elif isinstance(static, dict):
         for key in static:
             _copy_inputs(static[key], fresh[key], f"{where}[{key!r}]")
-    elif static != fresh:
-        raise OffloadConfigError(f"fastoffload: {where} is not a tensor and differs from the captured value "
-                                 f"({static!r} vs {fresh!r}); capture another graph for it")
 
 
 class OffloadedCUDAGraph:
