@@ -243,6 +243,77 @@ def test_uninitialised_proxy_fails_cleanly() -> None:
         _ = bare.weight
 
 
+# ---- container components (len, indexing, iteration, in, bool) -----------------------------------
+
+def _counted(build: Callable[[], nn.Module]) -> tuple[LazyModule, list[nn.Module]]:
+    built: list[nn.Module] = []
+
+    def load() -> nn.Module:
+        built.append(build())
+        return built[-1]
+
+    return LazyModule("blocks", load), built
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 3)]),
+    lambda: nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 3)),
+], ids=["ModuleList", "Sequential"])
+def test_sequence_container_operations_load_and_answer_as_the_component(build: Callable[[], nn.Module]) -> None:
+    proxy, built = _counted(build)
+    assert repr(proxy) == "<LazyModule blocks (deferred)>" and is_lazy_module(proxy) and built == []
+    assert len(proxy) == 3
+    assert len(built) == 1
+    real = built[0]
+    assert proxy[0] is real[0] and proxy[-1] is real[-1]
+    assert [type(m) for m in proxy[1:]] == [nn.ReLU, nn.Linear]
+    assert [id(m) for m in proxy] == [id(m) for m in real]
+    assert [id(m) for m in reversed(proxy)] == [id(m) for m in reversed(real)]
+    assert real[1] in proxy and nn.ReLU() not in proxy
+    assert bool(proxy) is True
+    replacement = nn.Tanh()
+    proxy[1] = replacement
+    assert real[1] is replacement
+    del proxy[1]
+    assert len(real) == 2 and replacement not in real
+    assert len(built) == 1  # every operation used the one loaded instance
+
+
+def test_mapping_container_operations_load_and_answer_as_the_component() -> None:
+    proxy, built = _counted(lambda: nn.ModuleDict({"attn": nn.Linear(2, 2), "ffn": nn.Linear(2, 2)}))
+    assert "attn" in proxy and "mlp" not in proxy
+    real = built[0]
+    assert len(proxy) == 2
+    assert proxy["ffn"] is real["ffn"]
+    assert list(proxy) == ["attn", "ffn"]
+    with pytest.raises(KeyError, match="mlp"):
+        _ = proxy["mlp"]
+    proxy["mlp"] = nn.ReLU()
+    assert isinstance(real["mlp"], nn.ReLU)
+    del proxy["attn"]
+    assert list(real) == ["ffn", "mlp"] and len(built) == 1
+
+
+def test_empty_container_proxy_is_falsy_and_other_modules_truthy() -> None:
+    empty, built = _counted(nn.ModuleList)
+    assert bool(empty) is False and not empty and len(built) == 1
+    assert len(empty) == 0 and list(empty) == []
+    module, loader = make()
+    assert bool(module) is True and loader.calls == 1  # a module that is no container is always true
+
+
+def test_container_operations_on_a_module_that_is_no_container_raise_its_own_error() -> None:
+    proxy, _ = make()
+    with pytest.raises(TypeError, match=r"^object of type 'Linear' has no len\(\)$"):
+        len(proxy)
+    with pytest.raises(TypeError, match=r"^'Linear' object is not subscriptable$"):
+        _ = proxy[0]
+    with pytest.raises(TypeError, match=r"^'Linear' object is not iterable$"):
+        iter(proxy)
+    with pytest.raises(TypeError, match=r"^argument of type 'Linear' is not iterable"):
+        _ = 1 in proxy
+
+
 # ---- release -------------------------------------------------------------------------------------
 
 def test_release_when_nothing_loaded_returns_false() -> None:

@@ -10,10 +10,17 @@ anything touches it, and drops it when told to. Whoever runs the stages decides 
 (FastVideo's pipeline does; ``fastoffload_ext.pipeline.schedule`` does it for everyone else); this module only
 owns the proxying and the load/free mechanics.
 
-The proxy is deliberately transparent: attribute access, calls and ``isinstance`` all reach the real
-component, loading it if needed, so code written for the real module keeps working. The two things
-that must *not* load it are ``repr`` (logging a pipeline must not pull gigabytes) and
-:func:`is_lazy_module` (the way to ask "is this a proxy?" without paying for the answer).
+The proxy is deliberately transparent: attribute access, calls, ``isinstance``, ``bool`` and a
+container's ``len``, indexing, iteration and ``in`` all reach the real component, loading it if
+needed, so code written for the real module keeps working. The two things that must *not* load it
+are ``repr`` (logging a pipeline must not pull gigabytes) and :func:`is_lazy_module` (the way to ask
+"is this a proxy?" without paying for the answer).
+
+Python finds ``len``, indexing, iteration, ``in`` and ``bool`` on the proxy's type, so every proxy
+has them, container or not: the component answers each (a component that is no container raises its
+own ``TypeError``), but ``hasattr(proxy, "__len__")`` and ``isinstance`` against ``collections.abc``'s
+structural classes (``Iterable``, ``Sized``, ``Container``) answer True for any proxy. Ask the loaded
+component (``materialize()``) where that distinction matters.
 
 Threads: the first use loads once. Threads that touch the proxy while it loads wait for that load
 and get the same instance, so a component is never in memory twice because two stages started
@@ -76,12 +83,13 @@ def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str)
 class LazyModule:
     """Stands in for a pipeline component and loads it on first use.
 
-    Every attribute access, call and ``isinstance`` check is forwarded to the real component, which
-    is loaded first if needed. :meth:`release` drops the reference and empties the allocator cache;
-    any later use runs the loader again and the transforms of :meth:`set_materialize_transform`. What
-    was done to the loaded instance through the proxy (``eval()``, ``to(dtype)``, ``load_state_dict``)
-    is not replayed: put such setup in the loader or in a materialize transform, and releasing early
-    then costs time, never correctness.
+    Every attribute access, call, ``isinstance`` check, ``bool`` and container operation (``len``,
+    indexing, iteration, ``in``) is forwarded to the real component, which is loaded first if needed.
+    :meth:`release` drops the reference and empties the allocator cache; any later use runs the loader
+    again and the transforms of :meth:`set_materialize_transform`. What was done to the loaded
+    instance through the proxy (``eval()``, ``to(dtype)``, ``load_state_dict``) is not replayed: put
+    such setup in the loader or in a materialize transform, and releasing early then costs time, never
+    correctness.
 
     Args:
         name: the component's name, used in log messages and errors.
@@ -282,6 +290,37 @@ class LazyModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.materialize()(*args, **kwargs)
+
+    # Python looks the container operations up on the type, never through __getattr__: without these a
+    # proxy for an nn.ModuleList, nn.Sequential or nn.ModuleDict has no len(), indexing, iteration or
+    # ``in``, and is truthy when the container is empty. Each loads, as any other use does, and a
+    # component that is no container raises the TypeError it raises itself.
+
+    def __len__(self) -> int:
+        return len(self.materialize())
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.materialize()[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.materialize()[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self.materialize()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.materialize())
+
+    def __reversed__(self) -> Any:
+        return reversed(self.materialize())
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.materialize()
+
+    def __bool__(self) -> bool:
+        # Without it bool() would call __len__ above, which raises for a component that is no container;
+        # the component's own answer is False for an empty container and True for any other module.
+        return bool(self.materialize())
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # type: ignore[override]
