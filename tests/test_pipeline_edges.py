@@ -132,6 +132,43 @@ def test_apply_offload_config_still_refuses_bad_resident_blocks_before_loading(r
     assert loaded == []
 
 
+BAD_LAYERWISE_VALUES = [
+    ({"compress": "yes"}, r"compress must be False, True or 'auto', got 'yes'$"),
+    ({"block_lists": "transformer_blocks"}, r"block_lists must be None, 'all' or a list of attribute names, got the "
+                                            r"string 'transformer_blocks'; write block_lists=\['transformer_blocks'\] "
+                                            r"for one list$"),
+    ({"block_lists": []}, r"block_lists must be None, 'all' or a non-empty list of attribute names of direct-child "
+                          r"nn\.ModuleLists, got \[\]$"),
+    ({"device_budget": "lots"}, r"device_budget must be None, a number of bytes, or a size such as '20GiB'"),
+    ({"host_budget": -1}, r"host_budget must not be negative, got -1"),
+    ({"activation_reserve": "auto"}, r"activation_reserve must be None, a number of bytes, or a size such as"),
+    ({"plan": {"resident": [0]}}, r"plan must be an OffloadPlan from plan_offload\(\), got dict$"),
+    ({"weights": {"blocks.0.weight": torch.zeros(1)}}, r"weights= takes the path of a safetensors checkpoint"),
+    ({"disk_options": object()}, r"disk_options needs weights="),
+    ({"is_replace": "no"}, r"is_replace must be True or False, got 'no'$"),
+    ({"allow_pageable_fallback": 1}, r"allow_pageable_fallback must be True or False, got 1$"),
+]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("options, message", BAD_LAYERWISE_VALUES,
+                         ids=[next(iter(options)) + f"-{i}" for i, (options, _) in enumerate(BAD_LAYERWISE_VALUES)])
+def test_apply_offload_config_refuses_bad_layerwise_values_before_loading(options: dict[str, object], message: str,
+                                                                          lazy: bool) -> None:
+    """Values the engine refuses whatever the model: refused before a loader runs. A lazy transformer was
+    reported offloaded on load, and then every load raised."""
+    from fastoffload_ext.errors import OffloadConfigError
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    loaded: list[str] = []
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: " + message):
+        apply_offload_config({"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": lazy}}},
+                             transformer="dit", device="cpu", layerwise_options=options,
+                             components={"dit": lambda: loaded.append("dit") or make_pair(3)[0],
+                                         "vae": lambda: loaded.append("vae") or torch.nn.Linear(2, 2)})
+    assert loaded == []
+
+
 # ---- apply_offload_config: what it reports for a lazy transformer the engine will decline --------------
 
 

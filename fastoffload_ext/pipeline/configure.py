@@ -17,9 +17,9 @@ What it does, in order:
 
 1. Checks every argument, so a mistake fails before anything is loaded or hooked: the components,
    the transformer, the names and values of ``layerwise_options`` (against ``enable_layerwise_offload``
-   itself) and, when layerwise offload will run, ``device``, ``backend`` and ``share_host_copy``. What
-   only the loaded model can tell (its block list, ``resident_blocks`` against its length) is checked
-   by the engine when it runs.
+   itself) and, when layerwise offload will run, ``device``, ``backend``, ``share_host_copy``,
+   ``compress`` and ``weights``. What only the loaded model can tell (its block lists' names,
+   ``resident_blocks`` against its length) is checked by the engine when it runs.
 2. Resolves ``config`` through ``steps`` (default :data:`~fastoffload_ext.policy.DEVICE_POLICY_STEPS`)
    with :func:`~fastoffload_ext.policy.resolution.resolve`. The caller's config is not mutated.
 3. Components: when ``engine.offload.lazy_module_load`` resolved to True, each loader is wrapped in a
@@ -189,7 +189,9 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                          "transformer as transformer= and the device as device= to apply_offload_config")
     # Imported here: the engine module is heavier and this module must stay importable without it.
     from fastoffload_ext.engine import layerwise
-    from fastoffload_ext.engine.options import check_knobs
+    from fastoffload_ext.engine.options import check_flags, check_knobs
+    from fastoffload_ext.planning.budgets import parse_size
+    from fastoffload_ext.planning.plan import OffloadPlan
 
     try:
         inspect.signature(layerwise.enable_layerwise_offload).bind(None, **options)
@@ -198,8 +200,33 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                         "its keyword arguments, e.g. prefetch_depth=, resident_blocks=, backend=") from None
     check_knobs(options.get("prefetch_depth", 1), options.get("cyclic", True), options.get("pinned_limit_bytes"),
                 options.get("pin_backing"))
+    check_flags(options.get("is_replace", False), options.get("allow_pageable_fallback", False))
     _check_resident_blocks(options.get("resident_blocks"))
+    # The engine checks these only once it has the model: for a lazy transformer that is at every load,
+    # after apply_offload_config reported ON_LOAD, and every load would then fail.
+    parse_size(options.get("device_budget"), "device_budget")
+    parse_size(options.get("host_budget", "auto"), "host_budget")
+    parse_size(options.get("activation_reserve"), "activation_reserve", allow_auto=False)
+    plan = options.get("plan")
+    if plan is not None and not isinstance(plan, OffloadPlan):
+        raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
+                                 f"{type(plan).__name__}")
+    _check_block_lists(options.get("block_lists"))
     return dict(options)
+
+
+def _check_block_lists(block_lists: Any) -> None:
+    """The forms ``enable_layerwise_offload`` takes, without the model: which names it has is the engine's check."""
+    from fastoffload_ext.engine.model_checks import ALL_LISTS
+
+    if block_lists is None or block_lists == ALL_LISTS:
+        return
+    if isinstance(block_lists, str):
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute names, "
+                                 f"got the string {block_lists!r}; write block_lists=[{block_lists!r}] for one list")
+    if not isinstance(block_lists, Sequence) or not block_lists or not all(isinstance(n, str) for n in block_lists):
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
+                                 f"attribute names of direct-child nn.ModuleLists, got {block_lists!r}")
 
 
 def _check_resident_blocks(resident: Any) -> None:
@@ -221,14 +248,19 @@ def _check_resident_blocks(resident: Any) -> None:
 
 def _check_layerwise_target(device: torch.device | str | None, options: Mapping[str, Any]) -> None:
     """What enable will check against the device: done before any loader runs, not after."""
+    from fastoffload_ext import codec
     from fastoffload_ext.engine import sharing
     from fastoffload_ext.engine.options import choose_backend, resolve_device
+    from fastoffload_ext.storage.options import check_storage_arguments
 
     resolved = resolve_device(device)
     if resolved is None:
         return  # the engine declines (no CUDA, no device) and checks nothing more
     chosen = choose_backend(options.get("backend", "auto"), resolved)
-    sharing.resolve(options.get("share_host_copy", "auto"), chosen, options.get("process_group"))
+    share_host_copy = check_storage_arguments(options.get("weights"), options.get("disk_options"), chosen,
+                                              options.get("share_host_copy", "auto"))
+    sharing.resolve(share_host_copy, chosen, options.get("process_group"))
+    codec.resolve_compress(options.get("compress", False), chosen)
 
 
 def _load_now(name: str, loader: Callable[[], Any]) -> Any:
