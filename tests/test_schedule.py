@@ -98,6 +98,20 @@ def test_keep_excludes_components_from_release() -> None:
     assert schedule.last_use["transformer"] == "denoise"
 
 
+def test_keep_and_stages_given_as_generators_are_read_once() -> None:
+    # Each was read more than once: an exhausted generator kept nothing (the transformer was released
+    # after every run) and a generator of stages gave a schedule that released nothing.
+    schedule = ReleaseSchedule.from_stages(T2V_STAGES, keep=(name for name in ["transformer"]))
+    assert schedule.releases_after("denoise") == []
+    assert schedule.kept == frozenset({"transformer"})
+    schedule = ReleaseSchedule((Stage(name, uses) for name, uses in T2V_STAGES), keep=iter(["transformer"]))
+    assert [stage.name for stage in schedule.stages] == [name for name, _ in T2V_STAGES]
+    assert schedule.releases_after("denoise") == [] and schedule.kept == frozenset({"transformer"})
+    assert schedule.last_use == ReleaseSchedule.from_stages(T2V_STAGES).last_use
+    assert [schedule.releases_after(name) for name, _ in T2V_STAGES] == \
+        [ReleaseSchedule.from_stages(T2V_STAGES, keep=["transformer"]).releases_after(name) for name, _ in T2V_STAGES]
+
+
 def test_stage_objects_and_tuples_mix() -> None:
     schedule = ReleaseSchedule.from_stages([Stage("encode", ["te"]), ("decode", ("vae",), lambda s, c: s)])
     assert schedule.stages[1].uses == ("vae",)

@@ -115,6 +115,8 @@ class ReleaseSchedule:
         if isinstance(keep, str):
             raise TypeError(f"fastoffload: keep must be a collection of component names, got the string {keep!r}; "
                             f"write keep=({keep!r},)")
+        # Read once: a generator is exhausted by its first reading, and would then keep (or release) nothing.
+        stages, kept = tuple(stages), frozenset(keep)
         seen: set[str] = set()
         for stage in stages:
             if stage.name in seen:
@@ -129,21 +131,21 @@ class ReleaseSchedule:
                 last_use.pop(component, None)
                 last_use[component] = stage.name
 
-        unused = sorted(set(keep) - set(last_use))
+        unused = sorted(kept - set(last_use))
         if unused:
             raise ValueError(f"fastoffload: keep names {', '.join(map(repr, unused))}, which no stage uses; keep only "
                              f"components that appear in a stage (used: {', '.join(last_use) or 'none'})")
 
         releases: dict[str, list[str]] = {stage.name: [] for stage in stages}
         for component, stage_name in last_use.items():
-            if component not in keep:
+            if component not in kept:
                 releases[stage_name].append(component)
 
-        self._stages: tuple[Stage, ...] = tuple(stages)
+        self._stages: tuple[Stage, ...] = stages
         self._last_use: Mapping[str, str] = MappingProxyType(last_use)
         self._releases: Mapping[str, tuple[str, ...]] = MappingProxyType(
             {name: tuple(names) for name, names in releases.items()})
-        self._kept: frozenset[str] = frozenset(keep)
+        self._kept: frozenset[str] = kept
 
     @classmethod
     def from_stages(cls, stages: Sequence[StageSpec], *, keep: Collection[str] = ()) -> ReleaseSchedule:
