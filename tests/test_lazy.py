@@ -294,11 +294,16 @@ def test_mapping_container_operations_load_and_answer_as_the_component() -> None
     assert list(real) == ["ffn", "mlp"] and len(built) == 1
 
 
-def test_empty_container_proxy_is_falsy_and_other_modules_truthy() -> None:
+def test_a_truth_test_loads_nothing_and_a_loaded_proxy_answers_as_its_component() -> None:
     empty, built = _counted(nn.ModuleList)
-    assert bool(empty) is False and not empty and len(built) == 1
-    assert len(empty) == 0 and list(empty) == []
+    assert bool(empty) is True and built == []  # ``if pipe.blocks:`` must not pull a component in
+    assert len(empty) == 0 and len(built) == 1
+    assert bool(empty) is False and not empty and list(empty) == []
+    empty.release()
+    assert bool(empty) is True and len(built) == 1
     module, loader = make()
+    assert bool(module) is True and loader.calls == 0
+    module.materialize()
     assert bool(module) is True and loader.calls == 1  # a module that is no container is always true
 
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from fastoffload_ext.errors import OffloadConfigError
 
-__all__ = ["ALL_LISTS", "check_block_kinds", "check_devices", "check_tied_parameters", "find_block_list",
-           "find_block_lists", "storage_key"]
+__all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_tied_parameters",
+           "find_block_list", "find_block_lists", "storage_key"]
 
 ALL_LISTS = "all"
 
@@ -48,11 +48,8 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
     if block_lists is None:
         return [find_block_list(model)]
     lists = _named_lists(model)
-    if isinstance(block_lists, str):
-        if block_lists != ALL_LISTS:
-            raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute "
-                                     f"names, got the string {block_lists!r}; write block_lists=[{block_lists!r}] "
-                                     "for one list")
+    check_block_lists_form(block_lists, ", ".join(lists) or "none")
+    if block_lists == ALL_LISTS:
         chosen = [(name, blocks) for name, blocks in lists.items() if len(blocks) > 0]
         if not chosen:
             find_block_list(model)  # FastVideo's error when there is no list at all
@@ -63,11 +60,23 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
     return [(name, lists[name]) for name in names]
 
 
+def check_block_lists_form(block_lists: Any, known: str | None = None) -> None:
+    """The forms ``block_lists`` takes whatever the model: None, ``"all"`` or a non-empty sequence of
+    names (``known``: the model's lists, for the message, when there is a model)."""
+    if block_lists is None or block_lists == ALL_LISTS:
+        return
+    if isinstance(block_lists, str):
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute "
+                                 f"names, got the string {block_lists!r}; write block_lists=[{block_lists!r}] "
+                                 "for one list")
+    if not isinstance(block_lists, Sequence) or not block_lists or not all(isinstance(n, str) for n in block_lists):
+        has = f" (this model has: {known})" if known is not None else ""
+        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
+                                 f"attribute names of direct-child nn.ModuleLists{has}, got {block_lists!r}")
+
+
 def _check_names(block_lists: Any, lists: dict[str, nn.ModuleList]) -> list[str]:
     known = ", ".join(lists) or "none"
-    if not isinstance(block_lists, Sequence) or not block_lists:
-        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
-                                 f"attribute names of direct-child nn.ModuleLists (this model has: {known}), got {block_lists!r}")
     names = list(block_lists)
     for name in names:
         if not isinstance(name, str) or name not in lists:

@@ -189,6 +189,7 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
                          "transformer as transformer= and the device as device= to apply_offload_config")
     # Imported here: the engine module is heavier and this module must stay importable without it.
     from fastoffload_ext.engine import layerwise
+    from fastoffload_ext.engine.model_checks import check_block_lists_form
     from fastoffload_ext.engine.options import check_flags, check_knobs
     from fastoffload_ext.planning.budgets import parse_size
     from fastoffload_ext.planning.plan import OffloadPlan
@@ -211,22 +212,8 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
     if plan is not None and not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
                                  f"{type(plan).__name__}")
-    _check_block_lists(options.get("block_lists"))
+    check_block_lists_form(options.get("block_lists"))
     return dict(options)
-
-
-def _check_block_lists(block_lists: Any) -> None:
-    """The forms ``enable_layerwise_offload`` takes, without the model: which names it has is the engine's check."""
-    from fastoffload_ext.engine.model_checks import ALL_LISTS
-
-    if block_lists is None or block_lists == ALL_LISTS:
-        return
-    if isinstance(block_lists, str):
-        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a list of attribute names, "
-                                 f"got the string {block_lists!r}; write block_lists=[{block_lists!r}] for one list")
-    if not isinstance(block_lists, Sequence) or not block_lists or not all(isinstance(n, str) for n in block_lists):
-        raise OffloadConfigError(f"fastoffload: block_lists must be None, {ALL_LISTS!r} or a non-empty list of "
-                                 f"attribute names of direct-child nn.ModuleLists, got {block_lists!r}")
 
 
 def _check_resident_blocks(resident: Any) -> None:

@@ -10,13 +10,14 @@ anything touches it, and drops it when told to. Whoever runs the stages decides 
 (FastVideo's pipeline does; ``fastoffload_ext.pipeline.schedule`` does it for everyone else); this module only
 owns the proxying and the load/free mechanics.
 
-The proxy is deliberately transparent: attribute access, calls, ``isinstance``, ``bool`` and a
-container's ``len``, indexing, iteration and ``in`` all reach the real component, loading it if
-needed, so code written for the real module keeps working. The two things that must *not* load it
-are ``repr`` (logging a pipeline must not pull gigabytes) and :func:`is_lazy_module` (the way to ask
-"is this a proxy?" without paying for the answer).
+The proxy is deliberately transparent: attribute access, calls, ``isinstance`` and a container's
+``len``, indexing, iteration and ``in`` all reach the real component, loading it if needed, so code
+written for the real module keeps working. Three things must *not* load it: ``repr`` (logging a
+pipeline must not pull gigabytes), a truth test (``if pipe.vae:``; an unloaded proxy is true, a
+loaded one answers as its component) and :func:`is_lazy_module` (the way to ask "is this a proxy?"
+without paying for the answer).
 
-Python finds ``len``, indexing, iteration, ``in`` and ``bool`` on the proxy's type, so every proxy
+Python finds ``len``, indexing, iteration and ``in`` on the proxy's type, so every proxy
 has them, container or not: the component answers each (a component that is no container raises its
 own ``TypeError``), but ``hasattr(proxy, "__len__")`` and ``isinstance`` against ``collections.abc``'s
 structural classes (``Iterable``, ``Sized``, ``Container``) answer True for any proxy. Ask the loaded
@@ -83,8 +84,9 @@ def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str)
 class LazyModule:
     """Stands in for a pipeline component and loads it on first use.
 
-    Every attribute access, call, ``isinstance`` check, ``bool`` and container operation (``len``,
-    indexing, iteration, ``in``) is forwarded to the real component, which is loaded first if needed.
+    Every attribute access, call, ``isinstance`` check and container operation (``len``, indexing,
+    iteration, ``in``) is forwarded to the real component, which is loaded first if needed; a truth
+    test loads nothing.
     :meth:`release` drops the reference and empties the allocator cache; any later use runs the loader
     again and the transforms of :meth:`set_materialize_transform`. What was done to the loaded
     instance through the proxy (``eval()``, ``to(dtype)``, ``load_state_dict``) is not replayed: put
@@ -318,9 +320,11 @@ class LazyModule:
         return item in self.materialize()
 
     def __bool__(self) -> bool:
-        # Without it bool() would call __len__ above, which raises for a component that is no container;
-        # the component's own answer is False for an empty container and True for any other module.
-        return bool(self.materialize())
+        # Without it bool() would call __len__ above, which loads, and raises for a component that is no
+        # container. A truth test (``if pipe.vae:``) must not pull a component in: an unloaded proxy is
+        # true, as any module is; a loaded one answers as its component (False for an empty container).
+        module = _state(self, "_lazy_module")
+        return True if module is None else bool(module)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # type: ignore[override]
