@@ -243,6 +243,41 @@ def test_is_replace_swaps_the_hooks(backend: str) -> None:
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_replace_plans_from_the_real_weights_not_the_placeholders(backend: str) -> None:
+    from fastoffload_ext.planning import module_packed_bytes
+
+    model, reference, x = _setup(6, "cpu")
+    block = module_packed_bytes(model.blocks[0])
+    budget = 3 * block // 2  # below the two slots of the smallest layout
+    with pytest.raises(ValueError, match=r"^fastoffload: device_budget 21\.0 KiB is smaller than what offload needs"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=budget)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    # The running offload holds every block as a placeholder: the same budget is refused all the same.
+    with pytest.raises(ValueError, match=r"^fastoffload: device_budget 21\.0 KiB is smaller than what offload needs"):
+        fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, device_budget=budget)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    group = fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend,
+                                        device_budget=4 * block)
+    assert len(group.resident) == 2 and group.plan.device_bytes == 4 * block
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_replace_offloads_a_block_the_running_offload_kept_resident(backend: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[0])
+    group = fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, resident_blocks=0)
+    assert fo.get_offload_group(model) is group and group.resident == ()
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 def test_without_cuda_and_no_device_it_warns_and_skips(monkeypatch, caplog) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model, _, _ = _setup(2, "cpu")

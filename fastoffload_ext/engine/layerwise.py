@@ -142,6 +142,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
         resolved = resolve_device(device)
         if resolved is None:
             return _skip_without_cuda(rendezvous)
+        replaced = _undo_to_replace(model, is_replace)
         options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
                                      cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
                                      pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
@@ -149,7 +150,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
                                      process_group=process_group, compress=compress, device_budget=device_budget,
                                      host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
                                      weights=weights, disk_options=disk_options, block_lists=block_lists)
-        _check_model(model, options)
+        _check_model(model, options, replaced)
         was_on_cuda = any(p.device.type == "cuda" for block in options.offloaded for p in block.parameters())
         # What a later re-plan passes to enable again (planning/replan.py).
         arguments = dict(backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
@@ -165,6 +166,16 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
     _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
     group.load_guard = _load_guard(model, group)
     return _finish(model, group, options, was_on_cuda)
+
+
+def _undo_to_replace(model: nn.Module, is_replace: Any) -> bool:
+    """With is_replace, the offload on ``model`` is undone before anything is checked (True when there was
+    one): it holds its blocks' weights as empty placeholders, so the new layout would be planned, and held
+    to the budgets, as if they were free."""
+    if is_replace is not True or get_offload_group(model) is None:
+        return False
+    disable_layerwise_offload(model)
+    return True
 
 
 def _skip_without_cuda(rendezvous: sharing.Rendezvous) -> None:
@@ -207,19 +218,18 @@ def _negotiate_sharing(group: LayerwiseOffloadGroup, options: OffloadOptions,
                                        options.list_name, first, group.engine, options.compress)
 
 
-def _check_model(model: nn.Module, options: OffloadOptions) -> None:
-    """Refusals that depend on the model: an offload already there (or none to replace), devices, ties."""
+def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = False) -> None:
+    """Refusals that depend on the model: an offload already there (or none to replace), devices, ties.
+    ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
     existing = get_offload_group(model)
     if options.is_replace:
         first = blocks[offloaded[0]] if offloaded else None
         manager = ModuleHookManager.get_from(first) if first is not None else None
-        if manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None:
+        if not replaced and (manager is None or manager.get_forward_hook(LayerwiseOffloadHook.name()) is None):
             # FastVideo's exception type, and its text after the prefix: its callers catch and search for them.
             raise AssertionError(f"fastoffload: Expect hook exists in {options.list_name} for replacement. Call "
                                  "enable_layerwise_offload without is_replace=True when no offload is there yet")
-        if existing is not None:
-            disable_layerwise_offload(model)
     elif existing is not None:
         raise OffloadConfigError(f"fastoffload: layerwise offload is already enabled on this model ({existing!r}); "
                                  "call disable_layerwise_offload(model) first, or pass is_replace=True")
