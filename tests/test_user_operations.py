@@ -89,6 +89,39 @@ def test_a_forward_inside_a_mutate_scope_keeps_every_value(backend: str, edit: b
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, RuntimeError])
+def test_a_load_that_raises_part_way_leaves_no_block_inside_a_scope(backend: str, fault: type[BaseException]) -> None:
+    from fastoffload_ext.planning import BlockCosts, module_packed_bytes
+
+    model, reference = _frozen_pair(4)
+    other, _ = _frozen_pair(4, seed=5)
+    block = module_packed_bytes(model.blocks[0])
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * block // 2)
+    assert group.resident == ()
+
+    def interrupt(*args: object) -> None:
+        raise fault("interrupted while loading")
+
+    # Block 2's offload pre-hook has run (its weights are real for the copy) when this one raises.
+    for m in (model, reference):
+        handle = m.blocks[2].register_load_state_dict_pre_hook(interrupt)
+        with pytest.raises(fault, match="interrupted while loading"):
+            m.load_state_dict(other.state_dict())
+        handle.remove()
+    # No scope is open: a re-plan is not refused, and block 2 is offloaded again, with what the load had copied.
+    fresh = group.replan(BlockCosts([1.0] * 4, [block] * 4, 1e-3))
+    hook = offload_hook(model.blocks[2])
+    with torch.no_grad():
+        with hook.mutate_params_scope():
+            model.blocks[2].o.weight.mul_(2)
+        reference.blocks[2].o.weight.mul_(2)
+        assert all(p.numel() == 0 for p in model.blocks[2].parameters())
+        assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(fresh.model_ref)
+    assert params_equal(model, reference)
+
+
 # ---- blocks that call themselves ----------------------------------------------------------------
 
 class Recurrent(torch.nn.Module):

@@ -117,6 +117,7 @@ class LayerwiseOffloadHook(ForwardHook):
         resumes. The rebuild also runs when the scope exits with an exception. Scopes on one block nest
         (so does a ``load_state_dict()`` inside one): the outermost exit rebuilds.
         """
+        self.state_dict_hooks.finish_interrupted_load()
         enter_mutation(self.state)
         try:
             yield

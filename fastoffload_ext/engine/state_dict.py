@@ -88,7 +88,19 @@ class StateDictHooks:
         own = getattr(self.state, "load_refusal", None)  # a state's own (a disk-tier block has no host copy)
         return own() if callable(own) else None
 
+    def finish_interrupted_load(self) -> None:
+        """Ends a load into this block that raised (Ctrl-C, a failing hook of a module loaded after this
+        block's pre-hook) before its post-hook ran: the host copy is rebuilt from what the block holds now,
+        as the resident model holds what that load had copied. Left open, the block stayed materialized,
+        counted as inside mutate_params_scope() (a re-plan refused it for good) and a later scope's exit
+        was taken for an inner one, which does not rebuild."""
+        if self._loading:
+            self._loading = False
+            with torch.no_grad():
+                leave_mutation(self.state)
+
     def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        self.finish_interrupted_load()
         if not any(key.startswith(prefix) for key in state_dict):
             return  # nothing for this block (a partial load): its host copy stays as it is
         refused = self.refusal()

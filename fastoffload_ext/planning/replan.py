@@ -87,6 +87,8 @@ def _check_current(group: Any) -> None:
     if get_offload_group(group.model_ref) is not group:
         raise OffloadStateError("fastoffload: this offload group is no longer the one on its model (offload was "
                                 "disabled or re-planned); use get_offload_group(model) for the current one")
+    for _, hooks in group.load_guard.blocks if group.load_guard is not None else ():
+        hooks.finish_interrupted_load()  # a load that raised part-way is no scope
     inside = {id(state.module_ref) for state in group.states if getattr(state, "mutating", False)}
     mutating = [index for index, block in enumerate(group.blocks) if id(block) in inside]
     if mutating:
