@@ -278,6 +278,29 @@ def test_is_replace_offloads_a_block_the_running_offload_kept_resident(backend: 
     assert params_equal(model, reference)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_is_replace_never_brings_every_block_to_the_device(backend: str) -> None:
+    """The running offload is undone into host memory: a model offloaded because its blocks do not fit
+    the device must survive is_replace."""
+    from fastoffload_ext.planning import module_packed_bytes
+
+    model, reference, x = _setup(8, "cuda", d=256)
+    blocks = sum(module_packed_bytes(block) for block in reference.blocks)
+    fo.enable_layerwise_offload(model, device="cuda", backend=backend)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    group = fo.enable_layerwise_offload(model, is_replace=True, device="cuda", backend=backend, prefetch_depth=2)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < blocks // 2
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert fo.get_offload_group(model) is group
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 def test_without_cuda_and_no_device_it_warns_and_skips(monkeypatch, caplog) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model, _, _ = _setup(2, "cpu")

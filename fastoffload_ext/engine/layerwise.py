@@ -171,10 +171,11 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
 def _undo_to_replace(model: nn.Module, is_replace: Any) -> bool:
     """With is_replace, the offload on ``model`` is undone before anything is checked (True when there was
     one): it holds its blocks' weights as empty placeholders, so the new layout would be planned, and held
-    to the budgets, as if they were free."""
+    to the budgets, as if they were free. Its blocks come back to host memory, where it kept them: on the
+    device, all of them at once may not fit (offload is there because they do not)."""
     if is_replace is not True or get_offload_group(model) is None:
         return False
-    disable_layerwise_offload(model)
+    disable_layerwise_offload(model, device="cpu")
     return True
 
 
