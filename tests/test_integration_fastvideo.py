@@ -196,3 +196,32 @@ def test_missing_fastvideo_module_says_what_failed(monkeypatch: pytest.MonkeyPat
         integration.install(device="cpu")
     assert not integration.is_installed()
     assert component_loader.enable_layerwise_offload is ORIGINAL_ENABLE
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_fastvideo_hooks_run_under_the_installed_manager_bit_exact(backend: str) -> None:
+    # FastVideo's activation trace attaches its own ForwardHook subclass, through the ModuleHookManager name
+    # install() rebound, to every module: alone on the modules outside the blocks, next to the offload hook
+    # on the blocks. FastVideo's ForwardHook has no eager_points; such a hook must run, not raise.
+    trace = import_fastvideo("fastvideo.hooks.activation_trace")
+    integration.install(device="cpu", backend=backend)
+    seen: list[str] = []
+
+    class Recorder(fv_hooks.ForwardHook):
+        @classmethod
+        def name(cls) -> str:
+            return "Recorder"
+
+        def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+            seen.append(type(module).__name__)
+            return output
+
+    model, reference = make_pair(3)
+    fv_offload.enable_layerwise_offload(model)
+    for module in (model.proj_in, model.blocks[1], model.proj_out):
+        trace.ModuleHookManager.get_from_or_default(module).append_forward_hook(Recorder())
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    assert seen == [type(model.proj_in).__name__, type(model.blocks[1]).__name__, type(model.proj_out).__name__] * 2

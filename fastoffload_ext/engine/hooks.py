@@ -115,7 +115,9 @@ def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hooks = manager.forward_hooks
     if len(hooks) == 1 and not _is_compiling() and _eval_frame_callback() is None:
         for only in hooks.values():
-            points = only.eager_points
+            # A hook of another ForwardHook class (FastVideo's own, under an installed integration) has no
+            # such attribute: it takes the general path.
+            points = getattr(only, "eager_points", None)
             if points is not None:
                 # Inline rather than a helper: one Python frame less on every block of every step.
                 points[0]()
