@@ -225,3 +225,25 @@ def test_fastvideo_hooks_run_under_the_installed_manager_bit_exact(backend: str)
         for _ in range(2):
             assert torch.equal(model(x), reference(x))
     assert seen == [type(model.proj_in).__name__, type(model.blocks[1]).__name__, type(model.proj_out).__name__] * 2
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_block_under_fastvideos_own_hook_manager_is_refused_and_nothing_changes(backend: str) -> None:
+    # FastVideo's manager runs no post_forward when a forward raises: the offload hook under it would keep
+    # its block's device slot after one failing forward, and every later forward would fail.
+    class Recorder(fv_hooks.ForwardHook):
+        @classmethod
+        def name(cls) -> str:
+            return "Recorder"
+
+    model, reference = make_pair(3)
+    ORIGINAL_MANAGER.get_from_or_default(model.blocks[1]).append_forward_hook(Recorder())
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: blocks\.1 carries hooks under another hook manager "
+                                                 r"\(fastvideo\.hooks\.hooks\.ModuleHookManager\), whose forward does "
+                                                 r"not release a block when it raises"):
+        our_layerwise.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=0)
+    assert get_offload_group(model) is None
+    assert all(ModuleHookManager.get_from(block) is None for block in (model.blocks[0], model.blocks[2]))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -223,6 +223,7 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     """Refusals that depend on the model: an offload already there (or none to replace), devices, ties.
     ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
+    _check_hook_managers(options)
     existing = get_offload_group(model)
     if options.is_replace:
         first = blocks[offloaded[0]] if offloaded else None
@@ -243,6 +244,24 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
         in_list = {i - offset for i in offloaded if offset <= i < offset + len(one_list)}
         check_tied_parameters(model, list_name, one_list, in_list)
         offset += len(one_list)
+
+
+def _check_hook_managers(options: OffloadOptions) -> None:
+    """Refuses an offloaded block whose forward another class's hook manager wraps (FastVideo's own, attached
+    before this engine was installed): its wrapper runs no post_forward when the forward raises, so one
+    failing forward would leave the block holding its device slot, and every later forward would fail."""
+    lists = options.lists or ((options.list_name, options.blocks),)
+    names = [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
+    for index in options.offloaded_indices:
+        manager = ModuleHookManager.get_from(options.blocks[index])
+        if manager is not None and not isinstance(manager, ModuleHookManager):
+            kind = f"{type(manager).__module__}.{type(manager).__qualname__}"
+            raise OffloadConfigError(f"fastoffload: {names[index]} carries hooks under another hook manager ({kind}), "
+                                     "whose forward does not release a block when it raises, so one failing forward "
+                                     "would keep the block's device slot for good. Remove those hooks "
+                                     "(ModuleHookManager.remove_from_manager) and attach them after enabling offload; "
+                                     "with FastVideo, call fastoffload_ext.integrations.fastvideo.install() before "
+                                     "FastVideo attaches any hook")
 
 
 def _build_engine(options: OffloadOptions) -> Any:
