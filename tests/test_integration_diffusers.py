@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from fastoffload_ext import disable_layerwise_offload, get_offload_group
-from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.integrations.diffusers import bound, offload_transformer
-from tests._models import OFFLOAD_DEVICES
+from tests._models import OFFLOAD_DEVICES, make_pair, params_equal
 from tests._pipelines import EXAMPLE, call_arguments, tiny_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,3 +127,28 @@ def test_the_example_runs_end_to_end_on_the_cpu_bit_exact() -> None:
     assert "by backend ext on cpu" in done.stdout or "by backend python on cpu" in done.stdout
     assert "text_encoder loaded after the run: False, vae: False" in done.stdout
     assert "bit-exact: True" in done.stdout
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_denoiser_that_refuses_undoes_the_ones_offloaded_before_it(backend: str) -> None:
+    class Pipe:
+        def __init__(self) -> None:
+            self.transformer, self.reference = make_pair(3)
+            self.transformer_2, _ = make_pair(3, seed=1)
+            # A weight tied between a block and the rest of the model: enable refuses transformer_2.
+            self.transformer_2.blocks[1].up.weight = self.transformer_2.proj_in.weight
+
+    pipe = Pipe()
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: parameter proj_in\.weight is the same tensor as "
+                                                 r"blocks\.1\.up\.weight"):
+        offload_transformer(pipe, device="cpu", backend=backend, resident_blocks=1)
+    assert get_offload_group(pipe.transformer) is None and get_offload_group(pipe.transformer_2) is None
+    assert all(not hasattr(m, "_hook_manager") for m in pipe.transformer.modules())
+    assert params_equal(pipe.transformer, pipe.reference)
+    assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in pipe.transformer.parameters())
+    # A retry without the refused denoiser offloads the first one, bit-exact.
+    groups = offload_transformer(pipe, names=("transformer",), device="cpu", backend=backend)
+    assert list(groups) == ["transformer"]
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(x), pipe.reference(x))

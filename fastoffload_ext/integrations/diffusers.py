@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.engine.layerwise import LayerwiseOffloadGroup, enable_layerwise_offload, get_offload_group
+from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
+                                              get_offload_group)
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,11 @@ def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
         param.data = param.data.to(group.device)
     for key, buffer in model.named_buffers(recurse=False):
         setattr(model, key, buffer.to(group.device))
+
+
+def _devices_before(group: LayerwiseOffloadGroup) -> torch.device:
+    """Where the offloaded blocks were before enable (the offload device when every block stayed resident)."""
+    return group.original_devices[0] if group.original_devices else group.device
 
 
 def _offloaded_names(pipe: Any) -> list[str]:
@@ -214,18 +220,27 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
     Raises:
         TypeError: ``names`` is a string, or holds something other than strings.
         ValueError: a name in ``names`` holds no module on ``pipe``; nothing is offloaded.
+        Whatever ``enable_layerwise_offload`` raises for a denoiser: the ones this call had offloaded are
+            undone first (their blocks go back where they were), so nothing stays offloaded.
     """
     present = tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
     chosen = _check_names(pipe, names) if names is not None else present
     groups: dict[str, LayerwiseOffloadGroup] = {}
-    for name in chosen:
+    try:
+        for name in chosen:
+            group = enable_layerwise_offload(getattr(pipe, name), **options)
+            if group is not None:
+                groups[name] = group
+    except BaseException:
+        # A later denoiser refused: the ones offloaded by this call go back, so that the pipeline is as it
+        # was (a retry would otherwise find them offloaded, and they would have no pipeline wrappers).
+        for name, group in groups.items():
+            disable_layerwise_offload(getattr(pipe, name), device=_devices_before(group))
+        raise
+    for name, group in groups.items():
         model = getattr(pipe, name)
-        group = enable_layerwise_offload(model, **options)
-        if group is None:
-            continue
         _place_rest(model, group)
         guard_device_moves(model)
-        groups[name] = group
     if groups and hasattr(pipe, "enable_model_cpu_offload"):
         _wrap_pipeline_offloads(pipe)
     logger.info("Offloaded %s of %s layer by layer", ", ".join(groups) or "nothing", type(pipe).__name__)
