@@ -152,3 +152,32 @@ def test_a_denoiser_that_refuses_undoes_the_ones_offloaded_before_it(backend: st
     x = torch.randn(2, 16)
     with torch.no_grad():
         assert torch.equal(pipe.transformer(x), pipe.reference(x))
+
+
+def test_a_denoiser_offloaded_under_another_name_is_checked_before_the_pipeline_moves() -> None:
+    from diffusers import DiffusionPipeline
+
+    class Encoder(nn.Linear):
+        @property
+        def dtype(self) -> torch.dtype:
+            return self.weight.dtype
+
+    class UnetPipeline(DiffusionPipeline):
+        def __init__(self, unet: nn.Module, text_encoder: nn.Module) -> None:
+            super().__init__()
+            self.register_modules(unet=unet, text_encoder=text_encoder)
+
+    model, reference = make_pair(3)
+    pipe = UnetPipeline(model, Encoder(4, 4))
+    offload_transformer(pipe, names=("unet",), device="cpu")
+    # Refused before any component moves: the text encoder went to meta first, and the pipeline was left split.
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: pipe\.to\('meta'\) would move the layerwise-offloaded "
+                                                r"pipe\.unet to meta"):
+        pipe.to("meta")
+    assert pipe.text_encoder.weight.device.type == "cpu"
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: enable_sequential_cpu_offload would put accelerate's "
+                                                r"per-parameter hooks on the layerwise-offloaded pipe\.unet"):
+        pipe.enable_sequential_cpu_offload(device="cpu")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(pipe.unet(x), reference(x))

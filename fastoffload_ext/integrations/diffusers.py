@@ -43,6 +43,7 @@ __all__ = ["DENOISER_NAMES", "bound", "guard_device_moves", "offload_transformer
 DENOISER_NAMES = ("transformer", "transformer_2")
 _GUARDED_METHODS = ("to", "cuda", "cpu")
 _GUARD_ATTRIBUTE = "_fastoffload_device_guard"
+_NAMES_ATTRIBUTE = "_fastoffload_denoisers"  # on the pipeline: every attribute offload_transformer offloaded
 
 MOVE_ERROR = ("fastoffload: {what} would move the layerwise-offloaded {model} to {target}, but its blocks are "
               "offloaded to {device} and the rest of the model must run there too. Move it to {device} (or leave "
@@ -131,7 +132,9 @@ def _devices_before(group: LayerwiseOffloadGroup) -> torch.device:
 
 
 def _offloaded_names(pipe: Any) -> list[str]:
-    return [name for name in DENOISER_NAMES
+    # The usual denoisers, and any other attribute offload_transformer(names=...) offloaded (a "unet").
+    names = dict.fromkeys((*DENOISER_NAMES, *getattr(pipe, _NAMES_ATTRIBUTE, ())))
+    return [name for name in names
             if isinstance(getattr(pipe, name, None), nn.Module) and get_offload_group(getattr(pipe, name)) is not None]
 
 
@@ -241,6 +244,8 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
         model = getattr(pipe, name)
         _place_rest(model, group)
         guard_device_moves(model)
+    if groups:
+        setattr(pipe, _NAMES_ATTRIBUTE, (*getattr(pipe, _NAMES_ATTRIBUTE, ()), *groups))
     if groups and hasattr(pipe, "enable_model_cpu_offload"):
         _wrap_pipeline_offloads(pipe)
     logger.info("Offloaded %s of %s layer by layer", ", ".join(groups) or "nothing", type(pipe).__name__)
