@@ -119,6 +119,35 @@ def test_a_weight_tied_inside_a_block_is_filled_under_both_names(tmp_path: Path,
     assert all(block.b.weight is block.a.weight and block.a.weight.is_meta for block in model.blocks)
 
 
+@pytest.mark.parametrize("host_budget", ["all", "half"])
+def test_a_block_list_reached_by_a_second_name_is_offloaded_from_the_checkpoint(tmp_path: Path,
+                                                                                 host_budget: str) -> None:
+    from safetensors.torch import save_model
+
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    from tests._checkpoints import block_bytes
+    reference = reference_stack(6)
+    reference.stages = reference.blocks
+    path = tmp_path / "aliased.safetensors"
+    save_model(reference, str(path))  # one name of each tensor: blocks.*
+    model = meta_stack(6)
+    model.stages = model.blocks  # the same modules: their parameters are named stages.* too
+    budget = None if host_budget == "all" else 3 * block_bytes(reference) + 8192 + 2 * STAGING_SLACK
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    assert any(state.on_disk for state in group.states) == (host_budget == "half")
+    # Offloaded: the stages.* names were read as tensors outside the blocks, which put every block's real
+    # values in place of the engine's placeholders (on a GPU, the whole model on the device).
+    assert all(p.numel() == 0 for p in model.blocks.parameters())
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    assert all(p.numel() == 0 for p in model.blocks.parameters())
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+
+
 @pytest.mark.parametrize("weight_map", [["a.safetensors"], {"blocks.0.qkv.weight": None}, {"x": 3}])
 def test_a_malformed_index_is_refused_naming_it(tmp_path: Path, weight_map: object) -> None:
     import json

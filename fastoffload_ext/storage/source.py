@@ -143,7 +143,7 @@ class CheckpointSource:
         opened = time.perf_counter()
         sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
         cls._check_layouts(list_name, blocks, offloaded)
-        resident = cls._resident_entries(checkpoint, model, list_name, offloaded)
+        resident = cls._resident_entries(checkpoint, model, list_name, blocks, offloaded)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         if tiers.disk:
@@ -219,9 +219,12 @@ class CheckpointSource:
                 yield name, buffer, "buffer"
 
     @classmethod
-    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str,
+    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str, blocks: nn.ModuleList,
                           offloaded_indices: list[int]) -> dict[str, TensorEntry]:
-        offloaded = {f"{list_name}.{i}." for i in offloaded_indices}
+        # By identity, not by name: a block list reached by a second name (self.stages = self.blocks)
+        # holds the offloaded parameters under that name too, and reading them there would put real
+        # values in place of the engine's, so the block would never be offloaded.
+        offloaded = {id(param) for i in offloaded_indices for param in blocks[i].parameters()}
         resident: dict[str, TensorEntry] = {}
         # A tensor held under several names (tied weights) needs only one of them in the checkpoint:
         # safetensors' save_model, and the libraries built on it, keep one name of each tie.
@@ -231,9 +234,7 @@ class CheckpointSource:
             if entry is not None:
                 stored.setdefault(id(tensor), entry)
         for name, tensor, kind in cls._named_tensors(model):
-            block_prefix = name.split(".", 2)[:2]
-            is_offloaded_param = kind == "parameter" and ".".join(block_prefix) + "." in offloaded
-            if is_offloaded_param:
+            if kind == "parameter" and id(tensor) in offloaded:
                 continue
             entry = checkpoint.get(name) or stored.get(id(tensor))
             if entry is None:
