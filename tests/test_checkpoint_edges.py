@@ -354,3 +354,45 @@ def test_state_dict_of_a_block_with_a_tied_weight_holds_the_value_under_every_na
     fresh.load_state_dict(saved)  # what a caller does with a saved state dict
     assert params_equal(fresh, reference)
     disable_layerwise_offload(model, device="cpu")
+
+
+class Adapted(torch.nn.Module):
+    """An adapter conversion's wrapper: the old layer moves to ``base`` and a new parameter comes beside it."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = torch.nn.Parameter(torch.full((base.out_features,), 2.0, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) * self.scale
+
+
+def test_disable_to_meta_after_a_scope_changed_a_block_s_parameters(tmp_path: Path) -> None:
+    from fastoffload_ext.engine.hooks import ModuleHookManager
+    from fastoffload_ext.engine.layerwise import get_offload_group
+    reference = reference_stack(4)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(4)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=None)
+    hook = ModuleHookManager.get_from(model.blocks[1]).get_forward_hook("LayerwiseOffloadHook")
+    with hook.mutate_params_scope():
+        model.blocks[1].o = Adapted(model.blocks[1].o)
+    reference.blocks[1].o = Adapted(reference.blocks[1].o)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+    # The checkpoint's names (o.weight) are not the block's any more, and o.scale is not in it: the detach
+    # raised a KeyError half way, leaving the model offloaded, with every later forward failing.
+    disable_layerwise_offload(model, device="meta")
+    assert get_offload_group(model) is None
+    got = dict(model.blocks.named_parameters())
+    want = dict(reference.blocks.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(p.is_meta and p.shape == want[k].shape and p.dtype == want[k].dtype for k, p in got.items())
+    # Enabled again from a checkpoint of the adapted model, it runs it.
+    adapted = write_single(reference, tmp_path / "adapted.safetensors")
+    enable_layerwise_offload(model, device="cpu", weights=adapted, host_budget=None)
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)

@@ -44,6 +44,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         self.source = source
         self.block: BlockSource = source.next_block(engine)
         self._originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.mutated = False  # a mutation (mutate_params_scope, a load) began: the names may not be the file's
 
     @property
     def on_disk(self) -> bool:
@@ -104,10 +105,14 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         if self.block.on_disk:
             raise OffloadStateError(DISK_MUTATION_ERROR)
         super().begin_mutation()
+        self.mutated = True
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         if torch.device(device).type != "meta":
             super().restore(module, device)
+            return
+        if self.mutated:
+            self._restore_mutated_to_meta(module)
             return
         # Rolled back before the model ever had values, or disabled to the meta device: the engine's copy
         # is dropped without a read (the file may be what failed, or may have changed since enable), the
@@ -125,6 +130,24 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
                 meta = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
                                     requires_grad=param.requires_grad)
                 for place, key in places.get(id(param), [(owner, leaf)]):  # a tie stays a tie
+                    place._parameters[key] = meta
+
+    def _restore_mutated_to_meta(self, module: nn.Module) -> None:
+        """To the meta device after a mutation: the scope may have added parameters, replaced submodules or
+        changed shapes, so the checkpoint's names and shapes no longer describe the block. Its host copy is
+        complete (a host-tier block: a disk-tier one is never mutated), so it comes back onto the host,
+        where every parameter has its shape again, and each goes to meta from there."""
+        if self._attached():
+            self.engine.restore(self.handle, torch.device("cpu"))
+        ExtLayerwiseOffloadState._detaches += 1
+        self._originals.clear()  # the block's parameters are now the ones the mutation left
+        for places in self._aliases(module).values():
+            owner, leaf = places[0]
+            param = owner._parameters[leaf]
+            if param is not None and not param.is_meta:
+                meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                    requires_grad=param.requires_grad)
+                for place, key in places:  # a tie stays a tie
                     place._parameters[key] = meta
 
     def check_files(self) -> None:
