@@ -396,3 +396,25 @@ def test_disable_to_meta_after_a_scope_changed_a_block_s_parameters(tmp_path: Pa
         assert torch.equal(model(inputs()), reference(inputs()))
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
+
+
+def test_a_relative_weights_path_keeps_working_after_the_process_changes_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    from tests._checkpoints import block_bytes
+    reference = reference_stack(6)
+    write_single(reference, tmp_path / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights="model.safetensors",
+                                     host_budget=3 * block_bytes(reference) + 8192 + 2 * STAGING_SLACK)
+    assert any(state.on_disk for state in group.states)
+    # The reader checks each file by name before every read: a relative name said the file had disappeared,
+    # and every later forward (and a disable to a real device) failed.
+    monkeypatch.chdir(tmp_path.parent)
+    with torch.no_grad():
+        expected = reference(inputs())
+        for _ in range(2):
+            assert torch.equal(model(inputs()), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)

@@ -201,6 +201,22 @@ def test_spill_dir_holds_the_spill_file_and_a_missing_one_is_refused(tmp_path: P
     assert get_offload_group(model) is None and all(p.is_meta for p in model.blocks.parameters())
 
 
+def test_a_relative_spill_dir_keeps_working_after_the_process_changes_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, path, budget = _half_in_host_memory(tmp_path)
+    (tmp_path / "spill").mkdir()
+    monkeypatch.chdir(tmp_path)
+    model = meta_stack(N_BLOCKS)
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True,
+                             disk_options=DiskOptions(spill_dir="spill"))
+    assert len(_spills(tmp_path / "spill")) == 1
+    # The spill file is checked by name before every read (and removed by name at detach).
+    monkeypatch.chdir(tmp_path.parent)
+    assert _run_exact(model, reference, "cpu", steps=2)
+    disable_layerwise_offload(model, device="cpu")
+    assert _spills(tmp_path / "spill") == [] and params_equal(model, reference)
+
+
 def test_a_full_disk_while_spilling_fails_cleanly(tmp_path: Path) -> None:
     reference, path, budget = _half_in_host_memory(tmp_path)
     model = meta_stack(N_BLOCKS)

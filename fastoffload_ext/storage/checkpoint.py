@@ -201,7 +201,9 @@ def prefetch_headers(path: str | os.PathLike[str]) -> None:
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Reads the metadata of every file of the checkpoint at ``path`` (no tensor data)."""
-    files = _files_of(Path(path))
+    # Absolute: the reader opens the files again and checks them by name before every read, for as long as
+    # offload runs, and a relative name would point elsewhere (or nowhere) once the process changes directory.
+    files = _files_of(Path(os.path.abspath(path)))
     entries: dict[str, TensorEntry] = {}
     stamps: dict[str, tuple[int, int, int]] = {}
     for file in files:

@@ -271,7 +271,8 @@ class CheckpointSource:
             return
         opts = self.options
         first = min(entry.path for block in self.blocks for entry in block.entries)
-        folder = os.fspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
+        # Absolute, as the checkpoint's files are: the reader checks the spill file by name before every read.
+        folder = os.path.abspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
         # A name of this process alone; the engine creates it exclusively and removes it at detach.
         with self.timed("spill"):
             engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
