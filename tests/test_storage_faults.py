@@ -71,6 +71,25 @@ def test_missing_tensor(tmp_path: Path) -> None:
     _untouched(model)
 
 
+@pytest.mark.parametrize("resident_blocks", [None, 3])
+def test_a_parameter_outside_the_offloaded_blocks_missing_from_the_checkpoint_is_refused_on_a_real_model(
+        tmp_path: Path, resident_blocks: int | None) -> None:
+    reference = reference_stack(3)
+    missing = "proj_out.weight" if resident_blocks is None else "blocks.1.up.weight"
+    state = {k: v for k, v in reference.state_dict().items() if k != missing}
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    # Built with real weights (its own random init): the parameter the checkpoint lacks was kept, and the
+    # model ran with it, silently other than the checkpoint's model.
+    model = reference_stack(3, seed=7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"parameter '{re.escape(missing)}' is not in checkpoint {path}"):
+        enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
+    assert get_offload_group(model) is None
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_truncated_file(checkpoint: tuple[torch.nn.Module, Path]) -> None:
     _, path = checkpoint
     os.truncate(path, path.stat().st_size - 100)

@@ -238,7 +238,9 @@ class CheckpointSource:
                 continue
             entry = checkpoint.get(name) or stored.get(id(tensor))
             if entry is None:
-                if tensor.is_meta:
+                # A parameter must come from the checkpoint even when it holds values (random init, empty
+                # weights): kept, it would run with values that are not the checkpoint's, without an error.
+                if tensor.is_meta or kind == "parameter":
                     if kind == "buffer":
                         raise CheckpointError(
                             f"fastoffload: buffer '{name}' is on the meta device and not in checkpoint "
