@@ -418,3 +418,30 @@ def test_a_relative_weights_path_keeps_working_after_the_process_changes_directo
             assert torch.equal(model(inputs()), expected)
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("host_budget", ["all", "half"])
+def test_enable_from_weights_inside_inference_mode_makes_ordinary_tensors(tmp_path: Path, host_budget: str) -> None:
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    from tests._checkpoints import block_bytes
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = meta_stack(6)
+    budget = None if host_budget == "all" else 3 * block_bytes(reference) + 8192 + 2 * STAGING_SLACK
+    # A pipeline's __call__ under @torch.inference_mode() that builds its transformer there: enable raised
+    # "Inference tensors do not track version counter" (the meta parameters' replacements were inference
+    # tensors), and the tensors read outside the blocks would have refused every later in-place update.
+    with torch.inference_mode():
+        group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, resident_blocks=[0])
+    assert any(state.on_disk for state in group.states) == (host_budget == "half")
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    x = inputs()
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(model(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    model.load_state_dict(reference.state_dict())  # an in-place copy into every parameter
+    assert params_equal(model, reference)

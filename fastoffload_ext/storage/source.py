@@ -323,7 +323,9 @@ class CheckpointSource:
         for name in names:
             by_file.setdefault(self.resident[name].path, []).append(name)
         safe_open = safetensors_module().safe_open
-        with self.timed("resident"):
+        # Ordinary tensors, also when enable is called in inference mode: the model keeps them for good, and
+        # inference tensors would refuse every later in-place update (load_state_dict) and autograd outside it.
+        with self.timed("resident"), torch.inference_mode(False):
             for path, in_file in by_file.items():
                 with safe_open(path, framework="pt", device=str(device)) as handle:
                     for name in in_file:

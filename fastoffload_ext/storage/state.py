@@ -69,7 +69,8 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
             owner = module.get_submodule(prefix)
             param = owner._parameters[leaf]
             if param.is_meta:
-                empty = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
+                with torch.inference_mode(False):  # an ordinary tensor, also when enable runs in inference mode
+                    empty = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
                 for place, key in places.get(id(param), [(owner, leaf)]):
                     self._originals.append((place, key, param))
                     place._parameters[key] = empty
