@@ -445,3 +445,56 @@ def test_enable_from_weights_inside_inference_mode_makes_ordinary_tensors(tmp_pa
     assert params_equal(model, reference)
     model.load_state_dict(reference.state_dict())  # an in-place copy into every parameter
     assert params_equal(model, reference)
+
+
+class ComputedTable(torch.nn.Module):
+    """A block with a table computed when it is built and not saved (a non-persistent buffer)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.register_buffer("table", torch.linspace(0.5, 1.5, d), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.table
+
+
+class ComputedStack(torch.nn.Module):
+    def __init__(self, n_blocks: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.head = ComputedTable(d)
+        self.blocks = torch.nn.ModuleList(ComputedTable(d) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("resident_blocks", [None, 2])
+def test_a_computed_buffer_keeps_its_values_when_an_older_checkpoint_holds_one(tmp_path: Path,
+                                                                               resident_blocks) -> None:
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    reference = ComputedStack()
+    # A checkpoint from a version that saved the tables (with other values): the model built now computes
+    # its own, and load_state_dict (which never loads a non-persistent buffer) keeps them.
+    older = dict(reference.state_dict())
+    older.update({name: torch.zeros_like(table) for name, table in reference.named_buffers()})
+    path = tmp_path / "older.safetensors"
+    save_file({k: v.contiguous() for k, v in older.items()}, str(path))
+    with torch.device("meta"):
+        model = ComputedStack()
+    for module in model.modules():  # built with empty weights: buffers real, as accelerate's default does
+        if "table" in module._buffers:
+            module._buffers["table"] = torch.linspace(0.5, 1.5, 32)
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))

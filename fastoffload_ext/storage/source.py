@@ -229,12 +229,19 @@ class CheckpointSource:
         # A tensor held under several names (tied weights) needs only one of them in the checkpoint:
         # safetensors' save_model, and the libraries built on it, keep one name of each tie.
         stored: dict[int, TensorEntry] = {}
+        # A real buffer that its module does not save (non-persistent: a table computed when the model is
+        # built) keeps its values, as load_state_dict leaves it, even when an older checkpoint holds one
+        # under its name; a meta one has no values and is read from the checkpoint when it is there.
+        computed = {f"{prefix}.{key}" if prefix else key
+                    for prefix, module in model.named_modules(remove_duplicate=False)
+                    for key in module._non_persistent_buffers_set
+                    if module._buffers.get(key) is not None and not module._buffers[key].is_meta}
         for name, tensor, _ in cls._named_tensors(model):
             entry = checkpoint.get(name)
             if entry is not None:
                 stored.setdefault(id(tensor), entry)
         for name, tensor, kind in cls._named_tensors(model):
-            if kind == "parameter" and id(tensor) in offloaded:
+            if (kind == "parameter" and id(tensor) in offloaded) or (kind == "buffer" and name in computed):
                 continue
             entry = checkpoint.get(name) or stored.get(id(tensor))
             if entry is None:
