@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "floor), CUDA graphs, torch.compile, start-up, host overhead, lazy pipeline, several ranks "
                     "of one host, codec, residency planner under device budgets, disk tier and start-up from "
                     "a checkpoint, real models against peers. Tables on stdout, results.json + PNGs in --out.")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 3 min on an H200)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, rounds and iterations in every section")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT if set, else ./results)")
     parser.add_argument("--prefetch-depth", type=int, default=1, metavar="K",
                         help="blocks copied ahead by the ext/python backends (default 1)")
