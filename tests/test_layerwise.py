@@ -205,6 +205,26 @@ def test_disable_puts_parameters_where_asked(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_disable_inside_inference_mode_gives_back_ordinary_parameters(backend: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    model.requires_grad_(False)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[0])
+    with torch.inference_mode():
+        model(x)
+        fo.disable_layerwise_offload(model, device="cpu")
+    assert [name for name, p in model.named_parameters() if p.is_inference()] == []
+    assert params_equal(model, reference)
+    # What an inference tensor would refuse: an in-place update, a load, autograd.
+    with torch.no_grad():
+        model.blocks[1].o.weight.add_(1.0)
+        reference.blocks[1].o.weight.add_(1.0)
+    model.load_state_dict(reference.state_dict())
+    model.blocks[1].o.weight.requires_grad_(True)
+    model(x).sum().backward()
+    assert model.blocks[1].o.weight.grad is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_on_detach_through_the_hook_manager(backend: str) -> None:
     model, reference, x = _setup(2, "cpu")
     fo.enable_layerwise_offload(model, device="cpu", backend=backend)

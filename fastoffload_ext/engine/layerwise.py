@@ -493,6 +493,14 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
             check = getattr(state, "check_files", None)
             if check is not None:
                 check()
+    # The parameters it makes are ordinary tensors even when called inside inference_mode() (a pipeline
+    # that tears down in its own call): inference tensors as parameters would refuse every later
+    # in-place update or load_state_dict outside it, and autograd for good.
+    with torch.inference_mode(False):
+        _detach_all(model, group, target)
+
+
+def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.device) -> None:
     for state in group.states:
         block = state.module_ref
         manager = ModuleHookManager.get_from(block)
