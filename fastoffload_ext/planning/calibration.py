@@ -407,7 +407,8 @@ def fit_block_overhead(costs: BlockCosts, measured: Measurement, resident: Colle
     from fastoffload_ext.planning.simulate import simulate_step
 
     bare = dataclasses.replace(costs, block_overhead_ms=0.0)
-    timeline = simulate_step(bare, resident, depth, cyclic=cyclic)
+    # The timed repeats synchronize before each step: the host met the device at every step's start.
+    timeline = simulate_step(bare, resident, depth, cyclic=cyclic, host_waits=True)
     keep = set(resident)
     residual: list[tuple[float, float]] = []  # (simulated gap, measured - simulated) per offloaded block
     for block in range(1, costs.blocks):

@@ -6,9 +6,11 @@ the engine's slot ring: ``depth + 1`` slots; a copy goes into an empty slot, els
 touched cached one, else the least recently touched ready one, never into one in use; a copy into a
 slot waits for the slot's "free" event (the end of the compute that last used it) and for the copies
 issued before it (one copy stream). A block whose slot still holds it costs no copy. Without host
-figures the host is assumed to run ahead of the device within a step, so only the two device
-timelines constrain each other; between steps the host waits for the device (a scheduler step, a
-readback), so no copy a step issues starts before that step begins.
+figures the host is assumed to run ahead of the device, so only the two device timelines constrain
+each other. Steps run back to back, as a denoising loop without a readback runs them: a copy is never
+held for its step's start, only for its slot (the host, a step ahead, issued it long before). With
+``host_waits`` the host meets the device at every step's start instead (a readback after each step,
+as a calibration's timed repeats do), and no copy a step issues starts before that step begins.
 
 Several steps are simulated back to back and the last is reported, so the cyclic wrap-around (the
 last block prefetching the first of the next step) is in its steady state. Compute outside the block
@@ -24,9 +26,9 @@ runs when it is issued and delays the compute after it (a host decode too).
 
 With host figures in the table (``host_ms``, ``host_other_ms``, ``host_overhead_ms``; a calibration on
 CUDA measures them) the host gets a timeline of its own: it dispatches each block in ``host_ms`` and
-runs each offloaded block's hooks in ``host_overhead_ms`` before that, and it meets the device between
-steps. A block's kernels cannot start before the host began dispatching them nor end before it
-finished; a copy, the synchronous load and the prefetches alike, cannot start before the host reached
+runs each offloaded block's hooks in ``host_overhead_ms`` before that; it goes on from step to step
+without waiting (with ``host_waits``: it meets the device between steps). A block's kernels cannot
+start before the host began dispatching them nor end before it finished; a copy, the synchronous load and the prefetches alike, cannot start before the host reached
 the hook that issues it. A launch-bound model (many small blocks) is then as slow as its host, and each
 offloaded block adds its hooks' host time to it. Without host figures the host runs ahead and the
 step is what the device timelines alone give.
@@ -134,8 +136,10 @@ class _Reader:
 
 
 class _Pipeline:
-    def __init__(self, costs: BlockCosts, resident: Collection[int], depth: int, cyclic: bool) -> None:
+    def __init__(self, costs: BlockCosts, resident: Collection[int], depth: int, cyclic: bool,
+                 host_waits: bool = False) -> None:
         self.costs = costs
+        self.host_waits = host_waits
         self.depth = depth
         self.cyclic = cyclic
         self.resident = frozenset(resident)
@@ -146,7 +150,7 @@ class _Pipeline:
         self.copy_at = 0.0     # end of the last copy on the copy stream
         self.copies = 0
         self.copied_bytes = 0
-        self.step_begin = 0.0  # the host meets the device between steps: no copy of a step starts before it
+        self.step_begin = 0.0  # with host_waits: no copy of a step starts before the step does
         # Without host figures the host timeline is not kept at all, so such tables predict what they did
         # before it existed, to the last bit.
         self.host = costs.host_timed
@@ -237,14 +241,18 @@ class _Pipeline:
 
     def begin_step(self) -> None:
         if self.host:
-            # The host waits for the device between steps; the device then waits for the host to dispatch.
-            self.host_at = self.compute_at = self.now()
-            self.step_begin = self.host_at
+            if self.host_waits:
+                # The host waits for the device between steps; the device then waits for the host to dispatch.
+                self.host_at = self.compute_at = self.now()
+                self.step_begin = self.host_at
+            # Else the host goes on from where it is: a step ahead of a slower device, whose copies then
+            # wait for their slots alone (the hooks that issue them ran long before).
             self.host_at += self.costs.host_other_ms
             self.host_busy += self.costs.host_other_ms
             self.compute_at = max(self.compute_at + self.costs.other_ms, self.host_at)
             return
-        self.step_begin = self.compute_at
+        if self.host_waits:
+            self.step_begin = self.compute_at
         self.compute_at += self.costs.other_ms
 
     def step(self) -> tuple[list[float], list[float]]:
@@ -259,11 +267,16 @@ class _Pipeline:
 
 
 def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, cyclic: bool = True,
-                  steps: int = STEADY_STEPS) -> StepTimeline:
-    """The steady-state step of the pipeline with ``resident`` blocks kept and ``depth`` copied ahead."""
+                  steps: int = STEADY_STEPS, host_waits: bool = False) -> StepTimeline:
+    """The steady-state step of the pipeline with ``resident`` blocks kept and ``depth`` copied ahead.
+
+    ``host_waits``: the host meets the device at every step's start, as when each step ends in a readback
+    (a calibration's timed repeats synchronize so); by default steps run back to back, as a denoising loop
+    runs them, and the host may be a step ahead of a slower device.
+    """
     if depth < 0:
         raise OffloadConfigError(f"fastoffload: simulate_step's depth must be an integer >= 0, got {depth}")
-    pipeline = _Pipeline(costs, resident, depth, cyclic)
+    pipeline = _Pipeline(costs, resident, depth, cyclic, host_waits)
     if not pipeline.offloaded and not pipeline.host:
         compute = costs.total_compute_ms()
         starts, ends, total = [], [], 0.0
@@ -283,6 +296,10 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
         first_read = len(pipeline.disk.copy_ends) if pipeline.disk else 0
         starts, ends = pipeline.step()
     step_ms = pipeline.now() - begin
+    if pipeline.host and not host_waits:
+        # A host that never waits may still be spending a lead it built up in the steps before; in the steady
+        # state it is busy all the time or the device sets the pace, so the step is the longer of the two.
+        step_ms = max(step_ms, pipeline.host_busy - busy)
     compute = costs.total_compute_ms()
     reads, read_bytes = pipeline.disk.consumed_since(first_read) if pipeline.disk else (0, 0)
     return StepTimeline(step_ms=step_ms, compute_ms=compute, exposed_ms=max(0.0, step_ms - compute),
