@@ -458,7 +458,7 @@ def _misses(row: dict[str, Any], label: str, workload: Workload) -> list[str]:
                          "idle, and the budget keeps too few copy-bound blocks resident to even that out")
         elif row["copy_ms"] >= row["resident_ms"]:
             notes.append(f"x ideal {row['x_ideal']:.3f}: transfer-bound; copies at the block size run below the "
-                         "1 GiB peak H2D, and the first copy of a step waits for the step to start")
+                         "1 GiB peak H2D the ideal counts (the section's note has the calibrated rate)")
         else:
             notes.append(f"x ideal {row['x_ideal']:.3f}: copy {row['copy_ms']:.2f} ms vs compute "
                          f"{row['resident_ms']:.2f} ms; uneven blocks leave copies exposed behind short blocks")
