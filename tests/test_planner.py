@@ -259,6 +259,51 @@ def test_bad_cost_tables() -> None:
         BlockCosts([-1.0], [1], GBPS)
 
 
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    pytest.param(dict(compute_ms=[NAN, 1.0]), "compute_ms must be finite numbers (ms), got [nan, 1.0]", id="nan_compute"),
+    pytest.param(dict(compute_ms=[INF, 1.0]), "compute_ms must be finite numbers (ms), got [inf, 1.0]", id="inf_compute"),
+    pytest.param(dict(compute_ms=[True, 1.0]), "compute_ms must be finite numbers (ms), got [True, 1.0]",
+                 id="bool_compute"),
+    pytest.param(dict(other_ms=NAN), "other_ms must be a finite number, got nan", id="nan_other"),
+    pytest.param(dict(block_overhead_ms=NAN), "block_overhead_ms must be a finite number, got nan", id="nan_overhead"),
+    pytest.param(dict(copy_latency_ms=NAN), "copy_latency_ms must be a finite number, got nan", id="nan_latency"),
+    pytest.param(dict(h2d_gbps=INF), "h2d_gbps must be a finite number, got inf", id="inf_bandwidth"),
+    pytest.param(dict(host_ms=[INF, 1.0]), "host_ms needs one dispatch time >= 0 (ms) per block: got [inf, 1.0] for 2 "
+                 "blocks; pass None when the host was not timed", id="inf_host"),
+    pytest.param(dict(host_overhead_ms=INF), "host_other_ms and host_overhead_ms must be >= 0 (ms), got 0.0 and inf",
+                 id="inf_host_overhead"),
+    pytest.param(dict(block_bytes=[BLOCK + 0.5, BLOCK]), f"block_bytes must be whole numbers of bytes, got "
+                 f"[{BLOCK + 0.5}, {BLOCK}]", id="fractional_bytes"),
+    pytest.param(dict(block_bytes=[True, BLOCK]), f"block_bytes must be whole numbers of bytes, got [True, {BLOCK}]",
+                 id="bool_bytes"),
+    pytest.param(dict(transfer_bytes=[NAN, 1]), "transfer_bytes must be whole numbers of bytes, got [nan, 1]",
+                 id="nan_transfer_bytes"),
+    pytest.param(dict(activation_bytes=-BLOCK), f"activation_bytes must be bytes >= 0, got {-BLOCK}",
+                 id="negative_activation"),
+    pytest.param(dict(activation_bytes=0.5), "activation_bytes must be bytes >= 0, got 0.5", id="fractional_activation"),
+    pytest.param(dict(overlap="no"), "overlap must be True or False, got 'no'", id="string_overlap"),
+])
+def test_cost_tables_refuse_numbers_the_planner_cannot_use(kwargs: dict, message: str) -> None:
+    # NaN passed every ">= 0" check and failed in the planner's round() (or, elsewhere, made its
+    # comparisons arbitrary); a negative activation reserve let a plan hold more than the budget.
+    table = dict(compute_ms=[1.0, 1.0], block_bytes=[BLOCK, BLOCK], h2d_gbps=GBPS) | kwargs
+    with pytest.raises(OffloadConfigError) as raised:
+        BlockCosts(**table)
+    assert str(raised.value) == "fastoffload: BlockCosts " + message
+
+
+def test_cost_tables_take_numpy_numbers_and_whole_floats_and_generators() -> None:
+    np = pytest.importorskip("numpy")
+    costs = BlockCosts((c for c in [np.float32(1.0), 2]), [np.int64(BLOCK), float(BLOCK)], np.float64(GBPS),
+                       activation_bytes=np.int64(MiB))
+    assert costs.compute_ms == (1.0, 2.0) and costs.block_bytes == (BLOCK, BLOCK) and costs.activation_bytes == MiB
+    assert type(costs.activation_bytes) is int
+
+
 # ---- a ring of two kinds of block: Flux's double-stream and single-stream blocks at a balanced size ------
 
 DOUBLE_BYTES = int(14.0 * GBPS * 1e6)  # 14 ms to copy, 9 ms to compute: copy-bound

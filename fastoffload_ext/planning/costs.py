@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from collections.abc import Collection, Sequence
 
 from torch import nn
@@ -24,6 +26,18 @@ PACK_ALIGNMENT = 256
 DEFAULT_DECODE_GBPS = 550.0
 # The engine double-buffers coded copies in device staging (the next copy lands while one decodes).
 STAGING_BUFFERS = 2
+
+
+def _finite(value: object) -> bool:
+    """A real number that is not NaN nor infinite (True is no time nor rate)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: object) -> bool:
+    """A whole number of bytes: an integer (numpy's too) or a float without a fraction; not a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (_finite(value) and float(value) == int(value))  # type: ignore[arg-type]
 
 
 def packed_bytes(tensor_bytes: Sequence[int]) -> int:
@@ -109,6 +123,7 @@ class BlockCosts:
     disk: DiskCosts | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         object.__setattr__(self, "compute_ms", tuple(float(c) for c in self.compute_ms))
         self._check_host()
         object.__setattr__(self, "block_bytes", tuple(int(b) for b in self.block_bytes))
@@ -134,14 +149,41 @@ class BlockCosts:
         if not self.h2d_gbps > 0:
             raise OffloadConfigError(f"fastoffload: BlockCosts h2d_gbps must be > 0 (GB/s), got {self.h2d_gbps!r}")
 
+    def _check_numbers(self) -> None:
+        # NaN passes every ">= 0" check below and then makes the planner's comparisons arbitrary (or fail
+        # in round()); an infinite time or rate, a bool or a fraction of a byte is a mistake as well.
+        for name in ("compute_ms", "block_bytes", "transfer_bytes", "host_ms"):
+            if getattr(self, name) is not None:  # read once: a generator is used up by the checks
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        # (The host figures are checked with their own message, in _check_host.)
+        if not all(map(_finite, self.compute_ms)):
+            raise OffloadConfigError(f"fastoffload: BlockCosts compute_ms must be finite numbers (ms), got "
+                                     f"{list(self.compute_ms)}")
+        for name in ("h2d_gbps", "other_ms", "copy_latency_ms", "block_overhead_ms", "decode_gbps"):
+            if not _finite(getattr(self, name)):
+                raise OffloadConfigError(f"fastoffload: BlockCosts {name} must be a finite number, got "
+                                         f"{getattr(self, name)!r}")
+        sizes = {"block_bytes": list(self.block_bytes), "transfer_bytes": list(self.transfer_bytes or ())}
+        for name, values in sizes.items():
+            if not all(map(_whole, values)):
+                raise OffloadConfigError(f"fastoffload: BlockCosts {name} must be whole numbers of bytes, got {values}")
+        if not _whole(self.activation_bytes) or self.activation_bytes < 0:
+            raise OffloadConfigError(f"fastoffload: BlockCosts activation_bytes must be bytes >= 0, got "
+                                     f"{self.activation_bytes!r}")
+        object.__setattr__(self, "activation_bytes", int(self.activation_bytes))
+        for name in ("overlap", "calibrated"):
+            if not isinstance(getattr(self, name), bool):
+                raise OffloadConfigError(f"fastoffload: BlockCosts {name} must be True or False, got "
+                                         f"{getattr(self, name)!r}")
+
     def _check_host(self) -> None:
         if self.host_ms is not None:
             object.__setattr__(self, "host_ms", tuple(float(h) for h in self.host_ms))
-            if len(self.host_ms) != len(self.block_bytes) or any(not h >= 0 for h in self.host_ms):
+            if len(self.host_ms) != len(self.block_bytes) or any(not (_finite(h) and h >= 0) for h in self.host_ms):
                 raise OffloadConfigError("fastoffload: BlockCosts host_ms needs one dispatch time >= 0 (ms) per "
                                          f"block: got {list(self.host_ms)} for {len(self.block_bytes)} blocks; pass "
                                          "None when the host was not timed")
-        if not (self.host_other_ms >= 0 and self.host_overhead_ms >= 0):
+        if not all(_finite(ms) and ms >= 0 for ms in (self.host_other_ms, self.host_overhead_ms)):
             raise OffloadConfigError(f"fastoffload: BlockCosts host_other_ms and host_overhead_ms must be >= 0 (ms), "
                                      f"got {self.host_other_ms} and {self.host_overhead_ms}")
 
