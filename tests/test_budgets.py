@@ -17,7 +17,8 @@ from fastoffload_ext.planning import memory
     (None, None), (0, 0), (123, 123), (2.0, 2), ("auto", "auto"), (" AUTO ", "auto"), ("1024", 1024),
     ("20GiB", 20 * 1024**3), ("20 GiB", 20 * 1024**3), ("20g", 20 * 1024**3), ("1.5GB", 1_500_000_000),
     ("512MB", 512_000_000), ("512MiB", 512 * 1024**2), ("64k", 65536), ("2TiB", 2 * 1024**4), ("10b", 10),
-    (".5GiB", 512 * 1024**2),
+    (".5GiB", 512 * 1024**2), ("8.2GB", 8_200_000_000), ("4.35 GB", 4_350_000_000), ("0.3GiB", 322122547),
+    ("9007199254740993", 2**53 + 1), ("2.0", 2),
 ])
 def test_parse_size_accepts(text: object, expected: object) -> None:
     assert parse_size(text, "device_budget") == expected
@@ -30,12 +31,22 @@ NEGATIVE = "fastoffload: device_budget must not be negative, got {!r}; pass a si
 
 @pytest.mark.parametrize("value, template", [
     ("banana", SHAPE), ("20 GiBs", SHAPE), ("GiB", SHAPE), ("", SHAPE), (True, SHAPE), (2.5, SHAPE),
-    (float("inf"), SHAPE), ([1], SHAPE), (-1, NEGATIVE), ("-3GiB", NEGATIVE), (-4.0, NEGATIVE),
+    (float("inf"), SHAPE), ([1], SHAPE), (-1, NEGATIVE), ("-3GiB", NEGATIVE), (-4.0, NEGATIVE), ("2.5", SHAPE),
+    ("1.5 B", SHAPE),
 ])
 def test_parse_size_refuses(value: object, template: str) -> None:
     with pytest.raises(OffloadConfigError) as raised:
         parse_size(value, "device_budget")
     assert str(raised.value) == template.format(value)
+
+
+def test_parse_size_takes_numpy_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    sizes = [parse_size(v, "device_budget") for v in (np.int64(3 * 1024**3), np.uint32(512), np.float32(1024.0))]
+    assert sizes == [3 * 1024**3, 512, 1024] and all(type(size) is int for size in sizes)
+    with pytest.raises(OffloadConfigError) as raised:
+        parse_size(np.int64(-1), "device_budget")
+    assert str(raised.value) == NEGATIVE.format(np.int64(-1))
 
 
 def test_auto_where_it_is_not_accepted() -> None:

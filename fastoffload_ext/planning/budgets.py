@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import re
+from fractions import Fraction
 from typing import Literal, Union
 
 from fastoffload_ext.errors import OffloadConfigError
@@ -47,12 +49,13 @@ def parse_size(value: object, what: str, *, allow_auto: bool = True) -> Budget:
         return None
     if isinstance(value, bool):
         raise _shape_error(what, value, allow_auto)
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # numpy's integers too
         if value < 0:
             raise _negative_error(what, value)
-        return value
-    if isinstance(value, float):
+        return int(value)
+    if isinstance(value, numbers.Real):
         # A float is a size only when it is a whole, finite number of bytes: 2.5 bytes is a typo.
+        value = float(value)
         if not math.isfinite(value) or value != int(value):
             raise _shape_error(what, value, allow_auto)
         if value < 0:
@@ -67,10 +70,14 @@ def parse_size(value: object, what: str, *, allow_auto: bool = True) -> Budget:
     match = _SIZE.fullmatch(value)
     if match is None or match.group(2).lower() not in _UNITS:
         raise _shape_error(what, value, allow_auto)
-    number = float(match.group(1))
+    # Exact: a float product rounds "8.2GB" to 8199999999 bytes and long digit strings to the nearest double.
+    number = Fraction(match.group(1))
     if number < 0:
         raise _negative_error(what, value)
-    return int(number * _UNITS[match.group(2).lower()])
+    size = number * _UNITS[match.group(2).lower()]
+    if _UNITS[match.group(2).lower()] == 1 and size.denominator != 1:
+        raise _shape_error(what, value, allow_auto)  # "2.5" bytes is refused as 2.5 is
+    return int(size)  # a unit's fraction ("0.3GiB") rounds down to whole bytes
 
 
 def format_bytes(value: int | float | None) -> str:
