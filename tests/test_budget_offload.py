@@ -94,6 +94,19 @@ def test_device_budget_plans_within_it_and_is_bit_exact(device: str, backend: st
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fixed_depth_beyond_the_offloaded_blocks_plans_the_slots_enable_makes(backend: str) -> None:
+    # Two offloaded blocks run at depth 2 (3 slots) whatever depth is asked; the plan counted 6 slots and
+    # refused this budget, which the resident blocks and the engine's slots fit exactly.
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[0, 1, 2, 3],
+                                        prefetch_depth=5, device_budget=7 * BLOCK_BYTES)
+    assert group.prefetch_depth == group.plan.prefetch_depth == 2 and group.plan.num_slots == 3
+    assert group.stats()["plan"]["device_bytes"] == 7 * BLOCK_BYTES
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_plan_from_plan_offload_is_applied_as_it_is(backend: str) -> None:
     model, reference, x = _setup("cpu")
     costs = BlockCosts([1.0, 0.1, 1.0, 0.1, 1.0, 0.1], [BLOCK_BYTES] * N, 1e-3)  # transfer-bound

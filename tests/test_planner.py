@@ -196,6 +196,24 @@ def test_fixed_depth_and_fixed_resident_set() -> None:
     assert plan.resident == (1, 5) and plan.prefetch_depth in (1, 2, 3)
 
 
+def test_a_fixed_depth_beyond_the_offloaded_blocks_counts_the_slots_the_engine_makes() -> None:
+    # enable runs prefetch_depth clamped to the offloaded blocks (2 here: 3 slots), so the plan counts
+    # those slots: it counted depth + 1 = 6 and refused a budget the engine fits in.
+    costs = uniform(6, 0.5)
+    plan = plan_offload(costs, 7 * BLOCK, resident=[0, 1, 2, 3], prefetch_depth=5)
+    assert (plan.prefetch_depth, plan.num_slots, plan.device_bytes) == (2, 3, 7 * BLOCK)
+    with pytest.raises(OffloadConfigError) as raised:
+        plan_offload(costs, 6 * BLOCK, resident=[0, 1, 2, 3], prefetch_depth=5)
+    assert str(raised.value) == (
+        "fastoffload: device_budget 600.0 MiB is too small for 4 resident blocks (400.0 MiB) + 3 slots x 100.0 MiB + "
+        "0 B activation reserve = 700.0 MiB; keep fewer blocks resident, use resident_blocks='auto', or raise "
+        "device_budget")
+    with pytest.raises(OffloadConfigError) as raised:
+        plan_offload(uniform(2, 0.5), BLOCK, prefetch_depth=5)
+    assert str(raised.value).startswith("fastoffload: device_budget 100.0 MiB is smaller than what offload needs at "
+                                        "least: 3 slots x 100.0 MiB (the largest block)")
+
+
 def test_drift_tolerance() -> None:
     plan = plan_offload(uniform(4, 1.0), 3 * BLOCK)
     assert not plan.drifted(plan.predicted_step_ms * 1.1)

@@ -56,6 +56,13 @@ def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[in
     return resident_bytes, slot, device, sum(costs.moved_bytes(b) for b in offloaded)
 
 
+def _run_depth(costs: BlockCosts, resident: frozenset[int], depth: int) -> int:
+    """The depth the engine runs ``depth`` at: no further ahead than there are offloaded blocks (enable's
+    ``effective_prefetch_depth``), so a deeper one costs that many slots, not depth + 1."""
+    offloaded = costs.blocks - len(resident)
+    return min(depth, offloaded) if offloaded else depth
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _score(costs: BlockCosts, chosen: frozenset[int], depth: int, cyclic: bool) -> float:
     return simulate_step(costs, chosen, depth, cyclic=cyclic).step_ms
@@ -150,6 +157,7 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
     depth = min(depths)
     reserve = format_bytes(costs.activation_bytes)
     if fixed is not None:
+        depth = _run_depth(costs, fixed, depth)
         resident_bytes, slot, device, host = _memory(costs, fixed, depth)
         staging = costs.staging_bytes([b for b in range(costs.blocks) if b not in fixed])
         if device_budget is not None and device > device_budget:
@@ -163,6 +171,7 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
             f"fastoffload: host_budget {format_bytes(host_budget)} cannot hold the {format_bytes(host)} of pinned host "
             f"copies that the {costs.blocks - len(fixed)} offloaded blocks need; keep more blocks resident, "
             "or raise host_budget")
+    depth = _run_depth(costs, frozenset(), depth)
     slot = max(costs.block_bytes, default=0)
     staging = costs.staging_bytes(range(costs.blocks))
     need = (depth + 1) * slot + staging + costs.activation_bytes
@@ -291,10 +300,11 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
     scored = 0
     no_staging: OffloadConfigError | None = None  # a disk tier whose staging ring the host budget cannot hold
-    for depth in depths:
-        sets = [fixed] if fixed is not None else candidate_sets(costs, depth, cyclic=cyclic,
+    for asked in depths:
+        sets = [fixed] if fixed is not None else candidate_sets(costs, asked, cyclic=cyclic,
                                                                  exhaustive_limit=exhaustive_limit)
         for chosen in sets:
+            depth = _run_depth(costs, chosen, asked)
             resident_bytes, _, device, host = _memory(costs, chosen, depth)
             if (device_budget is not None and device > device_budget) or (host_budget is not None
                                                                           and host > host_budget):
