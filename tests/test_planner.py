@@ -214,6 +214,21 @@ def test_a_fixed_depth_beyond_the_offloaded_blocks_counts_the_slots_the_engine_m
                                         "least: 3 slots x 100.0 MiB (the largest block)")
 
 
+def test_offloaded_blocks_that_fit_the_slots_are_not_counted_as_copied_every_step() -> None:
+    # Two offloaded blocks in two slots stay there: the step copies nothing. The plan said "transfer-bound"
+    # and "predicted 0.400 ms = 0.095x the ideal 4.194 ms", an ideal that counted copies never made.
+    plan = plan_offload(uniform(4, 0.1), 4 * BLOCK, resident=[0, 1], prefetch_depth=1)
+    assert plan.num_slots == 2 and simulate_step(plan.costs, plan.resident, 1).copies == 0
+    assert plan.copy_ms == 0.0 and plan.ideal_ms == pytest.approx(0.4) == plan.predicted_step_ms
+    assert plan.why == ("compute-bound: compute 0.400 ms vs copies of the offloaded bytes 0.000 ms; the 2 offloaded "
+                        "blocks fit the 2 slots: each is copied once, not every step; predicted 0.400 ms = 1.000x the "
+                        "ideal 0.400 ms")
+    assert plan.explain().splitlines()[2] == "moved per step: none after the first step (200.0 MiB stays in the slots)"
+    # One slot fewer than the offloaded blocks: every one is copied every step, as before.
+    copied = plan_offload(uniform(4, 0.1), 4 * BLOCK, resident=[0], prefetch_depth=1)
+    assert copied.copy_ms == pytest.approx(3 * COPY_MS) and copied.explain().splitlines()[2] == "moved per step: 300.0 MiB raw"
+
+
 def test_drift_tolerance() -> None:
     plan = plan_offload(uniform(4, 1.0), 3 * BLOCK)
     assert not plan.drifted(plan.predicted_step_ms * 1.1)

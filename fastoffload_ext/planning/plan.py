@@ -129,6 +129,8 @@ class OffloadPlan:
         moved = (f"{format_bytes(self.host_bytes)} compressed from {format_bytes(self.raw_offloaded_bytes)} "
                  f"({self.compressed_blocks} coded blocks, {format_bytes(self.staging_bytes)} device staging)"
                  if self.compressed else f"{format_bytes(self.host_bytes)} raw")
+        if self.offloaded and self.num_slots >= len(self.offloaded):
+            moved = f"none after the first step ({format_bytes(self.host_bytes)} stays in the slots)"
         lines = [
             f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
             f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",

@@ -218,7 +218,8 @@ def _disk_clause(costs: BlockCosts, resident: frozenset[int], copy_ms: float) ->
 
 
 def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: float, ideal_ms: float,
-         copy_ms: float, budget: int | None, host: str | None = None, disk: str | None = None) -> str:
+         copy_ms: float, budget: int | None, host: str | None = None, disk: str | None = None,
+         cached: bool = False) -> str:
     n = costs.blocks
     compute = costs.total_compute_ms()
     if not costs.calibrated:
@@ -233,7 +234,10 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
         parts.insert(0, host)
     if disk:
         parts.insert(0, disk)
-    if regime == "compute-bound" and not plan_resident:
+    if cached:
+        parts.append(f"the {n - len(plan_resident)} offloaded blocks fit the {depth + 1} slots: each is copied once, "
+                     "not every step")
+    elif regime == "compute-bound" and not plan_resident:
         parts.append("every copy hides behind compute")
     elif plan_resident:
         parts.append(f"{len(plan_resident)} resident blocks cut the copied bytes"
@@ -324,7 +328,10 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         raise no_staging if no_staging is not None else _refusal(costs, device_budget, host_budget, depths, fixed)
     _, chosen, depth, ms = best
     resident_bytes, slot, device, host = _memory(costs, chosen, depth)
-    copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen)
+    timeline = simulate_step(costs, chosen, depth, cyclic=cyclic)
+    # Offloaded blocks that all fit the slots stay there after the first step: the step copies none, so
+    # no copy sets its floor (the ideal counted them, and read above the step predicted without them).
+    copy_ms = sum(costs.copy_ms(b) for b in range(costs.blocks) if b not in chosen) if timeline.copies else 0.0
     compute = costs.total_compute_ms()
     disk_blocks, disk_ms = costs.disk_blocks(chosen), costs.disk_ms(chosen)
     # No schedule beats the host's own dispatch of the step either (a launch-bound model), nor the disk.
@@ -333,7 +340,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     ideal = (max(compute, copy_ms, costs.total_host_ms(), disk_ms) if costs.overlap
              else max(compute + copy_ms, disk_ms))
     offloaded = [b for b in range(costs.blocks) if b not in chosen]
-    host_ms = simulate_step(costs, chosen, depth, cyclic=cyclic).host_ms
+    host_ms = timeline.host_ms
     device_ms = _score(costs.device_only(), chosen, depth, cyclic)
     plan = OffloadPlan(
         blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
@@ -348,7 +355,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         host_hooks_ms=costs.host_overhead_ms * len(offloaded) if costs.host_timed else 0.0,
         disk_blocks=len(disk_blocks), disk_ms=disk_ms,
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget,
-                 _host_clause(costs, len(offloaded), host_ms, device_ms), _disk_clause(costs, chosen, copy_ms)),
+                 _host_clause(costs, len(offloaded), host_ms, device_ms), _disk_clause(costs, chosen, copy_ms),
+                 cached=bool(offloaded) and not timeline.copies),
         costs=costs)
     logger.debug("%s", plan)
     return plan
