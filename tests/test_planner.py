@@ -261,6 +261,8 @@ REFUSALS = [
         "need; keep more blocks resident, or raise host_budget"), id="fixed_resident_over_host_budget"),
     pytest.param(dict(max_depth=0), re.escape(
         "fastoffload: plan_offload's max_depth must be an integer >= 1, got 0"), id="max_depth_zero"),
+    pytest.param(dict(cyclic="no"), re.escape(
+        "fastoffload: plan_offload's cyclic must be True or False, got 'no'"), id="string_cyclic"),
     pytest.param(dict(prefetch_depth=-1), re.escape(
         "fastoffload: plan_offload's prefetch_depth must be None or an integer >= 0, got -1"), id="negative_depth"),
 ]

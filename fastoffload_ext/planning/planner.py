@@ -298,6 +298,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     1..``max_depth``). Raises :class:`OffloadConfigError` with the numbers when nothing fits.
     """
     _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
+    if not isinstance(cyclic, bool):  # cyclic="no" is truthy: it would silently plan the cyclic schedule
+        raise OffloadConfigError(f"fastoffload: plan_offload's cyclic must be True or False, got {cyclic!r}")
     fixed = frozenset(resident) if resident is not None else None
     depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
     best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
