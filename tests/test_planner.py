@@ -179,6 +179,12 @@ def test_uncalibrated_costs_keep_the_most_bytes_resident_at_depth_1() -> None:
     assert plan.drifted(1.0)  # an uncalibrated prediction never vouches for a step
 
 
+def test_uncalibrated_why_names_the_depth_the_plan_has() -> None:
+    costs = BlockCosts([0.0] * 10, [BLOCK] * 10, GBPS, calibrated=False)
+    plan = plan_offload(costs, 6 * BLOCK, prefetch_depth=2)
+    assert plan.prefetch_depth == 2 and ", depth 2; call group.calibrate(step)" in plan.why  # it said depth 1
+
+
 def test_everything_fits_means_nothing_is_copied() -> None:
     plan = plan_offload(uniform(4, 0.1), 4 * BLOCK)
     assert plan.resident == (0, 1, 2, 3) and plan.num_slots == 0 and plan.slot_bytes == 0

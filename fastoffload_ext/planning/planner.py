@@ -225,7 +225,7 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
     if not costs.calibrated:
         return "; ".join(([disk] if disk else []) + [
             "not calibrated (compute not measured yet): keeps the most bytes resident that the budget allows, "
-            "depth 1; call group.calibrate(step) to measure this machine and re-plan"])
+            f"depth {depth}; call group.calibrate(step) to measure this machine and re-plan"])
     if len(plan_resident) == n:
         return "; ".join(["every block fits the budget: nothing is copied"] + ([host] if host else []))
     regime = "transfer-bound" if copy_ms > compute else "compute-bound"
