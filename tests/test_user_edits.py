@@ -6,6 +6,7 @@ with every value intact afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -108,6 +109,31 @@ def test_in_place_edit_inside_mutate_params_scope_is_kept(backend: str) -> None:
         for _ in range(2):
             assert torch.equal(model(_x()), reference(_x()))
     fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("raises", [False, True])
+def test_disable_inside_mutate_params_scope_keeps_the_scope_values(backend: str, raises: bool) -> None:
+    """A disable inside the scope (say, in the caller's own error handling) makes the block an ordinary module
+    with the scope's values; the scope's exit then has nothing to rebuild. It turned the block's parameters back
+    into placeholders on a model with no offload left (python backend), or raised that the block was detached,
+    in place of the caller's own error (ext)."""
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = fo.ModuleHookManager.get_from(model.blocks[1]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    with pytest.raises(KeyError, match="caller's") if raises else contextlib.nullcontext():
+        with hook.mutate_params_scope(), torch.no_grad():
+            model.blocks[1].o.weight.mul_(2)
+            fo.disable_layerwise_offload(model)
+            model.blocks[1].o.weight.add_(1)
+            if raises:
+                raise KeyError("the caller's error")
+    assert fo.get_offload_group(model) is None
+    with torch.no_grad():
+        reference.blocks[1].o.weight.mul_(2)
+        reference.blocks[1].o.weight.add_(1)
+        assert torch.equal(model(_x()), reference(_x()))
     assert params_equal(model, reference)
 
 

@@ -146,6 +146,8 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.engine.materialize(self.handle)
 
     def end_mutation(self) -> None:
+        if not self._attached():
+            return  # disabled inside the scope: the parameters hold the scope's values as ordinary tensors
         named = list(self.module_ref.named_parameters())
         self.param_names = [name for name, _ in named]
         self.engine.repack(self.handle, self.param_names, [p for _, p in named])

@@ -208,6 +208,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def end_mutation(self) -> None:
         with self.gate.exclusive():
+            if self._detached:
+                # Disabled inside the scope: the parameters are ordinary tensors holding the scope's values,
+                # and a rebuild would turn them into placeholders on a model with no offload left.
+                return
             self.cpu_named_parameters.clear()
             self.gpu_named_parameters.clear()
             self.on_init(self.module_ref)
