@@ -16,7 +16,7 @@ import torch
 
 import fastoffload_ext as fo
 
-from ._models import make_pair, params_equal
+from ._models import make_pair, offload_hook, params_equal
 from ._trees import has_hooks
 
 BACKENDS = ["ext", "python"]
@@ -118,6 +118,33 @@ def test_disable_from_another_thread_waits_for_the_running_block(backend: str) -
     assert params_equal(model, reference)
     with torch.no_grad():
         assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mutation_from_another_thread_waits_for_the_running_block(backend: str) -> None:
+    model, reference, x, want, paused, forward = _paused_offload(backend, seed=4)
+    running, forward_result = _run_in_thread(forward)
+    assert paused.inside.wait(WAIT_S)
+
+    def mutate() -> None:
+        with offload_hook(model.blocks[0]).mutate_params_scope(), torch.no_grad():
+            model.blocks[0].o.weight.add_(1.0)
+
+    mutating, mutate_result = _run_in_thread(mutate)
+    mutating.join(0.2)  # it waits for block 1 to be released (it was refused at once before)
+    assert mutating.is_alive() and not mutate_result
+    paused.proceed.set()
+    running.join(WAIT_S)
+    mutating.join(WAIT_S)
+    assert not running.is_alive() and not mutating.is_alive()
+    assert "error" not in mutate_result, repr(mutate_result.get("error"))
+    _assert_clean_outcome(forward_result, want)
+    paused.handle.remove()
+    with torch.no_grad():
+        reference.blocks[0].o.weight.add_(1.0)
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

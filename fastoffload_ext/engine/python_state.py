@@ -18,7 +18,7 @@ Deliberate differences from the seed, each tested:
 - With ``device="cpu"`` the state runs with the host as its "device" (no streams, no pinning), so the
   algorithm is testable without a GPU.
 - One forward at a time (threads.py): the states of one model share a :class:`ForwardGate`; another
-  thread's acquire raises ``CONCURRENT_FORWARD_ERROR``, another thread's restore waits.
+  thread's acquire raises ``CONCURRENT_FORWARD_ERROR``, another thread's restore or mutation waits.
 - An offloaded parameter changed in place (its version counter moved) or cast (``model.half()``)
   since the block last ran raises at the next acquire instead of running on stale values; restore
   follows a cast, so ``.half()`` then disable gives float16, as on the resident model.
@@ -203,7 +203,8 @@ class LayerwiseOffloadState(SeedEntryPoints):
                 param.data = tensor_placeholder(param.data, self.device)
 
     def begin_mutation(self) -> None:
-        with torch.no_grad():
+        # Another thread's running forward finishes first, as for restore: its acquire would refuse at once.
+        with self.gate.exclusive(), torch.no_grad():
             self.acquire()
 
     def end_mutation(self) -> None:
