@@ -180,6 +180,31 @@ def test_replan_to_another_layout_reapplies_and_the_old_group_is_refused(backend
     _finish(model, reference)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_group_no_longer_on_its_model_refuses_stats_and_observe_step(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES)
+    assert group.stats()["offloaded_blocks"] == 3
+    fresh = group.replan(BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3))
+    assert fresh is not group and fresh.resident == tuple(range(N))
+    message = ("fastoffload: this offload group is no longer the one on its model (offload was disabled or "
+               "re-planned); use get_offload_group(model) for the current one")
+    # The old group's figures (3 blocks offloaded, its plan) and its plan's verdict describe a layout
+    # the model no longer runs: refused like calibrate and replan, not answered from the old plan.
+    for call in (group.stats, lambda: group.observe_step(1e9), lambda: group.observe_step(1e-9, lambda: model(x)),
+                 lambda: group.observe_step(group.plan.predicted_step_ms, lambda: model(x))):
+        with pytest.raises(OffloadStateError, match=re.escape(message)):
+            call()
+    assert "no longer on its model" in repr(group)
+    assert fresh.stats()["offloaded_blocks"] == 0 and "no longer" not in repr(fresh)
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+    with pytest.raises(OffloadStateError, match=re.escape(message)):
+        fresh.stats()
+    with pytest.raises(OffloadStateError, match=re.escape(message)):
+        fresh.observe_step(1e9)
+
+
 def test_replan_without_costs_is_refused() -> None:
     model, reference, x = _setup("cpu")
     group = fo.enable_layerwise_offload(model, device="cpu", device_budget=4 * BLOCK_BYTES)

@@ -9,7 +9,7 @@ from torch import nn
 
 from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.messages import COPY_ERROR
+from fastoffload_ext.engine.messages import COPY_ERROR, STALE_GROUP_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.planning import replan as replanning
@@ -56,6 +56,7 @@ class LayerwiseOffloadGroup:
 
     def stats(self) -> dict[str, Any]:
         """Sizes and counters of this offload, for logs and benchmarks."""
+        self._check_current()
         result: dict[str, Any] = {
             "backend": self.backend,
             "device": str(self.device),
@@ -90,10 +91,17 @@ class LayerwiseOffloadGroup:
         from its prediction), as after a resolution or batch change: then calibrate again, which re-plans.
         Given ``step`` (one forward), a drifted group calibrates with it right away; the group on the model
         may then be a new one (``get_offload_group(model)``)."""
+        self._check_current()
         drifted = self.plan is not None and self.plan.drifted(measured_ms)
         if drifted and step is not None:
             self.calibrate(step)
         return drifted
+
+    def _check_current(self) -> None:
+        # A disable or re-plan took this group off its model: its figures and its plan describe a layout
+        # the model no longer runs.
+        if get_offload_group(self.model_ref) is not self:
+            raise OffloadStateError(STALE_GROUP_ERROR)
 
     def _engine_stats(self) -> dict[str, Any]:
         engine_stats = dict(self.engine.stats())
@@ -125,8 +133,9 @@ class LayerwiseOffloadGroup:
         return dict(pinned_bytes=pinned, host_reserved_bytes=max(pinned, host_bytes), slot_bytes=0, num_slots=0)
 
     def __repr__(self) -> str:
+        gone = "" if get_offload_group(self.model_ref) is self else ", no longer on its model"
         return (f"<LayerwiseOffloadGroup {self.list_name}: {len(self.states)} of {len(self.blocks)} blocks offloaded "
-                f"to {self.device} by backend {self.backend!r}, prefetch_depth={self.prefetch_depth}>")
+                f"to {self.device} by backend {self.backend!r}, prefetch_depth={self.prefetch_depth}{gone}>")
 
 
 def get_offload_group(model: nn.Module) -> LayerwiseOffloadGroup | None:

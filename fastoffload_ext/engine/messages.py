@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
-           "scalar_type_name"]
+           "STALE_GROUP_ERROR", "scalar_type_name"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
 # tests/test_binding_surface.py keeps the two texts identical.
@@ -39,6 +39,11 @@ CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or move
 SHARED_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: its host copy is shared by {n} ranks "
                      "of this host, whose weights would change under them. Load the weights before "
                      "enable_layerwise_offload, or enable with share_host_copy=False")
+
+
+# A LayerwiseOffloadGroup that a disable or a re-plan took off its model (engine/group.py, planning/replan.py).
+STALE_GROUP_ERROR = ("fastoffload: this offload group is no longer the one on its model (offload was disabled or "
+                     "re-planned); use get_offload_group(model) for the current one")
 
 
 def scalar_type_name(dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fastoffload_ext.engine.messages import STALE_GROUP_ERROR
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
@@ -85,8 +86,7 @@ def _check_current(group: Any) -> None:
     from fastoffload_ext.engine.layerwise import get_offload_group
 
     if get_offload_group(group.model_ref) is not group:
-        raise OffloadStateError("fastoffload: this offload group is no longer the one on its model (offload was "
-                                "disabled or re-planned); use get_offload_group(model) for the current one")
+        raise OffloadStateError(STALE_GROUP_ERROR)
     for _, hooks in group.load_guard.blocks if group.load_guard is not None else ():
         hooks.finish_interrupted_load()  # a load that raised part-way is no scope
     inside = {id(state.module_ref) for state in group.states if getattr(state, "mutating", False)}
