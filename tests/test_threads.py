@@ -6,6 +6,7 @@ no crash, no placeholder left after disable, every value exact.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -27,13 +28,13 @@ WAIT_S = 30.0  # a bound on waiting for the other thread, so a regression fails 
 
 
 class Paused:
-    """Holds one thread inside block 1's forward (its weights acquired) until told to go on."""
+    """Holds one thread inside block ``index``'s forward (its weights acquired) until told to go on."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, index: int = 1) -> None:
         self.inside = threading.Event()
         self.proceed = threading.Event()
         self.armed = True
-        self.handle = model.blocks[1].o.register_forward_pre_hook(self._pause)
+        self.handle = model.blocks[index].o.register_forward_pre_hook(self._pause)
 
     def _pause(self, module: Any, args: Any) -> None:
         if self.armed:
@@ -96,6 +97,31 @@ def test_second_forward_in_another_thread_is_refused(backend: str) -> None:
     with torch.no_grad():  # the refused forward left nothing behind
         assert torch.equal(model(x), want)
     paused.handle.remove()
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_forward_logs_no_error_for_the_block_the_other_thread_runs(backend: str,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    model, reference, x, want, paused, forward = _paused_offload(backend, seed=5)
+    paused.handle.remove()
+    paused = Paused(model, index=0)  # the refused forward's first block is the one running
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext"):
+        first, first_result = _run_in_thread(forward)
+        assert paused.inside.wait(WAIT_S)
+        second, second_result = _run_in_thread(forward)
+        second.join(WAIT_S)
+        paused.proceed.set()
+        first.join(WAIT_S)
+    assert not first.is_alive() and not second.is_alive()
+    assert str(second_result["error"]) == CONCURRENT
+    assert torch.equal(first_result["value"], want)
+    # The refused entry acquired nothing, so it has nothing to release: no "releasing a block ... failed".
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    paused.handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
 

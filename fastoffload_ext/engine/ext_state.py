@@ -21,6 +21,7 @@ from torch import nn
 
 from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints
+from fastoffload_ext.engine.threads import CONCURRENT_FORWARD_ERROR
 from fastoffload_ext.errors import OffloadStateError
 
 __all__ = ["ExtLayerwiseOffloadState"]
@@ -136,7 +137,13 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
             return
         slot = self.engine.slot_of(self.handle)
         if slot >= 0 and self.engine.slot_state(slot) == "in_use":
-            self.engine.release(self.handle)
+            try:
+                self.engine.release(self.handle)
+            except RuntimeError as error:
+                # The entry was refused because another thread's forward runs this block: it is that
+                # thread's to release, and this entry acquired nothing.
+                if str(error) != CONCURRENT_FORWARD_ERROR:
+                    raise
 
     def begin_mutation(self) -> None:
         if self.shared_segment is not None:
