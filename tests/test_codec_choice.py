@@ -199,3 +199,32 @@ def test_cuda_auto_under_a_budget_stays_within_it_in_the_mode_it_chose(n: int, b
     fo.disable_layerwise_offload(model, "cpu")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q.to(p.device)), name
+
+
+@pytest.mark.parametrize("compress", [True, "auto"])
+def test_a_negative_view_weight_is_sampled_for_its_coded_size_and_runs_bit_exactly(compress) -> None:
+    # Offload resolves a negative view when it packs the block; the coded-size estimate a plan needs
+    # sampled its raw bytes with a byte view, which torch refuses on such a tensor, so enable raised a bare
+    # RuntimeError under a budget with compress= although the same model enabled without compress=.
+    pytest.importorskip("fastoffload_ext._C")
+    from fastoffload_ext.planning.compressed import tensor_ratio
+
+    model, reference = make_pair(6, torch.bfloat16, d=D)
+    place_outside_blocks(model, "cpu")
+    for block in model.blocks:
+        weight = block.up.weight.detach()
+        block.up.weight = nn.Parameter(torch._neg_view((-weight).clone()), requires_grad=False)
+        assert block.up.weight.is_neg() and torch.equal(block.up.weight, weight)
+    assert tensor_ratio(model.blocks[-1].up.weight) == tensor_ratio(weight) < 0.9
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    block = module_packed_bytes(model.blocks[0])
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", compress=compress,
+                                        device_budget=4 * block, activation_reserve=0)
+    assert group.plan is not None and group.plan.compressed and group.states
+    assert all(b["mode"] == "compressed" for b in group.stats()["codec"])
+    with torch.inference_mode():
+        expected = reference(x)
+        assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+    fo.disable_layerwise_offload(model, "cpu")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

@@ -37,7 +37,9 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
     values = SAMPLE_BYTES // flat.element_size()
     if flat.numel() > values:
         flat = flat[:: flat.numel() // values][:values]
-    return flat.to("cpu").contiguous().view(torch.uint8)
+    # A negative view keeps its values behind a lazy bit that a byte view refuses; the engine packs the
+    # values it means (the sign bit alone differs, so the ratio is the same): resolve the sample only.
+    return flat.to("cpu").contiguous().resolve_neg().view(torch.uint8)
 
 
 def tensor_ratio(tensor: torch.Tensor) -> float:
