@@ -228,3 +228,33 @@ def test_a_negative_view_weight_is_sampled_for_its_coded_size_and_runs_bit_exact
     fo.disable_layerwise_offload(model, "cpu")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_plan_made_for_coded_copies_applied_without_compression_is_scored_and_checked_raw() -> None:
+    # compress=False sends raw copies whatever plan it is given: a coded plan kept as it was made reported
+    # coded blocks, coded host bytes and a coded step, none of which ran, and was never held to its own host
+    # budget with the raw bytes the host pins.
+    pytest.importorskip("fastoffload_ext._C")
+    model, reference = make_pair(6, torch.bfloat16, d=D)
+    place_outside_blocks(model, "cpu")
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    block = module_packed_bytes(model.blocks[0])
+    table = coded(BlockCosts([0.1] * 6, [block] * 6, GBPS), ratio=0.76)
+    plan = plan_offload(table, 4 * block)
+    assert plan.compressed and plan.resident == ()
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", plan=plan, compress=False)
+    stats = group.stats()
+    assert stats["compressed_blocks"] == 0 and not group.plan.compressed and group.plan.resident == plan.resident
+    assert stats["plan"]["compressed_blocks"] == 0 and stats["plan"]["host_bytes"] == stats["host_bytes"] == 6 * block
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model, "cpu")
+    # Within a host budget that only the coded copies fit, the raw copies are refused before anything changes.
+    tight = plan_offload(table, 4 * block, host_budget=5 * block)
+    assert tight.compressed and tight.resident == ()
+    with pytest.raises(OffloadConfigError, match="host_budget .* cannot hold the .* of pinned host copies that the 6 "
+                                                 "offloaded blocks need"):
+        fo.enable_layerwise_offload(model, device="cpu", backend="ext", plan=tight, compress=False)
+    assert fo.get_offload_group(model) is None
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

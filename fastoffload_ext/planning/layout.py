@@ -230,6 +230,13 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
         coded = dataclasses.replace(plan.costs, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
         plan = plan_offload(coded, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
                             prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
+    elif compress == "off" and plan.costs.compressed:
+        # A plan made for coded copies, applied without compression (compress=False, or a backend without the
+        # decoder): the copies move and the host pins the raw bytes, so the same layout is scored (and checked
+        # against its host budget) again with those; kept as it was, it reported coded blocks that never run.
+        raw = dataclasses.replace(plan.costs, transfer_bytes=None)
+        plan = plan_offload(raw, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
     budget, host, _ = _budgets(settings, blocks, device, costs)
     if budget is not None and plan.device_bytes > budget:
         raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "
