@@ -378,9 +378,46 @@ def _scenario_codec(rank: int, device: str, queue: Any, control: Path) -> None:
     queue.put((rank, "done", result))
 
 
+def _scenario_replan(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Rank 0 alone re-plans a shared, planned offload to another layout: refused there at once (applying it
+    would start enable's collective on rank 0 alone), nothing changed on either rank, and the ranks' next
+    collective (a disable, then an enable with the new plan on both) is still in step."""
+    from fastoffload_ext.planning import BlockCosts, module_packed_bytes
+
+    result: dict[str, Any] = {}
+    model, reference, x, want = _model(device)
+    block = module_packed_bytes(model.blocks[0])
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy="auto",
+                                        device_budget=3 * block)
+    result["resident"] = group.resident
+    table = BlockCosts([0.1, 0.1, 0.1, 9.0], [block] * N_BLOCKS, 5.0)  # keeps block 1, not block 0
+    new = None
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            group.replan(table)
+            result["replan"] = "applied"
+        except RuntimeError as error:
+            result["replan"] = f"{type(error).__name__}: {error}"
+        result["replan_seconds"] = time.monotonic() - start
+        result["unchanged"] = fo.get_offload_group(model) is group and group.resident == result["resident"]
+    result["exact"] = _exact(model, x, want)
+    new = fo.plan_offload(table, 3 * block)
+    result["new_resident"] = new.resident
+    fo.disable_layerwise_offload(model, device="cpu")
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy="auto", plan=new,
+                                        device_budget=3 * block)
+    result["then_resident"] = group.resident
+    result["then_shared"] = group.share is not None and group.share.shared_by == WORLD
+    result["then_exact"] = _exact(model, x, want)
+    fo.disable_layerwise_offload(model, device="cpu")
+    result["own_weights"] = params_equal(model, reference)
+    queue.put((rank, "done", result))
+
+
 SCENARIOS = {"main": _scenario_main, "codec": _scenario_codec, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
              "interrupts": _scenario_interrupts, "out_of_step": _scenario_out_of_step, "values": _scenario_values,
-             "taken_name": _scenario_taken_name}
+             "taken_name": _scenario_taken_name, "replan": _scenario_replan}
 
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
@@ -903,3 +940,17 @@ def test_core_compressed_segment_is_checked_before_another_rank_uses_it() -> Non
         assert owner.codec_info(handle)["mode"] == "compressed"
     finally:
         _C.unlink_shared_segment(name)
+
+
+def test_one_rank_re_planning_a_shared_offload_is_refused_and_the_ranks_stay_in_step(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "replan") as ranks:
+        done = ranks.expect("done", range(WORLD))
+    first = done[0]
+    assert first["replan"].startswith("OffloadStateError: fastoffload: this offload was enabled as a collective of 2 "
+                                      "ranks"), first["replan"]
+    assert "Nothing was changed" in first["replan"] and first["unchanged"] and first["replan_seconds"] < 10
+    for rank in range(WORLD):
+        result = done[rank]
+        assert result["new_resident"] != result["resident"], result  # the plan it refused was a new layout
+        assert result["exact"] and result["then_exact"] and result["then_shared"] and result["own_weights"], result
+        assert result["then_resident"] == result["new_resident"], result

@@ -212,7 +212,7 @@ def resolve(share_host_copy: bool | str, backend: str, process_group: Any) -> bo
     return None if dist.get_world_size(process_group) > 1 else False
 
 
-def _collective_expected(share_host_copy: Any, backend: Any, process_group: Any) -> bool:
+def collective_expected(share_host_copy: Any, backend: Any, process_group: Any) -> bool:
     """Whether enable is a collective for these arguments. Never raises: decided before any check."""
     if share_host_copy is False or backend == "python":
         return False
@@ -241,7 +241,7 @@ class Rendezvous:
 
     def __init__(self, share_host_copy: Any, backend: Any, process_group: Any) -> None:
         self.group = process_group
-        self.collective = _collective_expected(share_host_copy, backend, process_group)
+        self.collective = collective_expected(share_host_copy, backend, process_group)
         self.done = not self.collective
 
     def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -547,4 +547,5 @@ class HostShare:
             self._lock = None
 
 
-__all__ = ["HostShare", "Rendezvous", "SHARED_MUTATION_ERROR", "block_digests", "block_layout", "resolve"]
+__all__ = ["HostShare", "Rendezvous", "SHARED_MUTATION_ERROR", "block_digests", "block_layout", "collective_expected",
+           "resolve"]

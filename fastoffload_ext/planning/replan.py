@@ -124,7 +124,7 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
         logger.info("measured step %.3f ms against the plan's reference %.3f ms: %s the %.0f %% tolerance",
                     measured.step_ms, group.plan.reference_step_ms, verdict, 100 * group.plan.tolerance)
     try:
-        now = replan_group(group, costs, keep_disk_layout=True) if replan and group.plan is not None else group
+        now = replan_group(group, costs, keep_layout=True) if replan and group.plan is not None else group
     except OffloadConfigError as error:
         if given is not None or measured.activation_bytes is None:
             raise
@@ -152,6 +152,29 @@ DISK_REPLAN_ERROR = (
 DISK_REPLAN_GAIN = 0.01
 
 
+SHARED_REPLAN_ERROR = (
+    "fastoffload: this offload was enabled as a collective of {ranks} ranks (torch.distributed with the "
+    "host copy shared), and the new plan ({plan}) changes its layout; applying it takes a disable and an enable "
+    "on every rank at once, which one rank's re-plan cannot start (it would wait for the others until the "
+    "group's timeout). Nothing was changed. To apply it, on every rank: disable_layerwise_offload(model, 'cpu'), "
+    "then enable_layerwise_offload(model, ..., plan=plan)")
+
+
+def _collective_ranks(group: Any) -> int:
+    """The ranks an enable of this group is a collective of (0: it is none): a re-plan on one rank alone
+    cannot apply a new layout there."""
+    from fastoffload_ext.engine.sharing import collective_expected
+
+    arguments = group.enable_kwargs.get("arguments", {})
+    process_group = arguments.get("process_group")
+    if not collective_expected(arguments.get("share_host_copy", "auto"), arguments.get("backend", "auto"),
+                               process_group):
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group)
+
+
 def _disk_blocks(group: Any) -> int:
     return sum(1 for state in group.states if getattr(state, "on_disk", False))
 
@@ -161,9 +184,9 @@ def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     return replan_group(group, costs)
 
 
-def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layout: bool = False) -> Any:
+def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bool = False) -> Any:
     """``replan``; a new layout on a group that streams blocks from disk is refused before anything
-    changes (``DISK_REPLAN_ERROR``), or with ``keep_disk_layout`` (a calibration's own re-plan) logged,
+    changes (``DISK_REPLAN_ERROR``), or with ``keep_layout`` (a calibration's own re-plan) logged,
     the layout kept and its plan scored again from ``costs``."""
     _check_current(group)
     table = costs if costs is not None else group.costs
@@ -205,6 +228,16 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layou
     if new.same_layout(old) and (not auto or new.compressed == (group.compress_mode == "on")):
         group.plan = new
         return group
+    ranks = _collective_ranks(group)
+    if ranks:
+        # Each rank calibrates and re-plans on its own timings: a new layout here would start enable's
+        # collective on this rank alone.
+        if not keep_layout:
+            raise OffloadStateError(SHARED_REPLAN_ERROR.format(ranks=ranks, plan=new))
+        logger.warning("%s; keeping the layout enable applied", SHARED_REPLAN_ERROR.format(ranks=ranks, plan=new))
+        group.plan = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
+                                  prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+        return group
     disk = _disk_blocks(group)
     if disk:
         kept = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
@@ -212,7 +245,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_disk_layou
         if new.predicted_step_ms >= kept.predicted_step_ms * (1 - DISK_REPLAN_GAIN):
             group.plan = kept  # no faster: the layout stays, its prediction from the new table
             return group
-        if not keep_disk_layout:
+        if not keep_layout:
             raise OffloadStateError(DISK_REPLAN_ERROR.format(disk=disk, plan=new))
         logger.warning("%s; keeping the layout enable applied", DISK_REPLAN_ERROR.format(disk=disk, plan=new))
         group.plan = kept
@@ -240,6 +273,11 @@ def recheck(group: Any) -> Any:
                                                      cyclic=group.cyclic))
         return group
     except OffloadConfigError as error:
+        if _collective_ranks(group):
+            # Each rank encoded its own blocks: one whose sizes differ would start enable's collective alone.
+            logger.warning("fastoffload: the encoded blocks do not fit the plan made from estimates (%s); this "
+                           "offload is a collective of several ranks, so the layout enable applied is kept", error)
+            return group
         logger.info("the encoded blocks do not fit the plan made from estimates (%s); planning again", error)
     settings = group.enable_kwargs
     try:
@@ -330,5 +368,5 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     return fresh
 
 
-__all__ = ["DISK_REPLAN_ERROR", "calibrate", "read_gbps", "recheck", "replan", "replan_group", "transfer_bytes",
-           "with_disk_tier"]
+__all__ = ["DISK_REPLAN_ERROR", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "recheck", "replan", "replan_group",
+           "transfer_bytes", "with_disk_tier"]
