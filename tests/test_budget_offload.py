@@ -279,6 +279,22 @@ def test_observe_step_with_a_step_calibrates_and_replans_a_drifted_group() -> No
     _finish(model, reference)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_activation_reserve_without_a_budget_is_refused_and_counts_under_auto(backend: str) -> None:
+    model, reference, x = _setup("cpu")
+    with pytest.raises(OffloadConfigError, match=re.escape(
+            "fastoffload: activation_reserve is the part of a device_budget kept for activations, and no "
+            "device_budget was given (nor resident_blocks or prefetch_depth 'auto', nor a plan), so nothing would "
+            "count it; pass device_budget=... (or 'auto'), or leave activation_reserve out")):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend, activation_reserve="1MiB")
+    assert fo.get_offload_group(model) is None and params_equal(model, reference)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks="auto",
+                                        activation_reserve="1MiB")
+    assert group.plan.costs.activation_bytes == 1 << 20
+    _run_exactly(model, reference, x)
+    _finish(model, reference)
+
+
 def _peak_measured_as(monkeypatch: pytest.MonkeyPatch, peak: int) -> None:
     """Calibrations on the host-as-device measure no activation peak; this one reports ``peak``."""
     from fastoffload_ext.planning import calibration

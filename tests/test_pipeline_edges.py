@@ -142,6 +142,8 @@ BAD_LAYERWISE_VALUES = [
     ({"device_budget": "lots"}, r"device_budget must be None, a number of bytes, or a size such as '20GiB'"),
     ({"host_budget": -1}, r"host_budget must not be negative, got -1"),
     ({"activation_reserve": "auto"}, r"activation_reserve must be None, a number of bytes, or a size such as"),
+    ({"activation_reserve": "1MiB"}, r"activation_reserve is the part of a device_budget kept for activations, and "
+                                     r"no device_budget was given"),
     ({"plan": {"resident": [0]}}, r"plan must be an OffloadPlan from plan_offload\(\), got dict$"),
     ({"weights": {"blocks.0.weight": torch.zeros(1)}}, r"weights= takes the path of a safetensors checkpoint"),
     ({"disk_options": object()}, r"disk_options needs weights="),

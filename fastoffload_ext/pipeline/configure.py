@@ -192,6 +192,7 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
     from fastoffload_ext.engine.model_checks import check_block_lists_form
     from fastoffload_ext.engine.options import check_flags, check_knobs
     from fastoffload_ext.planning.budgets import parse_size
+    from fastoffload_ext.planning.layout import check_reserve_has_budget
     from fastoffload_ext.planning.plan import OffloadPlan
 
     try:
@@ -208,6 +209,8 @@ def _check_layerwise_options(options: Mapping[str, Any] | None) -> dict[str, Any
     parse_size(options.get("device_budget"), "device_budget")
     parse_size(options.get("host_budget", "auto"), "host_budget")
     parse_size(options.get("activation_reserve"), "activation_reserve", allow_auto=False)
+    check_reserve_has_budget(options.get("activation_reserve"), options.get("device_budget"),
+                             options.get("resident_blocks"), options.get("prefetch_depth"), options.get("plan"))
     plan = options.get("plan")
     if plan is not None and not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "

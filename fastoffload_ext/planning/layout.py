@@ -105,6 +105,18 @@ def activation_reserve(settings: dict[str, Any]) -> int | None:
     return None
 
 
+def check_reserve_has_budget(activation_reserve: object, device_budget: object, resident_blocks: object,
+                             prefetch_depth: object, plan: object) -> None:
+    """``activation_reserve`` is a part of the device budget a plan keeps for activations: without a plan
+    (no ``device_budget``, no ``"auto"``, no ``plan``) nothing would count it, so it is refused."""
+    planned = device_budget is not None or plan is not None or AUTO in (resident_blocks, prefetch_depth)
+    if activation_reserve is not None and not planned:
+        raise OffloadConfigError("fastoffload: activation_reserve is the part of a device_budget kept for activations, "
+                                 "and no device_budget was given (nor resident_blocks or prefetch_depth 'auto', nor a "
+                                 "plan), so nothing would count it; pass device_budget=... (or 'auto'), or leave "
+                                 "activation_reserve out")
+
+
 def _budgets(settings: dict[str, Any], blocks: Sequence[nn.Module], device: torch.device,
              costs: BlockCosts | None) -> tuple[int | None, int | None, int]:
     """(device budget, host budget, activation reserve) in bytes."""
@@ -166,6 +178,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
         return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs, compress,
                           cyclic)
     planned = settings["device_budget"] is not None or resident == AUTO or depth == AUTO
+    check_reserve_has_budget(settings["activation_reserve"], settings["device_budget"], resident, depth, None)
     if not planned:
         fixed = resident if isinstance(resident, tuple) else ()
         _, host, _ = _budgets(settings, blocks, device, costs)
@@ -251,4 +264,4 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
 
 
 __all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "Layout", "activation_reserve", "check_prefetch_depth",
-           "default_costs", "resolve_layout"]
+           "check_reserve_has_budget", "default_costs", "resolve_layout"]
