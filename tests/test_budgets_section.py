@@ -35,6 +35,7 @@ def test_summary_lines() -> None:
 
 class _Plan:
     host_bytes = 2 * 10**9
+    copy_ms = 40.0
     overhead_ms = 1.0
     host_hooks_ms = 0.0
 
@@ -61,6 +62,7 @@ def test_ideals_put_the_hooks_on_the_compute_side() -> None:
 
 class _SmallPlan:
     host_bytes = 0  # 100 %: nothing moves, the ideal is the resident model of the same round
+    copy_ms = 0.0
     overhead_ms = 0.0
     host_hooks_ms = 0.0
 
@@ -92,6 +94,7 @@ def test_each_round_is_held_to_the_copy_when_the_copy_is_longer() -> None:
 
     class _Moving:
         host_bytes = 4 * 10**8  # 8 ms at 50 GB/s
+        copy_ms = 8.0
         overhead_ms = 1.0
         host_hooks_ms = 0.5  # below the device's: the larger of the two counts
 
@@ -100,6 +103,20 @@ def test_each_round_is_held_to_the_copy_when_the_copy_is_longer() -> None:
     assert row["x_ideal"] == 1.2 and row["x_ideal_range"] == [1.0, 1.5]
     assert row["x_ideal_hooks"] == 12.0 / 11.0 and row["x_ideal_hooks_range"] == [9.0 / 10.0, 12.0 / 8.0]
     assert row["x_floor"] == 12.0 / 16.0 and row["x_floor_range"] == [9.0 / 16.0, 12.0 / 16.0]
+
+
+def test_blocks_that_stay_in_the_slots_move_nothing_in_the_ideal() -> None:
+    from benchmarks.budgets import _ideals
+    from fastoffload_ext.planning import plan_offload
+
+    # Two offloaded blocks and two slots: after the first step both stay in the slots and no copy runs.
+    costs = BlockCosts([1.0] * 4, [100 * MiB] * 4, 50.0)
+    plan = plan_offload(costs, 10**12, resident=(0, 1), prefetch_depth=1)
+    assert plan.num_slots == 2 and plan.host_bytes == 200 * MiB and plan.copy_ms == 0.0
+    row = _row(ms=4.2, resident_ms=4.0, rounds=_rounds(plan=[4.2, 4.4], resident=[4.0, 4.0]))
+    _ideals(row, plan, peak_gbps=50.0, total_bytes=400 * MiB)  # 200 MiB would read 4.19 ms at 50 GB/s
+    assert row["copy_ms"] == 0.0 and row["ideal_ms"] == 4.0
+    assert row["x_ideal"] == (4.2 / 4.0 + 4.4 / 4.0) / 2 and row["x_ideal_range"] == [4.2 / 4.0, 4.4 / 4.0]
 
 
 def test_round_ratios_refuse_unmatched_rounds() -> None:
@@ -114,6 +131,7 @@ def test_the_hooks_host_cost_counts_where_the_plan_is_host_bound() -> None:
 
     class _HostBound:
         host_bytes = 0
+        copy_ms = 0.0
         overhead_ms = 0.0
         host_hooks_ms = 1.76  # W3 at 75 %: 16 offloaded blocks at 110 us of host time each
 
