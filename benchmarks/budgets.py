@@ -576,11 +576,14 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
             auto_peak = _peak_of(ctx, live["auto"])
             worst = None if worst is None or auto_peak is None else max(worst, auto_peak)
         live["raw"] = Config(ctx, master, workload, inputs, {"plan": plans["raw"], "device_budget": budget})
+        auto = alias or "auto"
+        if auto == "raw":  # the pick runs as the raw configuration: its peak is the pick's
+            raw_peak = _peak_of(ctx, live["raw"])
+            worst = None if worst is None or raw_peak is None else max(worst, raw_peak)
         iters = _iters(ctx)
         timers = {name: c.timer(iters) for name, c in live.items()}
         timers[RESIDENT] = shared["resident_timer"](iters)
         rounds = run_interleaved(timers, rounds=_rounds(ctx))
-        auto = alias or "auto"
         applied = live["coded"].group.plan
         row = dict(budget_mib=budget / MiB, raw_plan=_layout_name(plans["raw"]), plan=_layout_name(applied),
                    auto_plan=_layout_name(live[auto].group.plan), raw_moved_mib=plans["raw"].host_bytes / MiB,
@@ -591,8 +594,8 @@ def _compressed_row(ctx: Context, master: nn.Module, workload: Workload, inputs:
                    auto_ms=rounds.median_ms(auto), auto_config=auto, x_auto_raw=rounds.ratio(auto, "raw"),
                    x_auto_coded=rounds.ratio(auto, "coded"), resident_ms=rounds.median_ms(RESIDENT),
                    rounds=rounds.as_dict(), why=applied.why, auto_why=plans["auto"].why,
-                   bit_equal=live["coded"].bit_equal(shared["reference"])
-                   and (alias is not None or live["auto"].bit_equal(shared["reference"])))
+                   # The coded plan and the configuration the pick ran as (the raw one when "auto" aliases it).
+                   bit_equal=all(live[name].bit_equal(shared["reference"]) for name in dict.fromkeys(("coded", auto))))
         return _judge_compressed(ctx, row, worst, budget, shared)
     finally:
         for config in live.values():

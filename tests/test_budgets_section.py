@@ -277,3 +277,42 @@ def test_compressed_row_passes_when_auto_is_as_fast_as_the_faster_kind() -> None
                                        "auto_ms": 40.0, "resident_ms": 10.0, "rounds": rounds}, 101 * MiB, 100 * MiB,
                              shared)
     assert over["pass"] is False and over["mem_ok"] is False
+
+
+def test_compressed_row_checks_the_configuration_the_auto_pick_ran_as(tmp_path, monkeypatch) -> None:
+    import copy
+
+    import torch
+
+    from benchmarks import budgets
+    from benchmarks.utils import Context, Options
+    from benchmarks.workloads import stack_workload
+
+    ctx = Context("budgets", Options(quick=True, device="cpu", progress=False), str(tmp_path / "journal.jsonl"))
+    workload = stack_workload("W4", cpu=True)
+    master = workload.build_host()
+    inputs = workload.make_inputs(ctx.device)
+    resident = copy.deepcopy(master)
+    with torch.inference_mode():
+        reference = resident(*inputs[0]).detach().clone()
+    block_bytes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in master.blocks]
+    costs = BlockCosts([1.0] * len(block_bytes), block_bytes, 50.0)
+    budget = 2 * max(block_bytes) + sum(block_bytes) // 2
+    made = budgets._coded_plans
+
+    def auto_picks_raw(*args):
+        plans = made(*args)
+        return {**plans, "auto": plans["raw"]}
+
+    # The raw configuration's output differs; the coded one's does not.
+    monkeypatch.setattr(budgets, "_coded_plans", auto_picks_raw)
+    monkeypatch.setattr(budgets.Config, "bit_equal", lambda self, reference: self.group.plan.compressed)
+    shared = {"peak_gbps": None, "block_bytes": block_bytes, "reference": reference,
+              "resident_timer": lambda iters: (lambda: ctx.time_ms(lambda: resident(*inputs[0]), warmup=0,
+                                                                   iters=iters))}
+    try:
+        row = budgets._compressed_row(ctx, master, workload, inputs, costs, budget, shared)
+    finally:
+        ctx.close()
+    assert row["auto_config"] == "raw" and row["plan"].startswith("coded")
+    assert row["bit_equal"] is False  # the pick ran as the raw configuration, whose output differs
