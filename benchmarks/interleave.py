@@ -10,12 +10,19 @@ those per-round ratios with their spread beside it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # One round's measurement of one configuration: a list of per-iteration milliseconds.
 Timer = Callable[[], Sequence[float]]
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median, NaN when any value is: a configuration that failed in some round (its timer gives NaN
+    there) has no figure, where ``statistics.median`` would return a plausible one from the other rounds."""
+    return math.nan if any(math.isnan(v) for v in values) else float(statistics.median(values))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +32,13 @@ class Interleaved:
     rounds: dict[str, list[float]]
 
     def median_ms(self, name: str) -> float:
-        return float(statistics.median(self.rounds[name]))
+        return _median(self.rounds[name])
 
     def spread(self, name: str) -> float:
         """(slowest round - fastest round) / median round, for ``name``."""
         values = self.rounds[name]
-        return (max(values) - min(values)) / statistics.median(values)
+        median = _median(values)
+        return math.nan if math.isnan(median) else (max(values) - min(values)) / median
 
     def ratios(self, name: str, reference: str) -> list[float]:
         """``name`` over ``reference``, round by round."""
@@ -38,11 +46,13 @@ class Interleaved:
 
     def ratio(self, name: str, reference: str) -> float:
         """Median of the per-round ratios of ``name`` to ``reference``."""
-        return float(statistics.median(self.ratios(name, reference)))
+        return _median(self.ratios(name, reference))
 
     def ratio_spread(self, name: str, reference: str) -> tuple[float, float]:
         """(lowest, highest) per-round ratio of ``name`` to ``reference``."""
         values = self.ratios(name, reference)
+        if any(math.isnan(v) for v in values):
+            return math.nan, math.nan
         return float(min(values)), float(max(values))
 
     def as_dict(self) -> dict[str, Any]:
@@ -59,5 +69,5 @@ def run_interleaved(timers: Mapping[str, Timer], rounds: int) -> Interleaved:
     for index in range(rounds):
         shift = index % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
-            result[name].append(float(statistics.median(timers[name]())))
+            result[name].append(_median(timers[name]()))
     return Interleaved(result)

@@ -26,3 +26,21 @@ def test_rounds_rotate_the_order_and_ratios_are_taken_within_a_round() -> None:
 def test_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         run_interleaved({"a": lambda: [1.0]}, rounds=0)
+
+
+def test_a_configuration_that_failed_in_a_round_has_no_figure() -> None:
+    """Its timer gives NaN from the failing round on: every figure over those rounds is NaN (its own and every
+    ratio to it), never a plausible median of the rounds that happened to run."""
+    import math
+
+    calls = {"n": 0}
+
+    def failing() -> list[float]:
+        calls["n"] += 1
+        return [10.0] if calls["n"] < 3 else [float("nan")]  # fails in the last round
+
+    result = run_interleaved({"ref": failing, "b": lambda: [12.0]}, rounds=3)
+    assert result.rounds["ref"][:2] == [10.0, 10.0] and math.isnan(result.rounds["ref"][2])
+    assert math.isnan(result.median_ms("ref")) and math.isnan(result.spread("ref"))
+    assert math.isnan(result.ratio("b", "ref")) and all(math.isnan(v) for v in result.ratio_spread("b", "ref"))
+    assert result.median_ms("b") == 12.0 and result.spread("b") == 0.0
