@@ -240,6 +240,67 @@ def test_load_state_dict_updates_the_host_copy(backend: str) -> None:
     assert params_equal(model, other)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keep_vars", [False, True])
+def test_a_submodules_state_dict_holds_the_real_values(backend: str, keep_vars: bool) -> None:
+    # torch runs only the hooks of the module state_dict() is called on and below: a submodule of a block
+    # (block.attn.state_dict(), as a LoRA or a per-layer checkpoint takes it) gave the (0, 0) placeholders.
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    for name in ("blocks.1.o", "blocks.2.norms", "blocks.2.norms.1", "blocks.0"):
+        got = model.get_submodule(name).state_dict(prefix="p.", keep_vars=keep_vars)
+        want = reference.get_submodule(name).state_dict(prefix="p.", keep_vars=keep_vars)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+    got, want = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_state_dict_into_a_submodule_of_a_block(backend: str) -> None:
+    # It raised a size mismatch against the placeholders, where the resident model loads.
+    model, reference = _frozen_pair()
+    other, _ = make_pair(3, seed=9)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    for name in ("blocks.1.o", "blocks.2.norms", "blocks.0.up"):
+        for m in (model, reference):
+            result = m.get_submodule(name).load_state_dict(other.get_submodule(name).state_dict())
+            assert result.missing_keys == [] and result.unexpected_keys == []
+    assert all(p.numel() == 0 for p in model.blocks.parameters())  # offloaded again, not left materialized
+    got, want = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_submodule_replaced_inside_a_mutate_scope_saves_its_own_values(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = fo.ModuleHookManager.get_from(model.blocks[1]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    with hook.mutate_params_scope():
+        # Swapped: each name now holds the other's module, and a new one comes in.
+        model.blocks[1].qkv, model.blocks[1].up = model.blocks[1].up, model.blocks[1].qkv
+        model.blocks[1].extra = nn.Linear(16, 16).requires_grad_(False)
+    reference.blocks[1].qkv, reference.blocks[1].up = reference.blocks[1].up, reference.blocks[1].qkv
+    reference.blocks[1].extra = nn.Linear(16, 16).requires_grad_(False)
+    with torch.no_grad():
+        reference.blocks[1].extra.load_state_dict(model.blocks[1].extra.state_dict())
+    for name in ("qkv", "up", "extra", ""):
+        got = model.blocks[1].get_submodule(name).state_dict()
+        want = reference.blocks[1].get_submodule(name).state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 # ---- lazy conjugate / negative bits -------------------------------------------------------------
 
 class Scale(nn.Module):

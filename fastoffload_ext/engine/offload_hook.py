@@ -123,3 +123,6 @@ class LayerwiseOffloadHook(ForwardHook):
             yield
         finally:
             leave_mutation(self.state)
+            if getattr(self.state, "mutation_depth", 0) == 0 and self.state_dict_hooks.attached():
+                # The scope may have added or replaced submodules, whose own state_dict() needs the hooks.
+                self.state_dict_hooks.attach(self.state.module_ref)

@@ -13,7 +13,9 @@ with a size mismatch. Module state-dict hooks put the host copy in:
   them; a block whose host copy is shared with other ranks refuses (``messages.SHARED_LOAD_ERROR``).
 
 Both work on the block list alone and through any parent (``model.state_dict()``), since torch runs
-every submodule's hooks.
+every submodule's hooks; and on a submodule of a block alone (``block.attn.state_dict()``), which runs
+only the hooks of that submodule and below, so each submodule carries them too. Through the block, the
+submodules' hooks leave the work to the block's (one read of a compressed host copy, one rebuild).
 
 A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
 pre-hook on the model and on the block list (``LoadGuard``) refuses, before any module has loaded, a
@@ -40,38 +42,80 @@ __all__ = ["LoadGuard", "StateDictHooks"]
 
 
 class StateDictHooks:
-    """The three state-dict hooks of one offloaded block."""
+    """The state-dict hooks of one offloaded block, on the block and on each of its submodules."""
 
     def __init__(self, state: BlockOffloadState) -> None:
         self.state = state
         self._handles: list[RemovableHandle] = []
+        self._block: nn.Module | None = None
         self._loading = False
+        # Where the state_dict() or load now under way entered the block: (prefix, the submodule's name in
+        # the block with a trailing dot, '' for the block). The submodules it reaches leave their part to it.
+        self._saving_at: tuple[str, str] | None = None
+        self._loading_at: tuple[str, str] | None = None
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
 
     def attach(self, module: nn.Module) -> None:
+        """Hooks ``module`` (the block) and every submodule it has now (again after a mutation, which may
+        have replaced some)."""
+        self.detach()
+        self._block = module
         # torch marks a state-dict hook with an attribute, which a bound method cannot carry.
-        self._handles = [module.register_state_dict_post_hook(functools.partial(StateDictHooks._real_values, self)),
-                         module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks._before_load, self)),
-                         module.register_load_state_dict_post_hook(functools.partial(StateDictHooks._after_load, self))]
+        hooks = (StateDictHooks._saving_starts, StateDictHooks._real_values, StateDictHooks._before_load,
+                 StateDictHooks._after_load)
+        for sub in module.modules():
+            saving, real, before, after = (functools.partial(hook, self) for hook in hooks)
+            self._handles += [sub.register_state_dict_pre_hook(saving), sub.register_state_dict_post_hook(real),
+                              sub.register_load_state_dict_pre_hook(before),
+                              sub.register_load_state_dict_post_hook(after)]
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
+    def attached(self) -> bool:
+        """Whether the hooks are on the block (not yet taken off by a disable)."""
+        return bool(self._handles)
+
+    def _within(self, module: nn.Module) -> str | None:
+        """``module``'s name in the block now, with a trailing dot ('' for the block; None: no longer in it)."""
+        if module is self._block:
+            return ""
+        for name, sub in self._block.named_modules() if self._block is not None else ():
+            if sub is module:
+                return name + "."
+        return None
+
+    @staticmethod
+    def _reached(at: tuple[str, str] | None, prefix: str, within: str) -> bool:
+        """Whether a submodule at ``within`` with ``prefix`` lies below where the call under way entered (``at``)."""
+        return at is not None and within != at[1] and within.startswith(at[1]) and prefix == at[0] + within[len(at[1]):]
+
+    def _saving_starts(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        within = self._within(module)
+        if within is not None and not self._reached(self._saving_at, prefix, within):
+            self._saving_at = (prefix, within)
+
     def _real_values(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        within = self._within(module)
+        if within is None or self._saving_at != (prefix, within):
+            return  # not in the block any more, or reached by a call on a module above it, whose hook fills in
+        self._saving_at = None
         host_values = self.state.cpu_named_parameters
         if not host_values:
             return
         # A parameter tied inside the block (``b.weight = a.weight``) is offloaded under its first name but
         # saved under every one: each gets the same real value, as the resident model's state dict has it.
-        aliases = {group[0]: group for group in parameter_names(module).values()}
+        aliases = {group[0]: group for group in parameter_names(self._block).values()}
         for name, host in host_values.items():
             value = None
             for alias in aliases.get(name, [name]):
-                key = prefix + alias
+                if not alias.startswith(within):
+                    continue  # outside the submodule saved
+                key = prefix + alias[len(within):]
                 entry = state_dict.get(key)
                 if entry is None or tuple(entry.shape) == tuple(host.shape):
                     continue  # not saved, or a live value (running, or inside mutate_params_scope)
@@ -96,10 +140,14 @@ class StateDictHooks:
         was taken for an inner one, which does not rebuild."""
         if self._loading:
             self._loading = False
+            self._loading_at = None
             with torch.no_grad():
                 leave_mutation(self.state)
 
     def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        within = self._within(module)
+        if within is None or (self._loading and self._reached(self._loading_at, prefix, within)):
+            return  # not in the block any more, or a submodule the load under way has made real already
         self.finish_interrupted_load()
         if not any(key.startswith(prefix) for key in state_dict):
             return  # nothing for this block (a partial load): its host copy stays as it is
@@ -108,11 +156,13 @@ class StateDictHooks:
             raise refused
         enter_mutation(self.state)  # inside mutate_params_scope() the load goes into the scope's live values
         self._loading = True
+        self._loading_at = (prefix, within)
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if not self._loading:
-            return
+        if not self._loading or self._loading_at is None or self._within(module) != self._loading_at[1]:
+            return  # no load of ours, or a submodule inside the load that entered the block above it
         self._loading = False
+        self._loading_at = None
         with torch.no_grad():
             leave_mutation(self.state)
 
