@@ -195,3 +195,32 @@ def test_removing_one_blocks_offload_hook_by_hand_leaves_the_rest_running(backen
             assert torch.equal(model(_x()), reference(_x()))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["run_detach=False", "remove_from_manager"])
+def test_disable_restores_a_block_whose_offload_hook_was_taken_off_without_detaching(backend: str, how: str) -> None:
+    # The block keeps its placeholders (its forward fails, as FastVideo's does), but its values are still in
+    # the host copy: disable gave the block back empty, the values freed with the engine.
+    model, reference = _frozen_pair(4)
+    other, _ = _frozen_pair(4, seed=5)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+    if how == "run_detach=False":
+        fo.ModuleHookManager.get_from(model.blocks[2]).remove_forward_hook(fo.LayerwiseOffloadHook.name(),
+                                                                            run_detach=False)
+    else:
+        fo.ModuleHookManager.remove_from_manager(model.blocks[2])
+    assert all(p.numel() == 0 for p in model.blocks[2].parameters())
+    fo.disable_layerwise_offload(model)
+    assert fo.ModuleHookManager.get_from(model.blocks[2]) is None
+    assert params_equal(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+    # No state-dict hook of the offload is left on the block: it saves and loads as a resident one.
+    for m in (model, reference):
+        m.load_state_dict(other.state_dict())
+    got, want = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert params_equal(model, reference)

@@ -506,6 +506,9 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
         manager = ModuleHookManager.get_from(block)
         hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
         if hook is None:
+            _detach_unhooked(group, state, target)
+            if manager is not None and not manager.forward_hooks:
+                ModuleHookManager.remove_from_manager(block)
             continue
         if isinstance(hook, LayerwiseOffloadHook):
             hook.detach_device = target
@@ -525,6 +528,26 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
     if group.engine is not None:
         group.engine.close()
     delattr(model, GROUP_ATTRIBUTE)
+
+
+def _detach_unhooked(group: LayerwiseOffloadGroup, state: BlockOffloadState, target: torch.device) -> None:
+    """Detaches a block whose offload hook was taken off without its ``on_detach``
+    (``remove_forward_hook(name, run_detach=False)``, ``ModuleHookManager.remove_from_manager``).
+
+    Its parameters are still placeholders and its values live only in the host copy, which closing the
+    engine frees: skipped, the block came back empty, its values lost. It is restored as the hook's
+    ``on_detach`` would have, and that hook's state-dict hooks come off with it (left on, a later
+    ``load_state_dict()`` would try to materialize a block no engine holds). A hook whose ``on_detach``
+    ran (``replace_forward_hook``, ``remove_forward_hook``) left nothing offloaded.
+    """
+    if state.weight_bytes() == 0:
+        return
+    stand_in = LayerwiseOffloadHook(state)
+    stand_in.detach_device = target
+    stand_in.on_detach(state.module_ref)
+    for _, hooks in group.load_guard.blocks if group.load_guard is not None else ():
+        if hooks.state is state:
+            hooks.detach()
 
 
 __all__ = [
