@@ -200,6 +200,22 @@ def _sparse_parameter(env: Env) -> None:
         assert all(p.numel() > 0 for p in env.model.parameters())
 
 
+def _nested_parameter(backend: str) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        nested = torch.nested.nested_tensor([torch.ones(2, 16), torch.ones(3, 16)])
+        env.model.blocks[1].o.weight = nn.Parameter(nested, requires_grad=False)
+        env.untouched_check = False  # a nested tensor cannot be snapshot or compared; checked by hand
+        before = snapshot(env.model.blocks[::2])
+        try:
+            env.enable(backend=backend)
+        finally:
+            assert fo.get_offload_group(env.model) is None and not any(has_hooks(b) for b in env.model.blocks)
+            assert env.model.blocks[1].o.weight.is_nested
+            assert mismatches(env.model.blocks[::2], before) == []
+
+    return run
+
+
 def _lazy_model_whose_loader_raises(env: Env) -> None:
     failure = OSError("checkpoint shard 3 of 4 is missing")
 
@@ -457,6 +473,10 @@ CASES = [
     Case("sparse_parameter-ext", _sparse_parameter, RuntimeError,
          exact("fastoffload: parameter 'o.weight' has layout Sparse; only dense (strided) tensors can be offloaded. "
                "Convert it with .to_dense() first")),
+    *[Case(f"nested_tensor_parameter-{backend}", _nested_parameter(backend), ValueError,
+           exact("fastoffload: parameter blocks.1.o.weight is a nested tensor; only dense (strided) tensors can be "
+                 "offloaded. Hold its values as dense tensors, or keep that module outside the block list"))
+      for backend in ("ext", "python")],
     # Devices.
     Case("device_xla", lambda env: env.enable(device="xla"), ValueError,
          exact(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),

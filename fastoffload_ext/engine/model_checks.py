@@ -153,6 +153,12 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                      f"placeholders). Make {list_name} hold the blocks themselves: flatten the nested "
                                      "lists into one nn.ModuleList")
         for name, param in block.named_parameters():
+            if param.is_nested:
+                # Checked here: the engines would fail deep inside on a tensor without one shape (torch's
+                # own "NestedTensorImpl doesn't support sizes" or "incompatible tensor type").
+                raise OffloadConfigError(f"fastoffload: parameter {list_name}.{index}.{name} is a nested tensor; only "
+                                         "dense (strided) tensors can be offloaded. Hold its values as dense "
+                                         "tensors, or keep that module outside the block list")
             if isinstance(param, nn.parameter.UninitializedParameter):
                 raise OffloadConfigError(f"fastoffload: parameter {list_name}.{index}.{name} is not initialized yet (a "
                                          "lazy module such as nn.LazyLinear, which sizes its weights on its first "
