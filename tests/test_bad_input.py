@@ -216,6 +216,37 @@ def _nested_parameter(backend: str) -> Callable[[Env], Any]:
     return run
 
 
+def _norm_on_the_block_itself(backend: str, norm: Callable[[nn.Module], Any]) -> Callable[[Env], Any]:
+    def run(env: Env) -> None:
+        _refused_after(env, lambda: setattr(env.model.blocks, "1", norm(nn.Linear(16, 16))),
+                       backend=backend)
+
+    return run
+
+
+def _weight_norms_that_work(backend: str) -> Callable[[Env], Any]:
+    """The forms a block may carry: parametrizations (computed inside the forward; spectral_norm updates its
+    buffers there, in training mode), and the older hooks on a submodule (run inside the block's forward)."""
+    def run(env: Env) -> None:
+        for m in (env.model, env.reference):
+            torch.manual_seed(7)
+            m.blocks[0] = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16))
+            m.blocks[1] = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16))
+            m.blocks[2].o = nn.utils.spectral_norm(m.blocks[2].o)
+            m.requires_grad_(False)
+        fo.enable_layerwise_offload(env.model, device="cpu", backend=backend)
+        with torch.no_grad():
+            for _ in range(2):  # each training-mode step moves spectral_norm's vectors: step them together
+                assert torch.equal(env.model(env.x), env.reference(env.x))
+        fo.disable_layerwise_offload(env.model)
+        assert params_equal(env.model, env.reference)
+        buffers = dict(env.reference.named_buffers())
+        assert dict(env.model.named_buffers()).keys() == buffers.keys()
+        assert all(torch.equal(env.model.get_buffer(name), buffer) for name, buffer in buffers.items())
+
+    return run
+
+
 def _lazy_model_whose_loader_raises(env: Env) -> None:
     failure = OSError("checkpoint shard 3 of 4 is missing")
 
@@ -268,13 +299,13 @@ def _huge_prefetch_depth(depth: int) -> Callable[[Env], Any]:
     return run
 
 
-def _refused_after(env: Env, setup: Callable[[], Any]) -> None:
+def _refused_after(env: Env, setup: Callable[[], Any], **kwargs: Any) -> None:
     """``setup`` changes the model first (so the table's own snapshot no longer applies): snapshot after it."""
     setup()
     env.untouched_check = False
     before = snapshot(env.model)
     try:
-        env.enable()
+        env.enable(**kwargs)
     finally:
         assert fo.get_offload_group(env.model) is None
         assert not any(has_hooks(m) for m in env.model.modules())
@@ -477,6 +508,14 @@ CASES = [
            exact("fastoffload: parameter blocks.1.o.weight is a nested tensor; only dense (strided) tensors can be "
                  "offloaded. Hold its values as dense tensors, or keep that module outside the block list"))
       for backend in ("ext", "python")],
+    *[Case(f"{kind}_on_the_block_itself-{backend}",
+           _norm_on_the_block_itself(backend, getattr(nn.utils, kind)), ValueError,
+           exact(f"fastoffload: blocks.1 has torch.nn.utils.{kind} applied to the block itself: its forward pre-hook "
+                 "recomputes the weight before offload loads the block, from empty placeholders. Use "
+                 f"torch.nn.utils.parametrizations.{kind} (computed inside the forward), apply it to a submodule of "
+                 "the block, or keep the block resident with resident_blocks"))
+      for kind in ("weight_norm", "spectral_norm") for backend in ("ext", "python")],
+    *[Case(f"weight_norms_that_work-{backend}", _weight_norms_that_work(backend)) for backend in ("ext", "python")],
     # Devices.
     Case("device_xla", lambda env: env.enable(device="xla"), ValueError,
          exact(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),

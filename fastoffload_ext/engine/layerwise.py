@@ -71,7 +71,7 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters
+from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters, check_weight_hooks
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -224,6 +224,7 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
     _check_hook_managers(options)
+    check_weight_hooks(blocks, _ring_names(options), offloaded)
     existing = get_offload_group(model)
     if options.is_replace:
         first = blocks[offloaded[0]] if offloaded else None
@@ -250,8 +251,7 @@ def _check_hook_managers(options: OffloadOptions) -> None:
     """Refuses an offloaded block whose forward another class's hook manager wraps (FastVideo's own, attached
     before this engine was installed): its wrapper runs no post_forward when the forward raises, so one
     failing forward would leave the block holding its device slot, and every later forward would fail."""
-    lists = options.lists or ((options.list_name, options.blocks),)
-    names = [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
+    names = _ring_names(options)
     for index in options.offloaded_indices:
         manager = ModuleHookManager.get_from(options.blocks[index])
         if manager is not None and not isinstance(manager, ModuleHookManager):
@@ -262,6 +262,12 @@ def _check_hook_managers(options: OffloadOptions) -> None:
                                      "(ModuleHookManager.remove_from_manager) and attach them after enabling offload; "
                                      "with FastVideo, call fastoffload_ext.integrations.fastvideo.install() before "
                                      "FastVideo attaches any hook")
+
+
+def _ring_names(options: OffloadOptions) -> list[str]:
+    """Each block's name in the model (``blocks.3``), in ring order."""
+    lists = options.lists or ((options.list_name, options.blocks),)
+    return [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
 
 
 def _build_engine(options: OffloadOptions) -> Any:

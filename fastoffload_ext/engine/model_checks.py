@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from fastoffload_ext.errors import OffloadConfigError
 
-__all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_tied_parameters",
+__all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_weight_hooks",
+           "check_tied_parameters",
            "find_block_list", "find_block_lists", "storage_key"]
 
 ALL_LISTS = "all"
@@ -164,6 +167,23 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                          "lazy module such as nn.LazyLinear, which sizes its weights on its first "
                                          "forward); run one forward on the model before enabling offload, so the "
                                          "weights exist")
+
+
+def check_weight_hooks(blocks: Sequence[nn.Module], names: Sequence[str], offloaded: Collection[int]) -> None:
+    """Refuses an offloaded block that recomputes its own weight in a torch forward pre-hook (the older
+    ``nn.utils.weight_norm`` / ``spectral_norm`` applied to the block itself). Torch runs those hooks
+    before the forward that the offload hook wraps, so they would read the empty placeholders: torch's
+    weight norm of an empty tensor kills the process with SIGFPE on the CPU."""
+    for index in offloaded:
+        for hook in blocks[index]._forward_pre_hooks.values():
+            if isinstance(hook, (WeightNorm, SpectralNorm)):
+                kind = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+                raise OffloadConfigError(f"fastoffload: {names[index]} has torch.nn.utils.{kind} applied to the "
+                                         "block itself: its forward pre-hook recomputes the weight before offload "
+                                         "loads the block, from empty placeholders. Use "
+                                         f"torch.nn.utils.parametrizations.{kind} (computed inside the forward), "
+                                         "apply it to a submodule of the block, or keep the block resident with "
+                                         "resident_blocks")
 
 
 def _tracks_versions(param: torch.Tensor) -> bool:
