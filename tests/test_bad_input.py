@@ -224,6 +224,16 @@ def _norm_on_the_block_itself(backend: str, norm: Callable[[nn.Module], Any]) ->
     return run
 
 
+def _block_listed_twice(backend: str) -> Callable[[Env], Any]:
+    """blocks[2] is blocks[0], and the first N resident keeps only index 0: the hook for index 2 would take
+    the resident block's parameters for placeholders, and moving it to the device would rebind them."""
+    def run(env: Env) -> None:
+        _refused_after(env, lambda: setattr(env.model.blocks, "2", env.model.blocks[0]), backend=backend,
+                       resident_blocks=1)
+
+    return run
+
+
 def _weight_norms_that_work(backend: str) -> Callable[[Env], Any]:
     """The forms a block may carry: parametrizations (computed inside the forward; spectral_norm updates its
     buffers there, in training mode), and the older hooks on a submodule (run inside the block's forward)."""
@@ -516,6 +526,10 @@ CASES = [
                  "the block, or keep the block resident with resident_blocks"))
       for kind in ("weight_norm", "spectral_norm") for backend in ("ext", "python")],
     *[Case(f"weight_norms_that_work-{backend}", _weight_norms_that_work(backend)) for backend in ("ext", "python")],
+    *[Case(f"block_listed_twice_resident_and_offloaded-{backend}", _block_listed_twice(backend), ValueError,
+           exact("fastoffload: blocks.0 and blocks.2 are one module listed twice, and blocks.0 would stay resident "
+                 "while blocks.2 is offloaded; keep both resident or offload both (resident_blocks)"))
+      for backend in ("ext", "python")],
     # Devices.
     Case("device_xla", lambda env: env.enable(device="xla"), ValueError,
          exact(f"fastoffload: device must be 'cuda', 'cuda:N' or 'cpu', got 'xla': {DEVICE_HINT}")),

@@ -71,7 +71,8 @@ from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.model_checks import check_devices, check_tied_parameters, check_weight_hooks
+from fastoffload_ext.engine.model_checks import (check_devices, check_repeated_blocks, check_tied_parameters,
+                                                 check_weight_hooks)
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
                                             resolve_device, validate_arguments)
@@ -224,7 +225,9 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
     _check_hook_managers(options)
-    check_weight_hooks(blocks, _ring_names(options), offloaded)
+    names = _ring_names(options)
+    check_repeated_blocks(blocks, names, offloaded)
+    check_weight_hooks(blocks, names, offloaded)
     existing = get_offload_group(model)
     if options.is_replace:
         first = blocks[offloaded[0]] if offloaded else None

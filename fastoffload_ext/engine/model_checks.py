@@ -17,9 +17,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from fastoffload_ext.errors import OffloadConfigError
 
-__all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_weight_hooks",
-           "check_tied_parameters",
-           "find_block_list", "find_block_lists", "storage_key"]
+__all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_repeated_blocks",
+           "check_tied_parameters", "check_weight_hooks", "find_block_list", "find_block_lists", "storage_key"]
 
 ALL_LISTS = "all"
 
@@ -167,6 +166,22 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                          "lazy module such as nn.LazyLinear, which sizes its weights on its first "
                                          "forward); run one forward on the model before enabling offload, so the "
                                          "weights exist")
+
+
+def check_repeated_blocks(blocks: Sequence[nn.Module], names: Sequence[str], offloaded: Collection[int]) -> None:
+    """Refuses one module object listed both as an offloaded block and as a resident one: the offload hook
+    takes its parameters for placeholders, while moving the resident blocks to the device would rebind
+    those placeholders."""
+    offloaded = set(offloaded)
+    first_offloaded = {}
+    for index in sorted(offloaded):
+        first_offloaded.setdefault(id(blocks[index]), index)
+    for index, block in enumerate(blocks):
+        other = first_offloaded.get(id(block))
+        if index not in offloaded and other is not None and any(True for _ in block.parameters()):
+            raise OffloadConfigError(f"fastoffload: {names[index]} and {names[other]} are one module listed twice, "
+                                     f"and {names[index]} would stay resident while {names[other]} is offloaded; "
+                                     "keep both resident or offload both (resident_blocks)")
 
 
 def check_weight_hooks(blocks: Sequence[nn.Module], names: Sequence[str], offloaded: Collection[int]) -> None:
