@@ -143,6 +143,22 @@ def test_bad_block_lists_are_refused(block_lists: object, message: str) -> None:
     assert not _offloaded_blocks(model)
 
 
+def test_an_empty_first_list_before_the_blocks_is_refused_as_fastvideo_does() -> None:
+    # FastVideo's rule hooks the first list; empty, it hooks nothing and raises. Accepting it offloaded
+    # nothing while the blocks of the next list stayed where they were.
+    model = nn.Module()
+    model.transformer_blocks = nn.ModuleList()
+    model.late = nn.ModuleList(Block(16, 2) for _ in range(3))
+    with pytest.raises(ValueError, match=r"^fastoffload: No nn\.ModuleList found in the model for layerwise "
+                                         r"offloading: its first nn\.ModuleList, 'transformer_blocks', is empty\. Name "
+                                         r"the lists that hold the blocks with block_lists= \(this model has blocks "
+                                         r"in: late\)$"):
+        enable_layerwise_offload(model, device="cpu")
+    assert not _offloaded_blocks(model)
+    group = enable_layerwise_offload(model, device="cpu", block_lists=["late"])
+    assert group is not None and len(group.states) == 3
+
+
 def test_all_with_only_empty_lists_is_refused() -> None:
     model = nn.Module()
     model.blocks = nn.ModuleList()

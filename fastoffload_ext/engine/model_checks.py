@@ -48,7 +48,15 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
     another order than it runs them).
     """
     if block_lists is None:
-        return [find_block_list(model)]
+        name, blocks = find_block_list(model)
+        later = [other for other, found in _named_lists(model).items() if len(found) > 0]
+        if len(blocks) == 0 and later:
+            # FastVideo's rule finds no block to hook here and raises; offloading nothing would leave the
+            # blocks of the lists after it where they are, with no sign that offload never started.
+            raise OffloadConfigError(f"fastoffload: No nn.ModuleList found in the model for layerwise offloading: its "
+                                     f"first nn.ModuleList, {name!r}, is empty. Name the lists that hold the blocks "
+                                     f"with block_lists= (this model has blocks in: {', '.join(later)})")
+        return [(name, blocks)]
     lists = _named_lists(model)
     check_block_lists_form(block_lists, ", ".join(lists) or "none")
     if block_lists == ALL_LISTS:
