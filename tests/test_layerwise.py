@@ -249,6 +249,28 @@ def test_seed_errors_and_enable_twice() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_enable_over_an_offload_hook_attached_by_hand_raises_fastvideos_error(backend: str) -> None:
+    # FastVideo's enable appends, and a second hook of the name raises: only is_replace=True swaps it.
+    model, reference, x = _setup(3, "cpu")
+    by_hand = [LayerwiseOffloadHook(fo.LayerwiseOffloadState(None, torch.device("cpu"))) for _ in model.blocks]
+    for block, hook in zip(model.blocks, by_hand):
+        ModuleHookManager.get_from_or_default(block).append_forward_hook(hook)
+    with pytest.raises(ValueError, match=r"^fastoffload: Hook with name LayerwiseOffloadHook is already registered "
+                                         r"on blocks\.0; pass is_replace=True to swap it"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert fo.get_offload_group(model) is None
+    assert [offload_hook(block) for block in model.blocks] == by_hand
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    group = fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend)
+    assert [offload_hook(block).state for block in model.blocks] == group.states
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_is_replace_swaps_the_hooks(backend: str) -> None:
     model, reference, x = _setup(3, "cpu")
     with torch.no_grad():

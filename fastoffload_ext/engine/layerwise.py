@@ -239,6 +239,8 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     elif existing is not None:
         raise OffloadConfigError(f"fastoffload: layerwise offload is already enabled on this model ({existing!r}); "
                                  "call disable_layerwise_offload(model) first, or pass is_replace=True")
+    else:
+        _check_no_offload_hook(options)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
     offset = 0
@@ -248,6 +250,21 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
         in_list = {i - offset for i in offloaded if offset <= i < offset + len(one_list)}
         check_tied_parameters(model, list_name, one_list, in_list)
         offset += len(one_list)
+
+
+def _check_no_offload_hook(options: OffloadOptions) -> None:
+    """Without is_replace, refuses a block that already carries an offload hook (one attached by hand, with
+    no group on the model), as FastVideo's append does: attaching would silently swap it for a new one."""
+    lists = options.lists or ((options.list_name, options.blocks),)
+    names = [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
+    name = LayerwiseOffloadHook.name()
+    for index in options.offloaded_indices:
+        manager = ModuleHookManager.get_from(options.blocks[index])
+        if manager is not None and manager.get_forward_hook(name) is not None:
+            # FastVideo's text after the prefix: its callers catch ValueError and search for it.
+            raise OffloadConfigError(f"fastoffload: Hook with name {name} is already registered on {names[index]}; "
+                                     "pass is_replace=True to swap it, or remove it first "
+                                     f"(ModuleHookManager.get_from(block).remove_forward_hook({name!r}))")
 
 
 def _check_hook_managers(options: OffloadOptions) -> None:
