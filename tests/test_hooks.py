@@ -288,6 +288,16 @@ def test_remove_forward_hook(module: Affine, log: list[Event], run_detach: bool)
     assert calls(log) == [("B", "pre_forward"), ("B", "post_forward")]
 
 
+def test_hook_names_pass_by_fastvideos_keyword(module: Affine, log: list[Event]) -> None:
+    manager = attach(module, hook_class("A")(log))
+    new = hook_class("A")(log)
+    manager.replace_forward_hook(hook_name="A", new_hook=new, run_on_attach=True)
+    assert manager.get_forward_hook(hook_name="A") is new
+    manager.remove_forward_hook(hook_name="A", run_detach=True)
+    assert manager.forward_hooks == {}
+    assert calls(log) == [("A", "on_attach"), ("A", "on_detach"), ("A", "on_attach"), ("A", "on_detach")]
+
+
 def test_remove_forward_hook_detaches_by_default(module: Affine, log: list[Event]) -> None:
     manager = attach(module, hook_class("A")(log))
     log.clear()
@@ -430,7 +440,8 @@ def test_manager_replaced_on_the_module_refuses_to_act(module: Affine, log: list
     stale = attach(module, hook_class("A")(log))
     newer = ModuleHookManager(module)
     setattr(module, ModuleHookManager.module_hook_attribute, newer)
-    message = "A different ModuleHookManager is attached to the module"
+    # FastVideo's text, right after the prefix.
+    message = r"^fastoffload: ModuleHookManager attached to the module is different"
     with pytest.raises(ValueError, match=message):
         stale.append_forward_hook(hook_class("B")(log))
     with pytest.raises(ValueError, match=message):

@@ -198,8 +198,9 @@ class ModuleHookManager:
             raise OffloadConfigError("fastoffload: ModuleHookManager is not attached to the module; use "
                                      "ModuleHookManager.get_from_or_default(module).")
         if attached is not self:
-            raise OffloadConfigError("fastoffload: A different ModuleHookManager is attached to the module; use "
-                                     "ModuleHookManager.get_from(module).")
+            # FastVideo's text after the prefix, as for the other refusals here.
+            raise OffloadConfigError("fastoffload: ModuleHookManager attached to the module is different (another "
+                                     "manager replaced this one); use ModuleHookManager.get_from(module).")
 
     def append_forward_hook(self, hook: ForwardHook) -> None:
         """Adds ``hook`` last (its pre-hook runs last, its post-hook first), then calls ``on_attach``."""
@@ -214,34 +215,35 @@ class ModuleHookManager:
             del self.forward_hooks[name]
             raise
 
-    def replace_forward_hook(self, name: str, new_hook: ForwardHook, run_on_attach: bool = True) -> None:
-        """Swaps the hook called ``name`` for ``new_hook`` in the same position: the old hook's
+    # Here and below the name is FastVideo's parameter, ``hook_name``: its callers may pass it by keyword.
+    def replace_forward_hook(self, hook_name: str, new_hook: ForwardHook, run_on_attach: bool = True) -> None:
+        """Swaps the hook called ``hook_name`` for ``new_hook`` in the same position: the old hook's
         ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``."""
         self._check_manager_attached()
-        if name not in self.forward_hooks:
-            raise OffloadConfigError(NO_HOOK_ERROR.format(name=name))
+        if hook_name not in self.forward_hooks:
+            raise OffloadConfigError(NO_HOOK_ERROR.format(name=hook_name))
         new_name = new_hook.name()
-        if new_name != name and new_name in self.forward_hooks:
+        if new_name != hook_name and new_name in self.forward_hooks:
             raise OffloadConfigError(HOOK_EXISTS_ERROR.format(name=new_name))
-        old_hook = self.forward_hooks[name]
+        old_hook = self.forward_hooks[hook_name]
         old_hook.on_detach(self.module)
-        self.forward_hooks = {(new_name if key == name else key): (new_hook if key == name else hook)
+        self.forward_hooks = {(new_name if key == hook_name else key): (new_hook if key == hook_name else hook)
                               for key, hook in self.forward_hooks.items()}
         if run_on_attach:
             new_hook.on_attach(self.module)
 
-    def remove_forward_hook(self, name: str, run_detach: bool = True) -> None:
-        """Removes the hook called ``name``, calling its ``on_detach`` first when ``run_detach``."""
+    def remove_forward_hook(self, hook_name: str, run_detach: bool = True) -> None:
+        """Removes the hook called ``hook_name``, calling its ``on_detach`` first when ``run_detach``."""
         self._check_manager_attached()
-        if name not in self.forward_hooks:
-            raise OffloadConfigError(NO_HOOK_ERROR.format(name=name))
+        if hook_name not in self.forward_hooks:
+            raise OffloadConfigError(NO_HOOK_ERROR.format(name=hook_name))
         if run_detach:
-            self.forward_hooks[name].on_detach(self.module)
-        del self.forward_hooks[name]
+            self.forward_hooks[hook_name].on_detach(self.module)
+        del self.forward_hooks[hook_name]
 
-    def get_forward_hook(self, name: str) -> ForwardHook | None:
-        """The hook called ``name``, or None."""
-        return self.forward_hooks.get(name)
+    def get_forward_hook(self, hook_name: str) -> ForwardHook | None:
+        """The hook called ``hook_name``, or None."""
+        return self.forward_hooks.get(hook_name)
 
 
 __all__ = ["ForwardHook", "ModuleHookManager"]
