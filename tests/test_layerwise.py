@@ -249,6 +249,30 @@ def test_seed_errors_and_enable_twice() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_named_parameters_hold_values_only_while_bound(backend: str) -> None:
+    # The seed's dict: the device copy each parameter is bound to. A block that ran and is still cached in
+    # its slot (ext) has placeholders bound, which are no values.
+    model, reference, x = _setup(3, "cpu")
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    state = offload_hook(model.blocks[1]).state
+    want = dict(reference.blocks[1].named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert state.gpu_named_parameters == {}
+        state.wait_and_replace_params()
+        bound = state.gpu_named_parameters
+        assert bound.keys() == want.keys() and all(torch.equal(bound[k], want[k]) for k in want)
+        state.release_gpu_params()
+        assert state.gpu_named_parameters == {}
+        with offload_hook(model.blocks[1]).mutate_params_scope():
+            bound = state.gpu_named_parameters
+            assert bound.keys() == want.keys() and all(torch.equal(bound[k], want[k]) for k in want)
+        assert state.gpu_named_parameters == {}
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_enable_over_an_offload_hook_attached_by_hand_raises_fastvideos_error(backend: str) -> None:
     # FastVideo's enable appends, and a second hook of the name raises: only is_replace=True swaps it.
     model, reference, x = _setup(3, "cpu")

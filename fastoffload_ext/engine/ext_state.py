@@ -82,7 +82,12 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
 
     @property
     def gpu_named_parameters(self) -> dict[str, torch.Tensor]:
-        if not self._attached() or self.engine.slot_of(self.handle) < 0:
+        # The tensors the parameters are bound to while the block runs or is inside mutate_params_scope(). A
+        # block only prefetched, or still cached in its slot after it ran, has placeholders bound: no values.
+        if not self._attached():
+            return {}
+        slot = self.engine.slot_of(self.handle)
+        if not self.mutating and (slot < 0 or self.engine.slot_state(slot) != "in_use"):
             return {}
         params = dict(self.module_ref.named_parameters())
         return {name: params[name].data for name in self.param_names if name in params}
