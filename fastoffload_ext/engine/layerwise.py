@@ -224,8 +224,8 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     """Refusals that depend on the model: an offload already there (or none to replace), devices, ties.
     ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
-    _check_hook_managers(options)
     names = _ring_names(options)
+    _check_hook_managers(options, names)
     check_repeated_blocks(blocks, names, offloaded)
     check_weight_hooks(blocks, names, offloaded)
     existing = get_offload_group(model)
@@ -240,7 +240,7 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
         raise OffloadConfigError(f"fastoffload: layerwise offload is already enabled on this model ({existing!r}); "
                                  "call disable_layerwise_offload(model) first, or pass is_replace=True")
     else:
-        _check_no_offload_hook(options)
+        _check_no_offload_hook(options, names)
     # Resident blocks are moved to the device at the end: check them too, before anything changes.
     check_devices(list(blocks), 0, options.device, from_file=options.weights is not None)
     offset = 0
@@ -252,11 +252,9 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
         offset += len(one_list)
 
 
-def _check_no_offload_hook(options: OffloadOptions) -> None:
+def _check_no_offload_hook(options: OffloadOptions, names: list[str]) -> None:
     """Without is_replace, refuses a block that already carries an offload hook (one attached by hand, with
     no group on the model), as FastVideo's append does: attaching would silently swap it for a new one."""
-    lists = options.lists or ((options.list_name, options.blocks),)
-    names = [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
     name = LayerwiseOffloadHook.name()
     for index in options.offloaded_indices:
         manager = ModuleHookManager.get_from(options.blocks[index])
@@ -267,11 +265,10 @@ def _check_no_offload_hook(options: OffloadOptions) -> None:
                                      f"(ModuleHookManager.get_from(block).remove_forward_hook({name!r}))")
 
 
-def _check_hook_managers(options: OffloadOptions) -> None:
+def _check_hook_managers(options: OffloadOptions, names: list[str]) -> None:
     """Refuses an offloaded block whose forward another class's hook manager wraps (FastVideo's own, attached
     before this engine was installed): its wrapper runs no post_forward when the forward raises, so one
     failing forward would leave the block holding its device slot, and every later forward would fail."""
-    names = _ring_names(options)
     for index in options.offloaded_indices:
         manager = ModuleHookManager.get_from(options.blocks[index])
         if manager is not None and not isinstance(manager, ModuleHookManager):

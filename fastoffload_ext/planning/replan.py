@@ -175,6 +175,13 @@ def _collective_ranks(group: Any) -> int:
     return dist.get_world_size(process_group)
 
 
+def _kept(group: Any, table: BlockCosts) -> Any:
+    """The layout now applied, scored again from ``table`` (for a group whose layout a re-plan cannot change)."""
+    old = group.plan
+    return plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
+                        prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+
+
 def _disk_blocks(group: Any) -> int:
     return sum(1 for state in group.states if getattr(state, "on_disk", False))
 
@@ -235,13 +242,11 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
         if not keep_layout:
             raise OffloadStateError(SHARED_REPLAN_ERROR.format(ranks=ranks, plan=new))
         logger.warning("%s; keeping the layout enable applied", SHARED_REPLAN_ERROR.format(ranks=ranks, plan=new))
-        group.plan = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
-                                  prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+        group.plan = _kept(group, table)
         return group
     disk = _disk_blocks(group)
     if disk:
-        kept = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
-                            prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+        kept = _kept(group, table)
         if new.predicted_step_ms >= kept.predicted_step_ms * (1 - DISK_REPLAN_GAIN):
             group.plan = kept  # no faster: the layout stays, its prediction from the new table
             return group
