@@ -32,6 +32,7 @@ import glob
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import io
 import os
 import sys
@@ -49,7 +50,9 @@ from torch import nn
 WHEEL_DIR = Path(__file__).resolve().parents[1] / ".whl"
 SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compressed_tensors",
                 "compressed_tensors.config", "compressed_tensors.quantization", "gguf")
-SGLANG_OFFLOAD = "sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload"
+# Where SGLang keeps its offload manager: the newer layout first, then the older one (0.5.10).
+SGLANG_OFFLOAD = ("sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload",
+                  "sglang.multimodal_gen.runtime.utils.layerwise_offload")
 FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
 
 Teardown = Callable[[], None]
@@ -238,21 +241,38 @@ def fastvideo(model: nn.Module, device: torch.device, lists: list[str]) -> Teard
     return lambda: None
 
 
+def _sglang_module() -> types.ModuleType:
+    errors = []
+    for name in SGLANG_OFFLOAD:
+        try:
+            return import_module_only("sglang", name, SGLANG_STUBS, stub_missing=True)
+        except PeerUnavailable as error:
+            errors.append(str(error))
+    raise PeerUnavailable("; ".join(errors)[:300])
+
+
 def sglang(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
-    module = import_module_only("sglang", SGLANG_OFFLOAD, SGLANG_STUBS, stub_missing=True)
+    module = _sglang_module()
     # What SGLang's OffloadableDiTMixin.configure_layerwise_offload does, with its defaults
-    # (prefetch 1, no resident layers, pinned host memory): one manager per block list, every list
-    # replaced before the rest of the model moves to the device.
+    # (prefetch 1, no resident layers, pinned host memory): one manager per block list.
+    manager_type = module.LayerwiseOffloadManager
+    deferred = "initialize" in inspect.signature(manager_type.__init__).parameters
     with torch.cuda.device(device):
-        managers = [module.LayerwiseOffloadManager(model, layers_attr_str=name, num_layers=len(getattr(model, name)),
-                                                   enabled=True, pin_cpu_memory=True, prefetch_size=1, initialize=False)
-                    for name in lists]
-        for manager in managers:
-            manager._initialize_layer_weights()
-        model.to(device)
-        for manager in managers:
-            manager._finalize_initialization()
-            manager.register_forward_hooks()
+        if deferred:
+            # Every list replaced before the rest of the model moves to the device.
+            managers = [manager_type(model, layers_attr_str=name, num_layers=len(getattr(model, name)), enabled=True,
+                                     pin_cpu_memory=True, prefetch_size=1, initialize=False) for name in lists]
+            for manager in managers:
+                manager._initialize_layer_weights()
+            model.to(device)
+            for manager in managers:
+                manager._finalize_initialization()
+                manager.register_forward_hooks()
+        else:
+            # The older manager offloads and hooks in its constructor, from a model already on the device.
+            model.to(device)
+            managers = [manager_type(model, layers_attr_str=name, num_layers=len(getattr(model, name)), enabled=True,
+                                     pin_cpu_memory=True, prefetch_size=1) for name in lists]
 
     def teardown() -> None:
         for manager in managers:

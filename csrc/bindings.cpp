@@ -601,6 +601,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const OffloadEngine& e, int64_t block) { return e.is_materialized(checked_block(e, block)); },
           py::arg("block"))
       .def(
+          "edited_in_place",
+          [](const OffloadEngine& e, int64_t block) -> std::optional<std::string> {
+            std::string name = e.edited_in_place(checked_block(e, block));
+            if (name.empty()) return std::nullopt;
+            return name;
+          },
+          py::arg("block"))
+      .def(
           "is_removed", [](const OffloadEngine& e, int64_t block) { return e.is_removed(checked_block(e, block)); },
           py::arg("block"))
       .def(

@@ -673,6 +673,8 @@ void OffloadEngine::materialize(size_t block) {
   const int64_t slot = ring_.slot_of(block);
   TORCH_CHECK(slot < 0 || ring_.slot(slot).state != SlotState::kInUse, "fastoffload: block ", std::to_string(block),
               " is running a forward; enter mutate_params_scope() between forwards, not inside one");
+  // An edit or cast made since the block last ran would be overwritten by the host copy bound below.
+  check_bindings(block);
   ring_.forget_block(block);
   const StoredBlock& stored = store_.block(block);
   at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
@@ -927,6 +929,16 @@ bool OffloadEngine::is_materialized(size_t block) const {
   auto lock = gate_.enter_read();
   check_block(block);
   return materialized_[block] != 0;
+}
+
+std::string OffloadEngine::edited_in_place(size_t block) const {
+  auto lock = gate_.enter_read();
+  check_block(block);
+  const int64_t slot = ring_.slot_of(block);
+  if (materialized_[block] || (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse)) return "";
+  const int64_t written = binder_.first_written(block);
+  if (written < 0 || binder_.rebound_by_caller(block, static_cast<size_t>(written))) return "";
+  return store_.block(block).layout[written].name;
 }
 
 bool OffloadEngine::is_removed(size_t block) const {

@@ -188,6 +188,9 @@ class OffloadEngine {
   int64_t slot_block(size_t slot) const;
   uint64_t slot_address(size_t slot) const;
   bool is_materialized(size_t block) const;
+  // The name of a parameter written in place while the block was offloaded (its placeholder or a slot
+  // it no longer holds), whose change restore() cannot keep; "" when there is none or the block is live.
+  std::string edited_in_place(size_t block) const;
   bool is_removed(size_t block) const;
   bool is_shared(size_t block) const;
   // Tensor `j` of the block's host copy (host_views: every tensor, one decode when compressed): views

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ CAST = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {
         "(its host copy holds {was} for cpu); .half(), .to(dtype) and .to(device) do not reach an offloaded block's "
         "host copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable it "
         "again.")
+LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its placeholder "
+             "or device slot held no lasting copy), so offload was disabled with its value from before that change. Apply "
+             "the change again now, or next time inside mutate_params_scope().")
 
 
 def _x(seed: int = 1) -> torch.Tensor:
@@ -164,9 +168,12 @@ def test_a_value_rebound_while_offloaded_survives_disable(backend: str) -> None:
     assert params_equal(model, reference)
 
 
-def test_a_rebound_value_refused_by_the_ext_backend_is_still_there_after_disable() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rebound_value_is_refused_at_the_next_forward_and_is_still_there_after_disable(backend: str) -> None:
+    # The python backend bound the host copy over it: the forward ran the old weights, and the release
+    # then dropped the new value for good.
     model, reference = _frozen_pair()
-    fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     new = torch.randn(48, 16, generator=torch.Generator().manual_seed(9))
     model.blocks[1].qkv.weight.data = new.clone()
     with torch.no_grad(), pytest.raises(RuntimeError, match="parameter 'qkv.weight' of block 1 was replaced while"):
@@ -177,6 +184,70 @@ def test_a_rebound_value_refused_by_the_ext_backend_is_still_there_after_disable
     assert params_equal(model, reference)
     with torch.no_grad():
         assert torch.equal(model(_x()), reference(_x()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("edit", ["in_place", "rebind", "half"])
+def test_an_edit_made_while_offloaded_is_refused_by_mutate_params_scope(backend: str, edit: str) -> None:
+    # The scope binds the host copy: on the ext backend it silently dropped the edit, and the scope's exit
+    # then packed the old values as if they were the caller's.
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+        weight = model.blocks[1].o.weight
+        if edit == "in_place":
+            weight.mul_(2)
+        elif edit == "rebind":
+            weight.data = torch.ones(16, 16)
+        else:
+            model.blocks[1].half()
+    hook = fo.ModuleHookManager.get_from(model.blocks[1]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    want = {"in_place": "was changed in place while it was offloaded", "rebind": "was replaced while it was offloaded",
+            "half": "was cast or moved to Half"}[edit]
+    with pytest.raises(RuntimeError, match=want), hook.mutate_params_scope():
+        pass
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fo.disable_layerwise_offload(model)
+    lost = [str(w.message) for w in caught if "offload was disabled with its value" in str(w.message)]
+    if edit == "in_place":
+        # The placeholder held no values to change: the block comes back as it was, and disable says so.
+        assert lost == [LOST_EDIT.format(name="o.weight", index=1)]
+        assert params_equal(model, reference)
+    elif edit == "rebind":
+        assert lost == []
+        assert torch.equal(model.blocks[1].o.weight, torch.ones(16, 16))
+    else:
+        assert lost == []
+        reference.blocks[1].half()
+        assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disable_after_an_unapplied_in_place_edit_restores_and_warns(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+        model.blocks[2].qkv.weight.zero_()
+        model.blocks[2].qkv.weight.add_(1)
+    with pytest.warns(RuntimeWarning) as caught:
+        fo.disable_layerwise_offload(model)
+    assert [str(w.message) for w in caught] == [LOST_EDIT.format(name="qkv.weight", index=2)]
+    assert params_equal(model, reference)
+    # An edit inside the scope, or on a model whose blocks ran since, is no loss: disable says nothing.
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    hook = fo.ModuleHookManager.get_from(model.blocks[0]).get_forward_hook(fo.LayerwiseOffloadHook.name())
+    with hook.mutate_params_scope(), torch.no_grad():
+        model.blocks[0].o.weight.mul_(3)
+    with torch.no_grad():
+        reference.blocks[0].o.weight.mul_(3)
+        assert torch.equal(model(_x()), reference(_x()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
 
 
 # ---- casts after enable -------------------------------------------------------------------------

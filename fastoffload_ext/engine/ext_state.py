@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.engine.messages import SHARED_MUTATION_ERROR
+from fastoffload_ext.engine.messages import LOST_EDIT_WARNING, SHARED_MUTATION_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints
 from fastoffload_ext.engine.threads import CONCURRENT_FORWARD_ERROR
 from fastoffload_ext.errors import OffloadStateError
@@ -163,6 +163,11 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         named = list(self.module_ref.named_parameters())
         self.param_names = [name for name, _ in named]
         self.engine.repack(self.handle, self.param_names, [p for _, p in named])
+
+    def lost_edit(self) -> str | None:
+        """What a restore now would lose: an in-place write to an offloaded parameter (LOST_EDIT_WARNING)."""
+        name = self.engine.edited_in_place(self.handle) if self._attached() else None
+        return None if name is None else LOST_EDIT_WARNING.format(name=name, index=self.handle)
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         if self._attached():

@@ -5,10 +5,15 @@ share a message without importing each other.
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import torch
 
-__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
-           "STALE_GROUP_ERROR", "scalar_type_name"]
+__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REPLACED_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
+           "STALE_GROUP_ERROR", "scalar_type_name",
+           "warn_caller"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
 # tests/test_binding_surface.py keeps the two texts identical.
@@ -22,7 +27,7 @@ GRAD_ERROR = ("fastoffload: {where} is offloaded, its parameter '{name}' require
 SHARED_MUTATION_ERROR = ("fastoffload: mutate_params_scope() is refused on this block: the host copy is shared by {n} "
                          "ranks of this host; mutate before enabling offload, or enable with share_host_copy=False")
 
-# The next three are raised by the compiled core too (csrc/offload_engine.cpp), with the same text.
+# The next three (and IN_PLACE_ERROR, REPLACED_ERROR) are raised by the compiled core too (csrc/offload_engine.cpp), with the same text.
 DETACHED_ERROR = ("fastoffload: block {index} was detached from the offload engine; re-enable offload to use it "
                   "again")
 
@@ -30,6 +35,13 @@ IN_PLACE_ERROR = ("fastoffload: parameter '{name}' of block {index} was changed 
                   "placeholder or device slot holds no lasting copy), so the change would be silently lost. Change a "
                   "block's parameters inside mutate_params_scope(), which rebuilds the host copy, or disable offload "
                   "first.")
+REPLACED_ERROR = ("fastoffload: parameter '{name}' of block {index} was replaced while it was offloaded, so its new "
+                  "value would be silently overwritten. Change a block's parameters inside mutate_params_scope(), which "
+                  "rebuilds the host copy, or disable offload first.")
+# Disable is the way out of an IN_PLACE_ERROR, so it must not raise it: it restores and says what was lost.
+LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its "
+                     "placeholder or device slot held no lasting copy), so offload was disabled with its value from "
+                     "before that change. Apply the change again now, or next time inside mutate_params_scope().")
 
 CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
               "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "
@@ -58,4 +70,15 @@ COPY_ERROR = ("fastoffload: a model with layerwise offload enabled cannot be cop
               "pickle, torch.save(model)): its offloaded weights live in the offload engine's host copy and device "
               "slots. Save or copy model.state_dict() instead (it holds the real values), or call "
               "disable_layerwise_offload(model, 'cpu') first and enable offload on each copy")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_caller(message: str) -> None:
+    """A RuntimeWarning attributed to the first frame outside this package (the user's call)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from fastoffload_ext.engine.autograd import SavedTensorGuard
 from fastoffload_ext.engine.hooks import ForwardHook
+from fastoffload_ext.engine.messages import warn_caller
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
 
@@ -50,6 +51,8 @@ class LayerwiseOffloadHook(ForwardHook):
 
     def on_detach(self, module: nn.Module) -> None:
         device = self.detach_device if self.detach_device is not None else self.state.device
+        lost_edit = getattr(self.state, "lost_edit", None)  # optional: a state built by hand may lack it
+        lost = lost_edit() if lost_edit is not None else None
         if device.type == "meta" and not getattr(self.state, "restores_to_meta", False):
             # A parameter cannot be rebound across device kinds (``param.data = meta`` raises), so the
             # block comes back on the host and then goes to meta as ``module.to("meta")`` takes it there.
@@ -58,6 +61,8 @@ class LayerwiseOffloadHook(ForwardHook):
         else:
             self.state.restore(module, device)
         self.state_dict_hooks.detach()
+        if lost is not None:
+            warn_caller(lost)
 
     # The entry points are compiler boundaries: torch.compile must not trace into host-side weight
     # movement (stream waits, copies, rebinding). Without the boundary dynamo would break the graph

@@ -23,6 +23,9 @@ Deliberate differences from the seed, each tested:
   since the block last ran raises at the next acquire instead of running on stale values; restore
   follows a cast, so ``.half()`` then disable gives float16, as on the resident model.
 - A restored (detached) block refuses acquire with the core's "detached" message.
+- A value the caller gave an offloaded parameter (``param.data = value`` between steps) raises at the
+  next acquire, as on the ext backend, instead of being silently replaced by the host copy (the seed
+  runs the old weights and loses the new value); disable keeps it.
 - A parameter the caller replaced with a new ``nn.Parameter`` object while its block was offloaded is
   no longer this state's: it runs and is restored as the caller left it, as on the ext backend (the
   seed would refuse it as "changed in place" and then bind its placeholder, losing the new value).
@@ -38,7 +41,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastoffload_ext.engine.messages import CAST_ERROR, DETACHED_ERROR, GRAD_ERROR, IN_PLACE_ERROR, scalar_type_name
+from fastoffload_ext.engine.messages import (CAST_ERROR, DETACHED_ERROR, GRAD_ERROR, IN_PLACE_ERROR, LOST_EDIT_WARNING,
+                                            REPLACED_ERROR, scalar_type_name)
 from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints, real_copy, tensor_placeholder
 from fastoffload_ext.engine.threads import ForwardGate
 from fastoffload_ext.errors import OffloadStateError
@@ -120,6 +124,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
             raise OffloadStateError(CAST_ERROR.format(name=name, index=self._where(), now=scalar_type_name(param.dtype),
                                                       now_device=param.device, was=scalar_type_name(host.dtype),
                                                       device=self.device))
+        if param.numel() != 0 and host.numel() != 0:  # not the empty placeholder release bound
+            # ``param.data = value`` between steps: binding the host copy would silently drop that value.
+            raise OffloadStateError(REPLACED_ERROR.format(name=name, index=self._where()))
         if param._version != self._versions.get(name, param._version):
             raise OffloadStateError(IN_PLACE_ERROR.format(name=name, index=self._where()))
 
@@ -142,19 +149,24 @@ class LayerwiseOffloadState(SeedEntryPoints):
             # thread waited to enter.
             if self._detached:
                 raise OffloadStateError(DETACHED_ERROR.format(index=self._where()))
+            named = self._own_parameters()
+            for name, param in named:
+                self._check_binding(name, param, self.cpu_named_parameters[name])
+        except BaseException:
+            # Refused before anything was bound: a release would bind placeholders over the caller's values.
+            self.gate.end(id(self))
+            raise
+        try:
             if self.async_copy_stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.async_copy_stream)
-            self._bind_loaded()
+            self._bind_loaded(named)
         except BaseException:
             self.release()  # out of device memory half-way: no parameter stays bound, no copy stays held
             raise
         self._depth = 1
 
-    def _bind_loaded(self) -> None:
+    def _bind_loaded(self, named: list[tuple[str, nn.Parameter]]) -> None:
         gpu = self.gpu_named_parameters
-        named = self._own_parameters()
-        for name, param in named:
-            self._check_binding(name, param, self.cpu_named_parameters[name])
         if any(name not in gpu for name, _ in named):  # a prefetch loads all of a block or none of it
             # Nothing prefetched this block: load it now, on the current stream.
             _ordinary(lambda: gpu.update({name: self.cpu_named_parameters[name].to(self.device, copy=True)
@@ -218,6 +230,17 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.on_init(self.module_ref)
             self._depth = 0
             self.gate.end(id(self))
+
+    def lost_edit(self) -> str | None:
+        """What a restore now would lose: an in-place write to an offloaded parameter (LOST_EDIT_WARNING)."""
+        if self._depth > 0 or self._detached or self.module_ref is None:
+            return None  # a loaded block holds its current values, which restore keeps
+        for name, param in self._own_parameters():
+            host = self.cpu_named_parameters.get(name)
+            if host is not None and tuple(param.shape) != tuple(host.shape) and \
+                    param._version != self._versions.get(name, param._version):
+                return LOST_EDIT_WARNING.format(name=name, index=self._where())
+        return None
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         with self.gate.exclusive():  # another thread's running block finishes first
