@@ -186,3 +186,311 @@ def test_lazy_transformer_the_engine_will_decline_is_reported_skipped(monkeypatc
     assert applied.explain().splitlines()[0].startswith("Layerwise offload: skipped")
     assert "no device was given and CUDA is not available" in caplog.text
     assert get_offload_group(applied.components["dit"].materialize()) is None
+
+
+# ---- diffusers integration: casts of an offloaded transformer ---------------------------------------
+
+CASTS = {
+    "model.to(dtype)": lambda pipe: pipe.transformer.to(torch.float16),
+    "model.to(dtype=)": lambda pipe: pipe.transformer.to(dtype=torch.bfloat16),
+    "model.to(device, dtype)": lambda pipe: pipe.transformer.to("cpu", torch.float64),
+    "model.to(tensor)": lambda pipe: pipe.transformer.to(torch.zeros(1, dtype=torch.float16)),
+    "model.half()": lambda pipe: pipe.transformer.half(),
+    "model.bfloat16()": lambda pipe: pipe.transformer.bfloat16(),
+    "model.double()": lambda pipe: pipe.transformer.double(),
+    "model.type(dtype)": lambda pipe: pipe.transformer.type(torch.float16),
+    "pipe.to(dtype)": lambda pipe: pipe.to(torch.float16),
+    "pipe.to(device, dtype)": lambda pipe: pipe.to("cpu", torch.float16),
+    "pipe.to(dtype=)": lambda pipe: pipe.to(dtype=torch.bfloat16),
+}
+
+
+@pytest.fixture(scope="module")
+def resident_video() -> torch.Tensor:
+    from tests._pipelines import call_arguments, tiny_pipeline
+
+    with torch.inference_mode():
+        return tiny_pipeline()(**call_arguments()).frames
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_a_cast_of_an_offloaded_transformer_is_refused_before_anything_is_cast(cast: str,
+                                                                                resident_video: torch.Tensor) -> None:
+    """The cast reached the resident parts (and, from pipe.to, the other components) and the blocks' placeholders,
+    not their host copy: the model was left half cast, and the engine refused it only at the next forward."""
+    from fastoffload_ext.errors import OffloadStateError
+    from fastoffload_ext.integrations.diffusers import offload_transformer
+    from tests._pipelines import call_arguments, tiny_pipeline
+
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu")
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: (WanTransformer3DModel\.(to|half|bfloat16|double|type)"
+                                                r"\(\)|pipe\.to\(torch\.\w+\)) would cast the layerwise-offloaded "
+                                                r"(WanTransformer3DModel|pipe\.transformer) to torch\.\w+, but the "
+                                                r"weights of its offloaded blocks live in the offload engine's host "
+                                                r"copy.*nothing was cast.*disable_layerwise_offload"):
+        CASTS[cast](pipe)
+    for component in (pipe.transformer, pipe.text_encoder, pipe.vae):
+        assert {p.dtype for p in component.parameters()} == {torch.float32}
+    with torch.inference_mode():
+        assert torch.equal(pipe(**call_arguments()).frames, resident_video)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_cast_that_leaves_every_offloaded_parameter_as_it_is_runs_bit_exact(backend: str) -> None:
+    from fastoffload_ext.integrations.diffusers import offload_transformer
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.transformer, self.reference = make_pair(3, dtype=torch.bfloat16)
+            for model in (self.transformer, self.reference):
+                model.proj_in.float()  # the parts outside the blocks in another dtype
+
+    pipe = Pipe()
+    offload_transformer(pipe, device="cpu", backend=backend)
+    assert pipe.transformer.to(torch.bfloat16) is pipe.transformer  # only proj_in is cast
+    assert pipe.transformer.bfloat16() is pipe.transformer
+    assert pipe.transformer.proj_in.weight.dtype == torch.bfloat16
+    pipe.reference.to(torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(x), pipe.reference(x))
+
+
+# ---- LazyModule: a component changed after it loaded ------------------------------------------------
+
+
+def _linear() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4)
+
+
+def _load_tuned(proxy: object) -> None:
+    proxy.load_state_dict({k: v + 1 for k, v in _linear().state_dict().items()})  # type: ignore[attr-defined]
+
+
+def _add_in_place(proxy: object) -> None:
+    with torch.no_grad():
+        proxy.weight.mul_(2)  # type: ignore[attr-defined]
+
+
+def _replace_parameter(proxy: object) -> None:
+    proxy.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+
+def _add_submodule(proxy: object) -> None:
+    proxy.adapter = torch.nn.Linear(4, 4)
+
+
+CHANGES = {
+    "to(dtype)": (lambda proxy: proxy.to(torch.float64), r"its parameter 'weight' was cast from torch\.float32 to "
+                                                         r"torch\.float64"),
+    "half()": (lambda proxy: proxy.half(), r"its parameter 'weight' was cast from torch\.float32 to torch\.float16"),
+    "load_state_dict": (_load_tuned, r"its parameter 'weight' was written in place, by load_state_dict or an "
+                                     r"in-place update"),
+    "in-place": (_add_in_place, r"its parameter 'weight' was written in place"),
+    "new parameter": (_replace_parameter, r"its parameter 'weight' was replaced"),
+    "new submodule": (_add_submodule, r"its submodule 'adapter' was added"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_component_changed_after_it_loaded_is_kept_at_release_with_a_warning(change: str) -> None:
+    """release() dropped the change silently: the next use reloaded the component as its loader builds it."""
+    from fastoffload_ext import LazyModule
+
+    proxy = LazyModule("vae", _linear)
+    make_change, words = CHANGES[change]
+    make_change(proxy)
+    changed = {k: v.clone() for k, v in proxy.state_dict().items()}
+    with pytest.warns(RuntimeWarning, match=r"^fastoffload: deferred module vae was not released: it changed after it "
+                                            r"loaded \(" + words):
+        assert proxy.release() is False
+    assert proxy.is_materialized
+    assert all(torch.equal(proxy.state_dict()[k], v) for k, v in changed.items())
+    assert proxy.release(discard_changes=True) is True
+    assert not proxy.is_materialized
+    assert all(torch.equal(proxy.state_dict()[k], v) for k, v in _linear().state_dict().items())
+
+
+def test_run_pipeline_keeps_a_changed_component_so_every_run_gives_the_same_answer() -> None:
+    from fastoffload_ext import LazyModule, run_pipeline
+    from fastoffload_ext.pipeline.schedule import Stage
+
+    vae = LazyModule("vae", _linear)
+    vae.to(torch.float64)
+    stages = [Stage("decode", ["vae"], lambda x, c: c["vae"](x.to(c["vae"].weight.dtype)))]
+    x = torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"deferred module vae was not released"):
+        first = run_pipeline(stages, {"vae": vae}, x)
+        second = run_pipeline(stages, {"vae": vae}, x)
+    assert first.dtype == second.dtype == torch.float64 and torch.equal(first, second)
+
+
+def test_use_moves_and_eval_do_not_keep_a_component() -> None:
+    import warnings
+
+    from fastoffload_ext import LazyModule
+
+    class Normed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = _linear()
+            self.norm = torch.nn.BatchNorm1d(4)  # persistent buffers, left alone in eval mode
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.linear(x))
+
+    proxy = LazyModule("encoder", Normed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        proxy = proxy.to("cpu").eval()  # what pipelines do at each use
+        with torch.no_grad():
+            proxy(torch.randn(2, 4))
+        with torch.inference_mode():
+            proxy(torch.randn(2, 4))
+        assert proxy.release() is True
+
+
+def test_a_transform_registered_on_a_loaded_component_is_no_change_but_an_earlier_change_still_is() -> None:
+    from fastoffload_ext import LazyModule
+
+    proxy = LazyModule("vae", _linear)
+    proxy.materialize()
+    proxy.set_materialize_transform(lambda m: m.to(torch.float64))  # replayed on every reload
+    assert proxy.release() is True
+    proxy.half()
+    proxy.set_materialize_transform(lambda m: m)
+    with pytest.warns(RuntimeWarning, match=r"was cast from torch\.float64 to torch\.float16"):
+        assert proxy.release() is False
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copy_of_a_changed_component_is_refused(how: str) -> None:
+    import copy
+    import pickle
+
+    from fastoffload_ext import LazyModule
+    from fastoffload_ext.errors import OffloadStateError
+
+    proxy = LazyModule("vae", _linear)
+    copies = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda p: pickle.loads(pickle.dumps(p))}
+    assert not copies[how](proxy).is_materialized  # unchanged: the recipe travels
+    _load_tuned(proxy)
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: cannot copy or pickle deferred module vae: its loaded "
+                                                r"component changed after it loaded \(its parameter 'weight' was "
+                                                r"written in place"):
+        copies[how](proxy)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_lazy_offloaded_transformer_first_used_inside_inference_mode_loads_and_releases(backend: str) -> None:
+    """The load ran inside inference_mode: the weights were inference tensors, which offload refuses."""
+    from fastoffload_ext import LazyModule
+    from fastoffload_ext.pipeline.configure import LayerwiseAction, apply_offload_config
+
+    proxy = LazyModule("transformer", lambda: make_pair(3)[0])
+    applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer=proxy,
+                                   device="cpu", layerwise_options={"backend": backend})
+    assert applied.layerwise is LayerwiseAction.ON_LOAD
+    reference = make_pair(3)[1]
+    x = torch.randn(2, 16)
+    for _ in range(2):
+        with torch.inference_mode():
+            assert torch.equal(proxy(x), reference(x))
+            assert not torch.is_grad_enabled()
+        assert get_offload_group(proxy.materialize()) is not None
+        assert proxy.release() is True
+
+
+def test_a_load_state_dict_into_a_lazy_offloaded_transformer_is_kept() -> None:
+    from fastoffload_ext import LazyModule
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    proxy = LazyModule("transformer", lambda: make_pair(3)[0])
+    apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer=proxy, device="cpu")
+    tuned = {k: v * 2 for k, v in make_pair(3)[1].state_dict().items() if k.startswith("blocks.")}
+    proxy.load_state_dict(tuned, strict=False)
+    reference = make_pair(3)[1]
+    reference.load_state_dict(tuned, strict=False)
+    x = torch.randn(2, 16)
+    with pytest.warns(RuntimeWarning, match=r"its parameter 'blocks\.0\.\w+\.weight' was written in place"):
+        assert proxy.release() is False
+    with torch.no_grad():
+        assert torch.equal(proxy(x), reference(x))
+
+
+# ---- apply_offload_config: a requested offload the device policy turned off ---------------------------
+
+
+@pytest.mark.parametrize("platform", ["unified", "mps"])
+def test_layerwise_offload_the_policy_turned_off_is_a_warning(platform: str, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The policy's own line is INFO (unified memory) or absent (MPS): at the default level nothing was said."""
+    import logging
+
+    import fastoffload_ext.policy.platform as device_platform
+    from fastoffload_ext.pipeline.configure import LayerwiseAction, apply_offload_config
+
+    if platform == "unified":
+        monkeypatch.setattr(device_platform, "has_unified_memory", lambda device_id=0: True)
+        monkeypatch.setattr(device_platform, "device_name", lambda device_id=0: "Test iGPU")
+        step = "apply_unified_memory_offload_policy"
+    else:
+        monkeypatch.setattr(device_platform, "has_unified_memory", lambda device_id=0: False)
+        monkeypatch.setattr(device_platform, "is_mps", lambda: True)
+        step = "apply_mps_offload_policy"
+    with caplog.at_level(logging.WARNING):
+        applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer=make_pair(2)[0],
+                                       device="cpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED
+    assert [r.getMessage() for r in caplog.records if r.name == "fastoffload_ext.pipeline.configure"] == [
+        f"engine.offload.dit_layerwise was requested but {step} turned it off, so the transformer is not offloaded; "
+        "AppliedOffload.explain() says why"]
+
+
+def test_layerwise_offload_left_off_by_the_config_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from fastoffload_ext.pipeline.configure import LayerwiseAction, apply_offload_config
+
+    with caplog.at_level(logging.WARNING):
+        applied = apply_offload_config({"engine": {"offload": {"dit_layerwise": False}}}, transformer=make_pair(2)[0],
+                                       device="cpu")
+    assert applied.layerwise is LayerwiseAction.DISABLED
+    assert not caplog.records
+
+
+# ---- FastVideo integration: an install that fails part-way ----------------------------------------------
+
+
+def test_fastvideo_install_that_fails_part_way_puts_back_what_it_rebound(
+        fastvideo_integration: types.ModuleType) -> None:
+    """The names rebound before the failure stayed, with is_installed() False: nothing could put them back."""
+    import fastvideo.hooks.hooks as fv_hooks
+    import fastvideo.hooks.layerwise_offload as fv_offload
+
+    original = fv_offload.enable_layerwise_offload
+
+    class Refusing(types.ModuleType):
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "enable_layerwise_offload":
+                raise AttributeError("read-only")
+            super().__setattr__(name, value)
+
+    refusing = Refusing("fastvideo.zz_edge_refusing")  # after every FastVideo module in sys.modules order
+    types.ModuleType.__setattr__(refusing, "enable_layerwise_offload", original)
+    before = {name: dict(vars(module)) for name, module in list(sys.modules.items())
+              if name == "fastvideo" or name.startswith("fastvideo.")}
+    sys.modules[refusing.__name__] = refusing
+    try:
+        with pytest.raises(AttributeError, match="read-only"):
+            fastvideo_integration.install(device="cpu")
+        assert not fastvideo_integration.is_installed()
+        changed = [f"{name}.{key}" for name, names in before.items() for key, value in names.items()
+                   if vars(sys.modules[name]).get(key) is not value]
+        assert changed == []
+        assert fv_offload.enable_layerwise_offload is original
+        assert fv_hooks.ModuleHookManager.__module__ == "fastvideo.hooks.hooks"
+    finally:
+        sys.modules.pop(refusing.__name__, None)

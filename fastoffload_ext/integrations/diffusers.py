@@ -8,8 +8,15 @@ device, and defines the pipeline's device operations on the offloaded model:
   device works (the modules outside the block list go there; the blocks stay offloaded). A move to
   any other device raises :class:`~fastoffload_ext.errors.OffloadStateError` before anything moves:
   the blocks are streamed to one device, and the rest of the model cannot run elsewhere. Undo the
-  offload first (``disable_layerwise_offload(model, device=...)``). The dtype part of ``to`` goes to
-  the engine unchanged (its cast rules are the engine's: docs/DESIGN.md, "Behaviour contract").
+  offload first (``disable_layerwise_offload(model, device=...)``).
+- ``model.to(dtype)``, ``.half()``, ``.float()``, ``.bfloat16()``, ``.double()``, ``.type(...)``, and so
+  ``pipe.to(dtype)``: a cast that leaves every offloaded parameter's dtype as it is works (the modules
+  outside the block list are cast). A cast that would change an offloaded parameter raises
+  :class:`~fastoffload_ext.errors.OffloadStateError` before anything is cast, the pipeline's other
+  components included: a cast does not reach the blocks' host copy, so the model would be left with
+  its resident parts in the new dtype and its blocks in the old one (the engine refuses such a model
+  at its next forward). Cast before ``offload_transformer``, or disable the offload, cast, and offload
+  again.
 - ``pipe.enable_model_cpu_offload()``: works for the other components and keeps the layerwise
   offload: the offloaded transformer is kept out of accelerate's whole-model hooks (which would move
   it to the CPU after every call) and stays on its offload device.
@@ -41,13 +48,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["DENOISER_NAMES", "bound", "guard_device_moves", "offload_transformer"]
 
 DENOISER_NAMES = ("transformer", "transformer_2")
-_GUARDED_METHODS = ("to", "cuda", "cpu")
+_GUARDED_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", "type")
+# The dtype each of nn.Module's casting methods gives a floating-point parameter (the others stay as they are).
+_FLOAT_CASTS = {"half": torch.float16, "float": torch.float32, "bfloat16": torch.bfloat16, "double": torch.float64}
 _GUARD_ATTRIBUTE = "_fastoffload_device_guard"
 _NAMES_ATTRIBUTE = "_fastoffload_denoisers"  # on the pipeline: every attribute offload_transformer offloaded
 
 MOVE_ERROR = ("fastoffload: {what} would move the layerwise-offloaded {model} to {target}, but its blocks are "
               "offloaded to {device} and the rest of the model must run there too. Move it to {device} (or leave "
               "it), or undo the offload first: fastoffload_ext.disable_layerwise_offload(model, device={target!r})")
+CAST_ERROR = ("fastoffload: {what} would cast the layerwise-offloaded {model} to {dtype}, but the weights of its "
+              "offloaded blocks live in the offload engine's host copy, which a cast does not reach ({name} would go "
+              "from {was} to {dtype}); nothing was cast. Cast the model before offloading it, or undo the offload "
+              "first: fastoffload_ext.disable_layerwise_offload(model, device=...), cast, and offload it again")
 SEQUENTIAL_ERROR = ("fastoffload: enable_sequential_cpu_offload would put accelerate's per-parameter hooks on "
                     "the layerwise-offloaded {names}, whose blocks this engine already streams. Use "
                     "enable_model_cpu_offload() (it keeps the layerwise offload) or undo the offload first with "
@@ -71,17 +84,68 @@ def _target_of(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> to
         if index is None:
             return torch.device("cuda")
         return torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
+    if method != "to":
+        return None  # the casts (half, float, ..., type) move nothing: type()'s device is in _cast_of
     device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
     return device
 
 
-def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
-    """The device of a ``DiffusionPipeline.to`` call: its arguments are a device, a dtype, or both."""
-    device = kwargs.get("device")
+def _module_to_cast(dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor | torch.dtype] | None:
+    """What ``nn.Module.to(dtype=dtype)`` gives each parameter: ``dtype`` for floating-point and complex ones."""
+    if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+        return None  # no cast, or one nn.Module.to refuses itself before changing anything
+    return lambda t: dtype if t.is_floating_point() or t.is_complex() else t.dtype
+
+
+def _cast_of(method: str, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor | torch.dtype] | None:
+    """For a guarded call, the dtype (or, for ``type``, the tensor) it gives one parameter; None: it casts nothing."""
+    if method in _FLOAT_CASTS:
+        dtype = _FLOAT_CASTS[method]
+        return lambda t: dtype if t.is_floating_point() else t.dtype
+    if method == "type":
+        if not args and "dst_type" not in kwargs:
+            return None  # type() with no target answers the type name and changes nothing
+        target = args[0] if args else kwargs["dst_type"]
+        # Tensor.type of the (empty) placeholder: the dtype and device the parameter would get, for any form of
+        # dst_type (a dtype, "torch.HalfTensor", "torch.cuda.HalfTensor"); it copies nothing.
+        return lambda t: t.type(target)
+    if method == "to":
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return _module_to_cast(dtype)
+    return None
+
+
+def _offloaded_parameters(group: LayerwiseOffloadGroup) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    for state in group.states:
+        for name, param in state.module_ref.named_parameters():
+            yield state.module_ref, name, param
+
+
+def _check_cast(model: nn.Module, group: LayerwiseOffloadGroup, what: str, model_name: str,
+                cast: Callable[[torch.Tensor], torch.Tensor | torch.dtype]) -> None:
+    """Raise CAST_ERROR when ``cast`` would change the dtype (or device) of an offloaded parameter."""
+    for block, name, param in _offloaded_parameters(group):
+        result = cast(param)
+        dtype = result if isinstance(result, torch.dtype) else result.dtype
+        if isinstance(result, torch.Tensor) and result.device != param.device:
+            raise OffloadStateError(MOVE_ERROR.format(what=what, model=model_name, target=str(result.device),
+                                                      device=str(group.device)))
+        if dtype != param.dtype:
+            block_name = next((n for n, m in model.named_modules() if m is block), "?")
+            raise OffloadStateError(CAST_ERROR.format(what=what, model=model_name, dtype=dtype,
+                                                      name=f"{block_name}.{name}", was=param.dtype))
+
+
+def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and dtype of a ``DiffusionPipeline.to`` call: its arguments are a device, a dtype, or both."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
     for arg in args:
-        if not isinstance(arg, torch.dtype):
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        else:
             device = arg
-    return None if device is None else torch.device(device)
+    return (None if device is None else torch.device(device)), dtype
 
 
 def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,11 +154,15 @@ def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Cal
         group = get_offload_group(model)
         # Arguments that diffusers' own ``to`` accepts but torch's parser does not.
         parse_kwargs = {k: v for k, v in kwargs.items() if k not in ("silence_dtype_warnings",)}
-        target = _target_of(method, args, parse_kwargs)
-        if group is not None and target is not None and not _same_device(target, group.device):
-            raise OffloadStateError(MOVE_ERROR.format(what=f"{type(model).__name__}.{method}()",
-                                                      model=type(model).__name__, target=str(target),
-                                                      device=str(group.device)))
+        if group is not None:
+            what, name = f"{type(model).__name__}.{method}()", type(model).__name__
+            target = _target_of(method, args, parse_kwargs)
+            if target is not None and not _same_device(target, group.device):
+                raise OffloadStateError(MOVE_ERROR.format(what=what, model=name, target=str(target),
+                                                          device=str(group.device)))
+            cast = _cast_of(method, args, parse_kwargs)
+            if cast is not None:
+                _check_cast(model, group, what, name, cast)
         result = original(*args, **kwargs)
         return model if result is model else result
 
@@ -102,7 +170,9 @@ def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Cal
 
 
 def guard_device_moves(model: nn.Module) -> None:
-    """Make ``model.to``/``cuda``/``cpu`` refuse moves away from its offload device (see the module doc).
+    """Make ``model.to``/``cuda``/``cpu`` refuse moves away from its offload device, and its casts
+    (``to(dtype)``, ``half``, ``float``, ``bfloat16``, ``double``, ``type``) refuse a dtype change of an
+    offloaded parameter, before anything changes (see the module doc).
 
     The guard is per instance and checks the offload at call time, so it is harmless after
     ``disable_layerwise_offload``: moves then go through unchecked.
@@ -164,14 +234,20 @@ def _wrap_pipeline_offloads(pipe: Any) -> None:
 
     @functools.wraps(move)
     def to(*args: Any, **kwargs: Any) -> Any:
-        # Checked for every denoiser before the pipeline moves anything: diffusers moves the
+        # Checked for every denoiser before the pipeline moves or casts anything: diffusers moves the
         # components one by one, and a refusal half-way would leave the pipeline split.
-        target = _pipeline_target(args, kwargs)
+        target, dtype = _pipeline_target(args, kwargs)
+        cast = _module_to_cast(dtype)  # diffusers casts each component with module.to(device, dtype)
         for name in _offloaded_names(pipe):
-            group = get_offload_group(getattr(pipe, name))
-            if group is not None and target is not None and not _same_device(target, group.device):
+            model = getattr(pipe, name)
+            group = get_offload_group(model)
+            if group is None:
+                continue
+            if target is not None and not _same_device(target, group.device):
                 raise OffloadStateError(MOVE_ERROR.format(what=f"pipe.to({str(target)!r})", model=f"pipe.{name}",
                                                           target=str(target), device=str(group.device)))
+            if cast is not None:
+                _check_cast(model, group, f"pipe.to({dtype})", f"pipe.{name}", cast)
         return move(*args, **kwargs)
 
     object.__setattr__(pipe, "to", to)

@@ -128,6 +128,7 @@ def install(**options: Any) -> None:
     Raises:
         ImportError: fastvideo is not importable (the message says which module failed).
         OffloadConfigError: an option is unknown or is one FastVideo passes itself; nothing changed.
+        Whatever rebinding a name raises: the names rebound before it are put back, and nothing is installed.
     """
     global _current
     _check_options(options)
@@ -141,14 +142,21 @@ def install(**options: Any) -> None:
             originals[id(original)] = (name, original)
     replacements = _replacements(dict(options))
     installation = _Installation(options=dict(options))
-    for module in _fastvideo_modules():
-        for attribute, value in list(vars(module).items()):
-            found = originals.get(id(value))
-            if found is None or found[1] is not value:
-                continue
-            replacement = replacements[found[0]]
-            setattr(module, attribute, replacement)
-            installation.rebound.append((module, attribute, value, replacement))
+    try:
+        for module in _fastvideo_modules():
+            for attribute, value in list(vars(module).items()):
+                found = originals.get(id(value))
+                if found is None or found[1] is not value:
+                    continue
+                replacement = replacements[found[0]]
+                setattr(module, attribute, replacement)
+                installation.rebound.append((module, attribute, value, replacement))
+    except BaseException:
+        # A name that cannot be rebound (a module that refuses the assignment, Ctrl-C): without this the names
+        # rebound so far would stay, with is_installed() False and nothing uninstall() could put back.
+        for module, attribute, original, _ in reversed(installation.rebound):
+            setattr(module, attribute, original)
+        raise
     _current = installation
     logger.info("FastVideo now uses fastoffload_ext for layerwise offload (%d names rebound, options %s)",
                 len(installation.rebound), options or "default")

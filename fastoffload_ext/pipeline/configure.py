@@ -32,8 +32,9 @@ What it does, in order:
    A lazy transformer (a ``LazyModule``, or a component name while lazy loading is on) is *not* loaded
    for this: offload is registered as its materialize transform, so it applies to the instance loaded
    now (if any) and to every instance reloaded after a release. Without a transformer, nothing is
-   hooked and a warning says so. With ``device=None`` on a machine without CUDA the engine declines
-   (as FastVideo's does) and the action is ``SKIPPED``.
+   hooked and a warning says so; a warning also says so when the config asked for it and a resolution
+   step (the device policy: unified memory, MPS) turned it off. With ``device=None`` on a machine
+   without CUDA the engine declines (as FastVideo's does) and the action is ``SKIPPED``.
 5. The other resolved switches (``engine.use_fsdp_inference``, ``engine.offload.dit``,
    ``text_encoder``, ``image_encoder``, ``vae``) describe FastVideo's whole-module offloads, which this
    package does not implement. The ones that resolved to True are listed in
@@ -265,6 +266,12 @@ def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device |
                      options: dict[str, Any]) -> tuple[LayerwiseAction, Any]:
     """Layerwise offload of ``target`` as resolved: now, on load (a lazy target), or not; and its result."""
     if not resolution.get(_LAYERWISE_PATH):
+        decided_by = resolution.decided_by(_LAYERWISE_PATH)
+        if resolution.input_values.get(_LAYERWISE_PATH) is True and decided_by is not None:
+            # Asked for and overruled by the device policy (unified memory, MPS): the policy's own line is INFO,
+            # or absent (MPS), so at the default log level a run would otherwise drop the offload without a word.
+            logger.warning("engine.offload.dit_layerwise was requested but %s turned it off, so the transformer is not "
+                           "offloaded; AppliedOffload.explain() says why", decided_by)
         return LayerwiseAction.DISABLED, None
     if target is None:
         logger.warning("engine.offload.dit_layerwise is on but no transformer was given, so nothing is offloaded; "

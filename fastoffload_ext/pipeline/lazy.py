@@ -32,20 +32,42 @@ Copies: ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give a new, *unloaded* p
 name, loader and materialize transform (deep-copied by ``deepcopy``; pickling needs a picklable
 loader and transform, e.g. module-level functions or ``functools.partial`` of them). A copy loads its own
 instance on first use; it shares neither the loaded component nor the release callbacks, which
-belong to whoever manages the original. None of them loads the component.
+belong to whoever manages the original. None of them loads the component. A copy of a proxy whose
+loaded component was changed since it loaded (see below) is refused: it would load the component
+without the change.
+
+Changes and release: a reload runs the loader (and the materialize transforms) again, so whatever
+was done to the loaded instance afterwards (``to(dtype)``, ``half()``, ``load_state_dict``, an
+in-place edit, an added adapter) would be gone after a release, and the next use would silently run
+the component as the loader built it. :meth:`LazyModule.release` therefore compares an ``nn.Module``
+component with what it was when it loaded (its submodules and parameters, each the same object; each
+parameter's and persistent buffer's dtype, shape and version counter) and keeps a changed component
+loaded, with a ``RuntimeWarning`` naming the change, instead of dropping the change.
+``release(discard_changes=True)`` drops it anyway. Not compared, so not kept: the device (a move
+keeps every value, and a pipeline moves the component again at its next use), the training flag
+(``eval()``/``train()``, which pipelines also set again at each use), and what the comparison cannot
+see: writes through ``.data`` (``p.data.copy_(...)``), in-place writes to inference tensors (made under
+``torch.inference_mode()``, which keep no version counter), a buffer replaced by one of the same dtype
+and shape, and plain attributes. Put such setup in the loader or in a materialize transform.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
 import torch
+from torch import nn
+
+from fastoffload_ext.engine.messages import warn_caller
+from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +76,17 @@ __all__ = ["LazyModule", "is_lazy_module"]
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
 _STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_materialize_transform", "_lazy_module",
-                "_lazy_release_callbacks", "_lazy_lock")
+                "_lazy_release_callbacks", "_lazy_lock", "_lazy_loaded_as")
+
+CHANGED_WARNING = ("fastoffload: deferred module {name} was not released: it changed after it loaded ({change}), and a "
+                   "reload would bring it back as its loader builds it, without that change. Make the change in the "
+                   "loader or in a materialize transform (set_materialize_transform), keep the component loaded "
+                   "(ReleaseSchedule/run_pipeline keep=...), or call release(discard_changes=True) to drop it and "
+                   "the change.")
+CHANGED_COPY_ERROR = ("fastoffload: cannot copy or pickle deferred module {name}: its loaded component changed after "
+                      "it loaded ({change}), and a copy is an unloaded proxy that would load the component without "
+                      "that change. Copy the component itself (copy.deepcopy(proxy.materialize())), or make the "
+                      "change in the loader or in a materialize transform.")
 
 
 def _cuda_allocated_gib() -> float | None:
@@ -72,6 +104,22 @@ def _set_state(proxy: LazyModule, slot: str, value: Any) -> None:
     object.__setattr__(proxy, slot, value)
 
 
+@contextlib.contextmanager
+def _outside_inference_mode() -> Iterator[None]:
+    """A load that a use inside ``torch.inference_mode()`` starts builds ordinary tensors, as a load outside it does.
+
+    Without this, the component's weights would be inference tensors when its first use happens to be inside
+    inference mode: layerwise offload refuses those (it cannot watch them for in-place writes), they cannot be
+    written outside inference mode, and release() could not see an in-place change to them. Grad mode is kept.
+    """
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
+
+
 def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str) -> Any:
     """``transform(component)``, refusing None (a transform that forgot to return its module)."""
     transformed = transform(component)
@@ -79,6 +127,68 @@ def _apply_transform(transform: Callable[[Any], Any], component: Any, name: str)
         raise ValueError(f"fastoffload: Materialize transform for module {name} returned None; a transform must return "
                          "the module it was given, or a wrapper of it")
     return transformed
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None  # an inference tensor keeps no version counter
+
+
+def _tensor_entry(kind: str, name: str, tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (kind, name, weakref.ref(tensor), tensor.dtype, tuple(tensor.shape), _version(tensor))
+
+
+def _loaded_as(component: Any) -> list[tuple[Any, ...]] | None:
+    """What release() compares against: each submodule, parameter and persistent buffer of an ``nn.Module``
+    component (weakly referenced), with what a change of its values would alter; None for a component of
+    another kind.
+
+    The device is left out on purpose: a move keeps every value, and pipelines move a component to the device
+    each time they use it (FastVideo's stages do), so a reload followed by that move is the same component."""
+    if not isinstance(component, nn.Module):
+        return None
+    entries: list[tuple[Any, ...]] = []
+    for prefix, module in component.named_modules(remove_duplicate=False):
+        entries.append(("submodule", prefix, weakref.ref(module)))
+        dot = prefix + "." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                entries.append(_tensor_entry("parameter", dot + name, param))
+        for name, buffer in module._buffers.items():
+            # A non-persistent buffer is a cache (a rotary table) that a module may recompute: not state.
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                entries.append(_tensor_entry("buffer", dot + name, buffer))
+    return entries
+
+
+def _change(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | None:
+    """The first difference between two ``_loaded_as`` results, in words; None when there is none."""
+    for old, new in zip(before, now):
+        kind, name = old[0], old[1] or "the component"
+        if (old[0], old[1]) != (new[0], new[1]):
+            return f"its {new[0]} {new[1]!r} is new, or its {kind} {old[1]!r} was removed"
+        same_object = old[2]() is new[2]()
+        if kind == "submodule":
+            if not same_object:
+                return f"its submodule {name!r} was replaced"
+            continue
+        # nn.Module.to/cuda/half rebind a parameter in place (same object, version kept) but give a buffer a
+        # new tensor: only a parameter's object is compared, and a buffer's version only while it is the same.
+        if kind == "parameter" and not same_object:
+            return f"its parameter {name!r} was replaced"
+        if old[3] != new[3]:
+            return f"its {kind} {name!r} was cast from {old[3]} to {new[3]}"
+        if old[4] != new[4]:
+            return f"its {kind} {name!r} changed shape from {list(old[4])} to {list(new[4])}"
+        if same_object and old[5] != new[5]:
+            return f"its {kind} {name!r} was written in place, by load_state_dict or an in-place update"
+    if len(before) != len(now):
+        added = len(now) > len(before)
+        extra = now[len(before)] if added else before[len(now)]
+        return f"its {extra[0]} {extra[1]!r} was {'added' if added else 'removed'}"
+    return None
 
 
 class LazyModule:
@@ -89,9 +199,9 @@ class LazyModule:
     test loads nothing.
     :meth:`release` drops the reference and empties the allocator cache; any later use runs the loader
     again and the transforms of :meth:`set_materialize_transform`. What was done to the loaded
-    instance through the proxy (``eval()``, ``to(dtype)``, ``load_state_dict``) is not replayed: put
-    such setup in the loader or in a materialize transform, and releasing early then costs time, never
-    correctness.
+    instance afterwards (``eval()``, ``to(dtype)``, ``load_state_dict``) is not replayed: put such
+    setup in the loader or in a materialize transform, and releasing early then costs time, never
+    correctness. A component changed that way is not released (see the module docstring).
 
     Args:
         name: the component's name, used in log messages and errors.
@@ -107,6 +217,7 @@ class LazyModule:
         _set_state(self, "_lazy_materialize_transform", None)
         _set_state(self, "_lazy_module", None)
         _set_state(self, "_lazy_release_callbacks", [])
+        _set_state(self, "_lazy_loaded_as", None)
         # Reentrant: a loader or transform may read the proxy's own state (lazy_name, is_materialized).
         _set_state(self, "_lazy_lock", threading.RLock())
 
@@ -141,20 +252,22 @@ class LazyModule:
         """Runs the loader and the transform; called with the lock held."""
         name = _state(self, "_lazy_name")
         logger.info("Loading deferred module %s", name)
-        try:
-            component = _state(self, "_lazy_loader")()
-        except Exception as error:
-            # Same exception, same type; the note says whose load failed (a pipeline has several).
-            if hasattr(error, "add_note"):
-                error.add_note(f"while loading deferred module {name}")
-            raise
-        if component is None:
-            raise ValueError(f"fastoffload: Deferred loader for module {name} returned None; the loader must return "
-                             "the built component (check for a missing return statement)")
+        with _outside_inference_mode():
+            try:
+                component = _state(self, "_lazy_loader")()
+            except Exception as error:
+                # Same exception, same type; the note says whose load failed (a pipeline has several).
+                if hasattr(error, "add_note"):
+                    error.add_note(f"while loading deferred module {name}")
+                raise
+            if component is None:
+                raise ValueError(f"fastoffload: Deferred loader for module {name} returned None; the loader must "
+                                 "return the built component (check for a missing return statement)")
 
-        transform = _state(self, "_lazy_materialize_transform")
-        if transform is not None:
-            component = _apply_transform(transform, component, name)
+            transform = _state(self, "_lazy_materialize_transform")
+            if transform is not None:
+                component = _apply_transform(transform, component, name)
+        _set_state(self, "_lazy_loaded_as", _loaded_as(component))
         _set_state(self, "_lazy_module", component)
 
         allocated = _cuda_allocated_gib()
@@ -188,31 +301,57 @@ class LazyModule:
                 return transform(previous(component))
 
         if loaded is not None:
+            unchanged = self._change() is None
             transformed = _apply_transform(transform, loaded, self.lazy_name)
             _set_state(self, "_lazy_module", transformed)
+            if unchanged:
+                # What the transform did is replayed on every reload: it is part of what the component loads as.
+                # A change made before it is not, and stays visible to release().
+                _set_state(self, "_lazy_loaded_as", _loaded_as(transformed))
         _set_state(self, "_lazy_materialize_transform", composed)
+
+    def _change(self) -> str | None:
+        """How the loaded component differs from what it loaded as, in words; None when it does not (or is not
+        loaded, or is no ``nn.Module``)."""
+        loaded_as = _state(self, "_lazy_loaded_as")
+        component = _state(self, "_lazy_module")
+        if loaded_as is None or component is None:
+            return None
+        now = _loaded_as(component)
+        return _change(loaded_as, now) if now is not None else "it is no longer an nn.Module"
 
     def add_release_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` every time the real component is dropped (after the drop, in order)."""
         _state(self, "_lazy_release_callbacks").append(callback)
 
-    def release(self) -> bool:
+    def release(self, *, discard_changes: bool = False) -> bool:
         """Drop the real component and free what it held.
 
         Release callbacks run after the proxy lets go of the component, then the garbage collector
         runs and, where CUDA is available, the caching allocator hands its free blocks back; memory
         only comes back if nothing else still references the component.
 
+        A component that changed after it loaded (cast, written in place, a parameter or submodule
+        added or replaced: see the module docstring) is kept loaded, with a ``RuntimeWarning`` naming
+        the change: a reload would silently run it without the change. ``discard_changes=True`` drops
+        it anyway.
+
         Returns:
-            True if a loaded component was dropped, False if there was nothing to release.
+            True if a loaded component was dropped, False if there was nothing to release or the
+            component was kept because it changed.
         """
         with _state(self, "_lazy_lock"):
             # Under the lock: a release never drops an instance that a load is still setting up.
             component = _state(self, "_lazy_module")
             if component is None:
                 return False
+            change = None if discard_changes else self._change()
+            if change is not None:
+                warn_caller(CHANGED_WARNING.format(name=_state(self, "_lazy_name"), change=change))
+                return False
             before = _cuda_allocated_gib()
             _set_state(self, "_lazy_module", None)
+            _set_state(self, "_lazy_loaded_as", None)
             del component
 
         name = _state(self, "_lazy_name")
@@ -232,12 +371,20 @@ class LazyModule:
 
     # ---- copies (see the module docstring) ----------------------------------------------------
 
+    def _check_copyable(self) -> None:
+        with _state(self, "_lazy_lock"):
+            change = self._change()
+        if change is not None:
+            raise OffloadStateError(CHANGED_COPY_ERROR.format(name=_state(self, "_lazy_name"), change=change))
+
     def __copy__(self) -> LazyModule:
+        self._check_copyable()
         clone = LazyModule(_state(self, "_lazy_name"), _state(self, "_lazy_loader"))
         _set_state(clone, "_lazy_materialize_transform", _state(self, "_lazy_materialize_transform"))
         return clone
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LazyModule:
+        self._check_copyable()
         clone = LazyModule(copy.deepcopy(_state(self, "_lazy_name"), memo),
                            copy.deepcopy(_state(self, "_lazy_loader"), memo))
         memo[id(self)] = clone
@@ -247,6 +394,7 @@ class LazyModule:
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
         # Only the recipe travels: a lock and a loaded component cannot (and should not) be pickled.
+        self._check_copyable()
         return (_rebuild, (_state(self, "_lazy_name"), _state(self, "_lazy_loader"),
                            _state(self, "_lazy_materialize_transform")))
 
