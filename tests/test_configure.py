@@ -429,3 +429,140 @@ def test_layerwise_options_not_a_mapping() -> None:
                                         r"keyword arguments, got list"):
         apply_offload_config(LAYERWISE_ON, transformer=tiny_dit(),
                              layerwise_options=[("prefetch_depth", 2)])  # type: ignore[arg-type]
+
+
+# ---- applying a config again ------------------------------------------------------------------------
+#
+# A second apply_offload_config for a transformer that has layerwise offload is refused before anything
+# loads, unless layerwise_options asks to replace it (is_replace=True). Before, a lazy transformer got a
+# second offload transform stacked on the first: every later load then failed ("already enabled"), or,
+# loaded already, the second call raised from deep inside the engine.
+
+ALREADY_LAZY = ("fastoffload: the lazy transformer 'transformer' already has layerwise offload registered by an "
+                "earlier apply_offload_config call (it offloads every instance it loads); applying it again would "
+                "offload it twice. To replace that offload with this call's options, pass "
+                "layerwise_options={..., 'is_replace': True}; to keep it, do not apply the config to this transformer "
+                "again (or pass a config with engine.offload.dit_layerwise=False)")
+LAZY_CONFIG = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": True}}}
+
+
+class CountingTransformer:
+    """A lazy transformer's loader that counts its loads; every instance has the same weights."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+
+    def __call__(self) -> TinyDiT:
+        self.loads += 1
+        return tiny_dit(seed=3)
+
+
+def _group_of(proxy: LazyModule) -> Any:
+    return fastoffload_ext.engine.layerwise.get_offload_group(proxy.materialize())
+
+
+def _runs_exactly(proxy: Any, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        assert torch.equal(proxy(x), tiny_dit(seed=3)(x))
+
+
+@pytest.mark.parametrize("loaded_first", [False, True], ids=["before-first-load", "after-first-load"])
+def test_applying_again_to_a_lazy_transformer_is_refused_up_front(loaded_first: bool) -> None:
+    from fastoffload_ext.errors import OffloadConfigError
+
+    loader = CountingTransformer()
+    proxy = LazyModule("transformer", loader)
+    x = torch.randn(5, 8)
+    if loaded_first:
+        proxy.materialize()
+    assert apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu").layerwise is LayerwiseAction.ON_LOAD
+    group = _group_of(proxy) if loaded_first else None
+    loads = loader.loads
+    with pytest.raises(OffloadConfigError) as refused:
+        apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu")
+    assert str(refused.value) == ALREADY_LAZY
+    assert loader.loads == loads and proxy.is_materialized is loaded_first  # nothing loaded to refuse
+    # The first call's offload stands, once: on the loaded instance, and on every reload.
+    _runs_exactly(proxy, x)
+    if loaded_first:
+        assert _group_of(proxy) is group
+    assert _hooked_blocks(proxy.materialize()) == [True, True, True]
+    assert proxy.release() is True
+    _runs_exactly(proxy, x)
+    assert _group_of(proxy) is not None and _group_of(proxy).prefetch_depth == 1
+
+
+@pytest.mark.parametrize("loaded_first", [False, True], ids=["before-first-load", "after-first-load"])
+def test_applying_again_with_is_replace_replaces_the_lazy_transformers_offload(loaded_first: bool,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    enable = fastoffload_ext.engine.layerwise.enable_layerwise_offload
+    enables: list[dict[str, Any]] = []
+
+    def counting(model: Any, *args: Any, **kwargs: Any) -> Any:
+        enables.append(kwargs)
+        return enable(model, *args, **kwargs)
+
+    monkeypatch.setattr(fastoffload_ext.engine.layerwise, "enable_layerwise_offload", counting)
+    loader = CountingTransformer()
+    proxy = LazyModule("transformer", loader)
+    x = torch.randn(5, 8)
+    if loaded_first:
+        proxy.materialize()
+    apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu")
+    applied = apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu",
+                                   layerwise_options={"is_replace": True, "resident_blocks": [1], "backend": "python"})
+    assert applied.layerwise is LayerwiseAction.ON_LOAD
+    assert loader.loads == (1 if loaded_first else 0)
+    _runs_exactly(proxy, x)
+    group = _group_of(proxy)
+    assert group.resident == (1,) and group.backend == "python"  # replaced on the loaded instance, or at load
+    assert _hooked_blocks(proxy.materialize()) == [True, False, True]
+    proxy.release()
+    enables.clear()
+    _runs_exactly(proxy, x)  # the reload runs the new offload only, not the old one undone by the new one
+    assert _group_of(proxy).resident == (1,) and loader.loads == 2
+    assert enables == [{"device": "cpu", "resident_blocks": [1], "backend": "python"}]
+
+
+def test_a_refused_replacement_leaves_the_lazy_transformers_offload_as_it_was() -> None:
+    loader = CountingTransformer()
+    proxy = LazyModule("transformer", loader)
+    x = torch.randn(5, 8)
+    apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu", layerwise_options={"prefetch_depth": 2})
+    group = _group_of(proxy)
+    # Three blocks: index 7 is refused by the engine, on the loaded instance, before its offload is undone.
+    with pytest.raises(ValueError, match=r"^fastoffload: resident_blocks indices must be integers in 0\.\.2"):
+        apply_offload_config(LAZY_CONFIG, transformer=proxy, device="cpu",
+                             layerwise_options={"is_replace": True, "resident_blocks": [7]})
+    assert _group_of(proxy) is group and group.prefetch_depth == 2
+    _runs_exactly(proxy, x)
+    proxy.release()
+    _runs_exactly(proxy, x)
+    assert _group_of(proxy).prefetch_depth == 2  # future loads keep the old offload too
+
+
+def test_applying_again_to_an_offloaded_module_is_refused_before_any_component_loads() -> None:
+    from fastoffload_ext.errors import OffloadConfigError
+
+    model = tiny_dit(seed=3)
+    x = torch.randn(5, 8)
+    config = {"engine": {"offload": {"dit_layerwise": True, "lazy_module_load": False}}}
+    first = apply_offload_config(config, transformer=model, device="cpu").layerwise_result
+    loaders = CountingLoaders("vae")
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: the transformer \(TinyDiT\) already has layerwise "
+                                                 r"offload; applying it again would offload it twice"):
+        apply_offload_config(config, transformer=model, components=loaders.loaders, device="cpu")
+    assert loaders.loads == [] and fastoffload_ext.engine.layerwise.get_offload_group(model) is first
+    applied = apply_offload_config(config, transformer=model, components=loaders.loaders, device="cpu",
+                                   layerwise_options={"is_replace": True, "prefetch_depth": 2})
+    assert applied.layerwise is LayerwiseAction.APPLIED and applied.layerwise_result.prefetch_depth == 2
+    assert fastoffload_ext.engine.layerwise.get_offload_group(model) is applied.layerwise_result
+    with torch.no_grad():
+        assert torch.equal(model(x), tiny_dit(seed=3)(x))
+
+
+def test_is_replace_is_passed_only_where_there_is_an_offload_to_replace(fake_enable: RecordingEnable) -> None:
+    proxy = LazyModule("transformer", tiny_dit)
+    apply_offload_config(LAYERWISE_ON, transformer=proxy, device="cpu", layerwise_options={"is_replace": True})
+    loaded = proxy.materialize()
+    assert fake_enable.calls == [(loaded, {"device": "cpu"})]  # a new instance has nothing to replace

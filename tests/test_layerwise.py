@@ -318,11 +318,15 @@ def test_is_replace_plans_from_the_real_weights_not_the_placeholders(backend: st
     budget = 3 * block // 2  # below the two slots of the smallest layout
     with pytest.raises(ValueError, match=r"^fastoffload: device_budget 21\.0 KiB is smaller than what offload needs"):
         fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=budget)
-    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    running = fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     # The running offload holds every block as a placeholder: the same budget is refused all the same.
     with pytest.raises(ValueError, match=r"^fastoffload: device_budget 21\.0 KiB is smaller than what offload needs"):
         fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, device_budget=budget)
-    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    # The refusal needed the real weights, so the running offload was undone to plan; it was applied again.
+    again = fo.get_offload_group(model)
+    assert again is not None and again.resident == running.resident == () and again.prefetch_depth == 1
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
     group = fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend,
                                         device_budget=4 * block)
     assert len(group.resident) == 2 and group.plan.device_bytes == 4 * block

@@ -512,6 +512,66 @@ def test_transform_returning_none_on_loaded_instance_raises_and_changes_nothing(
     assert loader.calls == 2
 
 
+def test_a_keyed_transform_registered_again_replaces_itself_in_its_place() -> None:
+    proxy, loader = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("first-offload", applied), key="offload")
+    proxy.set_materialize_transform(tag("compile", applied))
+    assert proxy.has_materialize_transform("offload") and not proxy.has_materialize_transform("other")
+    assert loader.calls == 0  # neither registering nor asking loads
+    proxy.set_materialize_transform(tag("second-offload", applied), key="offload")
+    assert loader.calls == 0 and applied == []
+    assert proxy.tags == ["second-offload", "compile"]  # the old one gone, the new one where it ran
+    assert applied == ["second-offload", "compile"]
+
+
+def test_a_keyed_transform_registered_again_on_a_loaded_instance_applies_only_the_new_one() -> None:
+    proxy, loader = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("first", applied), key="offload")
+    loaded = proxy.materialize()
+    proxy.set_materialize_transform(tag("second", applied), key="offload")
+    assert proxy.materialize() is loaded and loaded.tags == ["first", "second"] and loader.calls == 1
+    proxy.release()
+    assert proxy.tags == ["second"]  # a new load runs the chain with the replacement only
+
+
+def test_a_keyed_transform_that_fails_on_the_loaded_instance_changes_nothing() -> None:
+    proxy, _ = make()
+    applied: list[str] = []
+    proxy.set_materialize_transform(tag("kept", applied), key="offload")
+    loaded = proxy.materialize()
+
+    def refuse(module: Any) -> Any:
+        raise ValueError("fastoffload: test: refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        proxy.set_materialize_transform(refuse, key="offload")
+    assert proxy.materialize() is loaded
+    proxy.release()
+    assert proxy.tags == ["kept"]
+
+
+def test_copies_and_pickles_keep_the_transform_keys() -> None:
+    import copy
+    import functools
+    import pickle
+
+    proxy = LazyModule("vae", functools.partial(nn.Linear, 2, 5))
+    proxy.set_materialize_transform(functools.partial(nn.Module.requires_grad_, requires_grad=False), key="frozen")
+    for clone in (copy.copy(proxy), copy.deepcopy(proxy), pickle.loads(pickle.dumps(proxy))):
+        assert clone.has_materialize_transform("frozen") and not clone.is_materialized
+        assert not clone.weight.requires_grad
+
+
+def test_a_pickle_from_before_transform_keys_still_loads() -> None:
+    """Such a pickle holds one composed transform (or None) where the chain of keyed ones now is."""
+    applied: list[str] = []
+    old = lazy_module_file._rebuild("vae", CountingLoader(4), tag("composed", applied))
+    assert old.tags == ["composed"] and not old.has_materialize_transform("composed")
+    assert not lazy_module_file._rebuild("vae", CountingLoader(4), None).has_materialize_transform("x")
+
+
 @pytest.mark.cuda
 def test_release_frees_cuda_memory_and_the_cache(caplog: pytest.LogCaptureFixture) -> None:
     proxy = LazyModule("dit", lambda: nn.Linear(4096, 4096, bias=False, device="cuda"))  # 64 MiB of weight

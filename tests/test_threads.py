@@ -1,8 +1,8 @@
 """The threading contract: one offloaded model runs one forward at a time.
 
-A second thread's forward is refused with a clear error while the first runs; a disable from another
-thread waits for the running block instead of freeing the bytes it reads. Whatever the interleaving:
-no crash, no placeholder left after disable, every value exact.
+A second thread's forward is refused with a clear error while the first runs; a disable, re-plan or
+is_replace from another thread waits for the running forward instead of changing the layout under it.
+Whatever the interleaving: no crash, no placeholder left after disable, every value exact.
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import fastoffload_ext as fo
+from fastoffload_ext.engine.threads import ModelForwards
+from fastoffload_ext.planning import BlockCosts, module_packed_bytes
 
-from ._models import make_pair, offload_hook, params_equal
+from ._models import Block, make_pair, offload_hook, params_equal
 from ._trees import has_hooks
 
 BACKENDS = ["ext", "python"]
@@ -213,3 +215,258 @@ def test_error_text_is_the_same_on_both_backends() -> None:
 
     assert CONCURRENT_FORWARD_ERROR == CONCURRENT
     assert re.match(r"^fastoffload: ", CONCURRENT)
+
+
+# ---- layout changes (re-plan, is_replace, disable) from another thread ---------------------------------
+#
+# A block's gate sees only an offloaded block while it runs. A layout change must also wait for a forward
+# that is between blocks or inside a resident block: a re-plan that offloads that resident block would take
+# its weights from under the running F.linear (a raw shape error on a 0-size placeholder). These tests hold
+# a forward inside a block with an event, start the change in another thread, and let the forward go only
+# once the change has said it waits (a log record, caught as an event: no sleeps).
+
+N = 6
+BLOCK_BYTES = module_packed_bytes(Block(16, 2))
+# Blocks 0-2 half their size: all six fit a budget of five blocks. Full size: three stay resident.
+ALL_RESIDENT_COSTS = BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3)
+SOME_OFFLOADED_COSTS = BlockCosts([0.1] * N, [BLOCK_BYTES] * N, 1e-3)
+HOLD_WAITS = "waiting for a forward running in another thread to finish before changing the offload layout"
+FORWARD_WAITS = "a forward waits for another thread's layout change of this offloaded model"
+
+
+class Logged(logging.Handler):
+    """An event set when the threads module logs a message containing ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+    def __enter__(self) -> Logged:
+        self.logger = logging.getLogger("fastoffload_ext.engine.threads")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def _planned(backend: str, all_resident: bool, seed: int) -> tuple[Any, Any, torch.Tensor, torch.Tensor, Any]:
+    """A 6-block model under a budget of five blocks: resident (0, 1, 2), or every block once re-planned."""
+    model, reference = make_pair(N, seed=seed)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = reference(x)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES)
+    if all_resident:
+        group = group.replan(ALL_RESIDENT_COSTS)
+    assert group.resident == (tuple(range(N)) if all_resident else (0, 1, 2))
+    return model, reference, x, want, group
+
+
+def _forward_of(model: Any, x: torch.Tensor) -> Any:
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+    return forward
+
+
+def _check_waited_then_finished(paused: Paused, change: Any, forward: Any, waits_for: str = HOLD_WAITS
+                                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs ``forward`` held in its paused block, then ``change`` in another thread; the change must say it
+    waits before the forward is let go. Returns both results."""
+    with Logged(waits_for) as logged:
+        running, forward_result = _run_in_thread(forward)
+        assert paused.inside.wait(WAIT_S)
+        changing, change_result = _run_in_thread(change)
+        assert logged.seen.wait(WAIT_S), "the layout change did not wait for the running forward"
+        assert not change_result  # it is still waiting: nothing returned, nothing raised
+        paused.proceed.set()
+        running.join(WAIT_S)
+        changing.join(WAIT_S)
+    assert not running.is_alive() and not changing.is_alive()
+    return forward_result, change_result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index", [0, 1, 4, 5])
+def test_replan_waits_for_a_forward_inside_a_resident_block_it_offloads(backend: str, index: int) -> None:
+    """Every block resident; the re-plan offloads 1, 3 and 5 (resident (0, 2, 4)). The forward is held in
+    block ``index``: one the re-plan keeps resident, or one whose weights it takes into a host copy."""
+    model, reference, x, want, group = _planned(backend, all_resident=True, seed=10 + index)
+    paused = Paused(model, index)
+    forward_result, replan_result = _check_waited_then_finished(
+        paused, lambda: group.replan(SOME_OFFLOADED_COSTS), _forward_of(model, x))
+    assert "error" not in forward_result, repr(forward_result.get("error"))
+    assert torch.equal(forward_result["value"], want)  # the forward ran on the layout it started with
+    assert "error" not in replan_result, repr(replan_result.get("error"))
+    fresh = replan_result["value"]
+    assert fresh is fo.get_offload_group(model) and fresh.resident == (0, 2, 4)
+    paused.handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference) and ModelForwards.of(model) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index", [1, 4])
+def test_replan_waits_for_a_forward_inside_an_offloaded_or_resident_block_it_makes_resident(backend: str,
+                                                                                           index: int) -> None:
+    """Resident (0, 1, 2); the re-plan keeps every block resident. Held in block 4 the forward owns the
+    block's gate; held in block 1 it owns nothing, and the blocks after it change under it."""
+    model, reference, x, want, group = _planned(backend, all_resident=False, seed=20 + index)
+    paused = Paused(model, index)
+    forward_result, replan_result = _check_waited_then_finished(
+        paused, lambda: group.replan(ALL_RESIDENT_COSTS), _forward_of(model, x))
+    assert torch.equal(forward_result["value"], want)
+    assert replan_result["value"].resident == tuple(range(N))
+    paused.handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forward_that_starts_during_a_replan_waits_and_runs_on_the_new_layout(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference, x, want, group = _planned(backend, all_resident=True, seed=30)
+    from fastoffload_ext.engine import layerwise
+
+    attaching, attach_go = threading.Event(), threading.Event()
+    attach = layerwise._attach_one
+
+    def held_attach(*args: Any) -> Any:
+        if not attaching.is_set():  # the re-plan's enable stops at its first block, model held
+            attaching.set()
+            assert attach_go.wait(WAIT_S)
+        return attach(*args)
+
+    monkeypatch.setattr(layerwise, "_attach_one", held_attach)
+    with Logged(FORWARD_WAITS) as logged:
+        replanning, replan_result = _run_in_thread(lambda: group.replan(SOME_OFFLOADED_COSTS))
+        assert attaching.wait(WAIT_S)
+        running, forward_result = _run_in_thread(_forward_of(model, x))
+        assert logged.seen.wait(WAIT_S), "the forward did not wait for the re-plan"
+        assert not forward_result
+        attach_go.set()
+        replanning.join(WAIT_S)
+        running.join(WAIT_S)
+    assert not replanning.is_alive() and not running.is_alive()
+    assert replan_result["value"].resident == (0, 2, 4), repr(replan_result.get("error"))
+    assert torch.equal(forward_result["value"], want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_replace_from_another_thread_waits_for_the_running_forward(backend: str) -> None:
+    model, reference, x, want, _ = _planned(backend, all_resident=False, seed=40)
+    paused = Paused(model, 1)  # resident now; the replacement offloads every block
+
+    def replace() -> Any:
+        return fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, prefetch_depth=2)
+
+    forward_result, replace_result = _check_waited_then_finished(paused, replace, _forward_of(model, x))
+    assert torch.equal(forward_result["value"], want)
+    assert replace_result["value"].resident == () and replace_result["value"].prefetch_depth == 2
+    paused.handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disable_from_another_thread_waits_for_the_whole_forward(backend: str) -> None:
+    """Held in block 1, which it owns, and then after the last block: a disable waits for the forward, not
+    only for the block that runs, so the forward finishes on the weights it started with."""
+    model, reference, x, want, paused, forward = _paused_offload(backend, seed=6)
+    forward_result, disable_result = _check_waited_then_finished(
+        paused, lambda: fo.disable_layerwise_offload(model), forward)
+    assert "error" not in disable_result and torch.equal(forward_result["value"], want)
+    paused.handle.remove()
+    assert fo.get_offload_group(model) is None and not any(has_hooks(b) for b in model.blocks)
+    assert ModelForwards.of(model) is None and not model._forward_pre_hooks and not model._forward_hooks
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forward_ended_by_keyboard_interrupt_does_not_hold_up_a_replan(backend: str) -> None:
+    """torch runs no always-call hook for a forward that a KeyboardInterrupt ends: the forward's record
+    stays behind, and the thread's stack is what tells the re-plan that the forward is over."""
+    model, reference, x, want, group = _planned(backend, all_resident=True, seed=50)
+
+    def interrupt(module: Any, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.blocks[2].register_forward_pre_hook(interrupt)
+    interrupted, still_alive = threading.Event(), threading.Event()
+
+    def forward_then_linger() -> None:
+        try:
+            with torch.no_grad():
+                model(x)
+        except KeyboardInterrupt:
+            interrupted.set()
+        assert still_alive.wait(WAIT_S)  # the thread lives on, its forward long gone
+
+    thread = threading.Thread(target=forward_then_linger)
+    thread.start()
+    assert interrupted.wait(WAIT_S)
+    handle.remove()
+    try:
+        fresh = group.replan(SOME_OFFLOADED_COSTS)  # would wait for good if the stale record counted
+    finally:
+        still_alive.set()
+        thread.join(WAIT_S)
+    assert fresh.resident == (0, 2, 4)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replan_that_waited_for_another_threads_replan_refuses_the_stale_group(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads re-plan the same group: the second one waits for the first, and then finds its group no
+    longer on the model (STALE_GROUP_ERROR) instead of re-planning the new group from the old one's plan."""
+    from fastoffload_ext.engine import layerwise
+    from fastoffload_ext.engine.messages import STALE_GROUP_ERROR
+
+    model, reference, x, want, group = _planned(backend, all_resident=True, seed=60)
+    detaching, detach_go = threading.Event(), threading.Event()
+    detach = layerwise._detach_all
+
+    def held_detach(*args: Any) -> Any:
+        if not detaching.is_set():  # the first re-plan holds the model, its group still on it
+            detaching.set()
+            assert detach_go.wait(WAIT_S)
+        return detach(*args)
+
+    monkeypatch.setattr(layerwise, "_detach_all", held_detach)
+    with Logged(HOLD_WAITS) as logged:
+        first, first_result = _run_in_thread(lambda: group.replan(SOME_OFFLOADED_COSTS))
+        assert detaching.wait(WAIT_S)
+        second, second_result = _run_in_thread(lambda: group.replan(SOME_OFFLOADED_COSTS))
+        assert logged.seen.wait(WAIT_S)
+        detach_go.set()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+    assert first_result["value"].resident == (0, 2, 4)
+    assert str(second_result.get("error")) == STALE_GROUP_ERROR
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

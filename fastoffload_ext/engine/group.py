@@ -82,7 +82,8 @@ class LayerwiseOffloadGroup:
     def replan(self, costs: BlockCosts | None = None) -> LayerwiseOffloadGroup:
         """Plans again from ``costs`` (default: the last calibration) under the budgets enable was given
         and, when the resident set or depth changes, offloads again with the new plan. Returns the group
-        now on the model (``self`` when nothing changed)."""
+        now on the model (``self`` when nothing changed). Called from another thread while a forward
+        runs, it waits for that forward to finish before it changes the layout."""
         return replanning.replan(self, costs)
 
     def observe_step(self, measured_ms: float, step: Callable[[], Any] | None = None) -> bool:

@@ -36,10 +36,12 @@ Inference belongs under ``torch.no_grad()`` or ``inference_mode()``, where none 
 Threads: one offloaded model runs one forward at a time. The thread whose forward acquired a block
 owns the model until its blocks are released; a forward from another thread meanwhile raises
 (``threads.CONCURRENT_FORWARD_ERROR``, the same text from both backends), and a
-``disable_layerwise_offload`` or ``mutate_params_scope`` from another thread waits for the running
-block. A disable that lands between two blocks of another thread's forward wins: that forward then
-finishes on the restored weights, or raises that its block was detached. Forwards from several
-threads one after another are fine.
+``mutate_params_scope`` from another thread waits for the running block. A call that changes the
+layout from another thread (``disable_layerwise_offload``, ``group.replan``/``calibrate``,
+``is_replace=True``) waits for the whole running forward, also while it is between blocks or in a
+resident block, and forwards that start meanwhile wait for it (``threads.ModelForwards``): the running
+forward finishes on the layout it started with, exactly. Forwards from several threads one after
+another are fine.
 
 What users do to an offloaded model: ``state_dict()`` returns the real values and
 ``load_state_dict()`` updates the host copy (``state_dict.py``); an in-place write to an offloaded
@@ -58,6 +60,7 @@ block and any other part of the model, is refused at enable with an error naming
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -74,12 +77,13 @@ from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.model_checks import (check_devices, check_repeated_blocks, check_tied_parameters,
                                                  check_weight_hooks)
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
-from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, OffloadOptions,
-                                            resolve_device, validate_arguments)
+from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, CheckedArguments,
+                                            OffloadOptions, check_arguments, resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.engine.state_dict import LoadGuard
-from fastoffload_ext.errors import OffloadConfigError
+from fastoffload_ext.engine.threads import ModelForwards, layout_change
+from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
@@ -108,6 +112,7 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
     Args:
         model: the transformer. Its block list may be on the CPU or already on ``device``.
         is_replace: swap the offload hook already on every block (FastVideo's flag); raises when none is.
+            A refused replacement leaves the offload that ran in place (see ``_replace``).
         resident_blocks: blocks kept on the device, never copied: N (the first N), a collection of block
             indices, or "auto" (the planner chooses). None: none without a budget, "auto" with one.
         cyclic: the last block prefetches the first, so the next step starts warm (False: text encoders).
@@ -139,45 +144,104 @@ def enable_layerwise_offload(model: nn.Module, is_replace: bool = False, *,
     # Made before any check: when this call is a collective, a failure on this rank is sent to the
     # others in the negotiation they wait in, and every rank raises together (sharing.py).
     rendezvous = sharing.Rendezvous(share_host_copy, backend, process_group)
+    given = dict(is_replace=is_replace, resident_blocks=resident_blocks, cyclic=cyclic, prefetch_depth=prefetch_depth,
+                 backend=backend, pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
+                 pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy, process_group=process_group,
+                 compress=compress, device_budget=device_budget, host_budget=host_budget,
+                 activation_reserve=activation_reserve, plan=plan, weights=weights, disk_options=disk_options,
+                 block_lists=block_lists)
     try:
         resolved = resolve_device(device)
         if resolved is None:
             return _skip_without_cuda(rendezvous)
-        replaced = _undo_to_replace(model, is_replace)
-        options = validate_arguments(model, resolved, is_replace=is_replace, resident_blocks=resident_blocks,
-                                     cyclic=cyclic, prefetch_depth=prefetch_depth, backend=backend,
-                                     pin_backing=pin_backing, allow_pageable_fallback=allow_pageable_fallback,
-                                     pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
-                                     process_group=process_group, compress=compress, device_budget=device_budget,
-                                     host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
-                                     weights=weights, disk_options=disk_options, block_lists=block_lists)
-        _check_model(model, options, replaced)
-        was_on_cuda = any(p.device.type == "cuda" for block in options.offloaded for p in block.parameters())
-        # What a later re-plan passes to enable again (planning/replan.py).
-        arguments = dict(backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
-                         allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
-                         share_host_copy=share_host_copy, process_group=process_group, compress=compress,
-                         host_budget=host_budget, activation_reserve=activation_reserve, block_lists=block_lists)
-        group = _build_group(model, options, arguments)
-        _negotiate_sharing(group, options, rendezvous)
+        # Before anything changes: with is_replace, a bad argument leaves the offload already there running.
+        checked = check_arguments(model, resolved, **given)
     except BaseException as error:
-        rendezvous.fail(error)  # a no-op once the negotiation ran
+        rendezvous.fail(error)
         raise
-    _attach_blocks(group, options)
-    _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
-    group.load_guard = _load_guard(model, group)
-    return _finish(model, group, options, was_on_cuda)
+    # What a later re-plan passes to enable again (planning/replan.py).
+    arguments = dict(backend=backend, device=device, cyclic=cyclic, pin_backing=pin_backing,
+                     allow_pageable_fallback=allow_pageable_fallback, pinned_limit_bytes=pinned_limit_bytes,
+                     share_host_copy=share_host_copy, process_group=process_group, compress=compress,
+                     host_budget=host_budget, activation_reserve=activation_reserve, block_lists=block_lists)
+    enable = _Enable(model, resolved, given, checked, arguments, rendezvous)
+    if is_replace is True and get_offload_group(model) is not None:
+        # A forward running in another thread finishes first, on the layout it started with (threads.py).
+        with layout_change(model):
+            return _replace(enable)
+    return enable.run(replaced=False)
 
 
-def _undo_to_replace(model: nn.Module, is_replace: Any) -> bool:
-    """With is_replace, the offload on ``model`` is undone before anything is checked (True when there was
-    one): it holds its blocks' weights as empty placeholders, so the new layout would be planned, and held
-    to the budgets, as if they were free. Its blocks come back to host memory, where it kept them: on the
-    device, all of them at once may not fit (offload is there because they do not)."""
-    if is_replace is not True or get_offload_group(model) is None:
-        return False
-    disable_layerwise_offload(model, device="cpu")
-    return True
+@dataclasses.dataclass
+class _Enable:
+    """One enable call's arguments, checked, and what runs it once the model is ready for it."""
+
+    model: nn.Module
+    device: torch.device
+    given: dict[str, Any]  # validate_arguments' keyword arguments
+    checked: CheckedArguments
+    arguments: dict[str, Any]
+    rendezvous: sharing.Rendezvous
+
+    def run(self, replaced: bool) -> LayerwiseOffloadGroup:
+        """``replaced``: is_replace found this library's offload on the model, and it has been undone."""
+        model = self.model
+        try:
+            options = validate_arguments(model, self.device, **self.given, checked=self.checked)
+            _check_model(model, options, replaced)
+            was_on_cuda = any(p.device.type == "cuda" for block in options.offloaded for p in block.parameters())
+            group = _build_group(model, options, self.arguments)
+            _negotiate_sharing(group, options, self.rendezvous)
+        except BaseException as error:
+            self.rendezvous.fail(error)  # a no-op once the negotiation ran
+            raise
+        _attach_blocks(group, options)
+        _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
+        group.load_guard = _load_guard(model, group)
+        return _finish(model, group, options, was_on_cuda)
+
+
+REPLACE_ROLLBACK_NOTE = ("fastoffload: the offload that was on the model before this is_replace=True call was undone "
+                         "to apply the new one, and could not be applied again ({reason}); the model is in host memory "
+                         "without offload. Enable offload again (with the arguments that worked before)")
+
+
+def _replace(enable: _Enable) -> LayerwiseOffloadGroup:
+    """is_replace on a model this library offloads: the offload there is undone, then the new one is enabled.
+
+    Undone first because it holds its blocks' weights as empty placeholders: the new layout would be
+    planned, and held to the budgets, as if they were free. Its blocks come back to host memory, where it
+    kept them: on the device, all of them at once may not fit (offload is there because they do not).
+    Every refusal that the arguments alone can tell was raised before this (``check_arguments``); if the
+    new offload still fails (a budget, the model's devices, memory), the offload that ran before is
+    applied again, with the model's current values, before the error is raised, as a failed re-plan does.
+    """
+    model = enable.model
+    old = get_offload_group(model)
+    if old is None:  # another thread's disable got here first: nothing to undo
+        return enable.run(replaced=False)
+    try:
+        disable_layerwise_offload(model, device="cpu")
+    except BaseException as error:
+        enable.rendezvous.fail(error)  # the other ranks of a collective learn of it instead of waiting
+        raise
+    try:
+        return enable.run(replaced=True)
+    except BaseException as error:
+        from fastoffload_ext.planning import replan as replanning
+
+        reason = replanning.reapply_refusal(old)
+        if reason is None:
+            try:
+                replanning.reapply(old)
+            except BaseException as second:
+                reason = f"{type(second).__name__}: {second}"
+        if reason is not None:
+            note = REPLACE_ROLLBACK_NOTE.format(reason=reason)
+            logger.error(note)
+            if hasattr(error, "add_note"):
+                error.add_note(note)
+        raise
 
 
 def _skip_without_cuda(rendezvous: sharing.Rendezvous) -> None:
@@ -483,6 +547,7 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     _resident_to_device(group, options)
     setattr(model, GROUP_ATTRIBUTE, group)
+    ModelForwards.attach(model)  # what a later layout change waits for (threads.py)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
     logger.info("Layerwise offload enabled: %r", group)
@@ -504,11 +569,18 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
     land on ``device`` (default: the offload device; pass "cpu" to get the model back in host memory).
     Host copies and device slots are freed.
     """
+    # A forward running in another thread finishes first, on the weights it started with, and the forwards
+    # that start meanwhile wait for the disable to finish (threads.ModelForwards).
+    with layout_change(model):
+        _disable(model, device)
+
+
+def _disable(model: nn.Module, device: str | torch.device | None) -> None:
     group = get_offload_group(model)
     if group is None:
         raise OffloadConfigError("fastoffload: layerwise offload is not enabled on this model (no "
                                  "enable_layerwise_offload call to undo); call disable only after enable")
-    target = group.device if device is None else torch.device(device)
+    target = _disable_target(group, device)
     if target.type != "meta":
         # A disk-tier block is read back from its file: a file changed since enable is refused before
         # any block is detached (disabling to "meta" reads nothing, and is the way out the error names).
@@ -521,6 +593,38 @@ def disable_layerwise_offload(model: nn.Module, device: str | torch.device | Non
     # in-place update or load_state_dict outside it, and autograd for good.
     with torch.inference_mode(False):
         _detach_all(model, group, target)
+
+
+DISABLE_DEVICE_ERROR = ("fastoffload: disable_layerwise_offload's device must be None (the offload device), 'cpu', "
+                        "'cuda', 'cuda:N' or 'meta', got {device!r}{why}; nothing was changed")
+DISABLE_CUDA_ERROR = ("fastoffload: disable_layerwise_offload(device={device!r}) asks for a CUDA device{why}; pass "
+                      "device='cpu', or None for the offload device ({offload}); nothing was changed")
+
+
+def _disable_target(group: LayerwiseOffloadGroup, device: str | torch.device | int | None) -> torch.device:
+    """Where disable puts the parameters, checked before any block is detached: a device torch cannot
+    make (CUDA on a machine without it) failed at the first block's restore, with torch's own text."""
+    if device is None:
+        return group.device
+    try:
+        target = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
+            else torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise OffloadConfigError(DISABLE_DEVICE_ERROR.format(device=device, why="")) from error
+    if target.type == "cpu":
+        return torch.device("cpu")
+    if target.type == "meta":
+        return target
+    if target.type != "cuda":
+        raise OffloadConfigError(DISABLE_DEVICE_ERROR.format(device=device, why=""))
+    if not torch.cuda.is_available():
+        raise OffloadStateError(DISABLE_CUDA_ERROR.format(device=device, why=", but CUDA is not available",
+                                                          offload=group.device))
+    index = target.index if target.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise OffloadConfigError(DISABLE_CUDA_ERROR.format(
+            device=device, why=f" that does not exist ({torch.cuda.device_count()} visible)", offload=group.device))
+    return torch.device("cuda", index)
 
 
 def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.device) -> None:
@@ -551,6 +655,9 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
     if group.engine is not None:
         group.engine.close()
     delattr(model, GROUP_ATTRIBUTE)
+    forwards = ModelForwards.of(model)
+    if forwards is not None:
+        forwards.detach(model)
 
 
 def _detach_unhooked(group: LayerwiseOffloadGroup, state: BlockOffloadState, target: torch.device) -> None:

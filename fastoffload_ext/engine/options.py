@@ -2,7 +2,9 @@
 :class:`OffloadOptions` out, every error raised before anything changes.
 
 The phases of enable (layerwise.py) read only the options; a new argument is a new field here and a
-check in :func:`validate_arguments`.
+check in :func:`check_arguments` (which enable runs before anything changes, also before ``is_replace``
+undoes the offload already on the model) or, when it needs the blocks' sizes, in the layout that
+:func:`validate_arguments` resolves after it.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_li
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.options import DiskOptions, check_storage_arguments
 from fastoffload_ext.planning.budgets import parse_size
-from fastoffload_ext.planning.layout import check_prefetch_depth, resolve_layout
+from fastoffload_ext.planning.layout import check_layout_arguments, check_prefetch_depth, resolve_layout
 from fastoffload_ext.planning.plan import OffloadPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "OffloadOptions", "check_flags", "choose_backend",
+__all__ = ["BACKENDS", "DEFAULT_PIN_BACKING", "PIN_BACKINGS", "CheckedArguments", "OffloadOptions", "check_arguments",
+           "check_flags", "choose_backend",
            "effective_prefetch_depth", "resolve_device",
            "validate_arguments"]
 
@@ -176,17 +179,29 @@ def effective_prefetch_depth(prefetch_depth: int, offloaded_blocks: int) -> int:
     return prefetch_depth
 
 
-def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
-                       prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
-                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
-                       compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
-                       activation_reserve: Any = None, plan: Any = None, weights: Any = None,
-                       disk_options: Any = None, block_lists: Any = None) -> OffloadOptions:
-    """Checks every argument (``device`` already resolved) in a fixed order; the first bad one raises.
+@dataclass(frozen=True)
+class CheckedArguments:
+    """What :func:`check_arguments` found: the block lists and the settings that need no block's size."""
 
-    The resident set and depth come from ``planning.layout``: as given without a budget, from the
-    planner with ``device_budget`` or ``"auto"`` (refused there when nothing fits).
-    """
+    lists: tuple[tuple[str, nn.ModuleList], ...]
+    list_name: str  # the lists' names joined by "+" when there are several
+    blocks: nn.ModuleList  # every block of every list, in ring order
+    backend: str
+    share_host_copy: bool | str
+    compress_mode: str
+    disk_budget: int | str | None  # with weights=: the parsed host_budget (the disk tier's)
+
+
+def check_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
+                    prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
+                    pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
+                    compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
+                    activation_reserve: Any = None, plan: Any = None, weights: Any = None,
+                    disk_options: Any = None, block_lists: Any = None) -> CheckedArguments:
+    """Every refusal that needs only the arguments and the model's structure (its block lists), none of its
+    blocks' sizes or values, in a fixed order; the first bad one raises. Enable runs it before it changes
+    anything, also before ``is_replace`` undoes the offload on the model: a bad argument leaves that offload
+    in place and running."""
     check_knobs(prefetch_depth, cyclic, pinned_limit_bytes, pin_backing)
     check_flags(is_replace, allow_pageable_fallback)
     lists = find_block_lists(model, block_lists)
@@ -199,31 +214,62 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
     disk_budget = parse_size(host_budget, "host_budget") if weights is not None else None
+    chosen = choose_backend(backend, device)
+    check_layout_arguments(len(blocks), list_name, resident_blocks=resident_blocks, prefetch_depth=prefetch_depth,
+                           device_budget=device_budget, host_budget=host_budget,
+                           activation_reserve=activation_reserve, plan=plan)
+    share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
+    sharing.resolve(share_host_copy, chosen, process_group)  # refuses share_host_copy=True without a group
+    return CheckedArguments(lists=tuple(lists), list_name=list_name, blocks=blocks, backend=chosen,
+                            share_host_copy=share_host_copy, compress_mode=codec.resolve_compress(compress, chosen),
+                            disk_budget=disk_budget)
+
+
+def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bool, resident_blocks: Any, cyclic: Any,
+                       prefetch_depth: Any, backend: str, pin_backing: Any, allow_pageable_fallback: bool,
+                       pinned_limit_bytes: Any, share_host_copy: bool | str, process_group: Any,
+                       compress: bool | str = False, device_budget: Any = None, host_budget: Any = "auto",
+                       activation_reserve: Any = None, plan: Any = None, weights: Any = None,
+                       disk_options: Any = None, block_lists: Any = None,
+                       checked: CheckedArguments | None = None) -> OffloadOptions:
+    """Checks every argument (``device`` already resolved): :func:`check_arguments` (unless ``checked``
+    holds what it returned for these arguments), then the layout.
+
+    The resident set and depth come from ``planning.layout``: as given without a budget, from the
+    planner with ``device_budget`` or ``"auto"`` (refused there when nothing fits).
+    """
+    if checked is None:
+        checked = check_arguments(model, device, is_replace=is_replace, resident_blocks=resident_blocks, cyclic=cyclic,
+                                  prefetch_depth=prefetch_depth, backend=backend, pin_backing=pin_backing,
+                                  allow_pageable_fallback=allow_pageable_fallback,
+                                  pinned_limit_bytes=pinned_limit_bytes, share_host_copy=share_host_copy,
+                                  process_group=process_group, compress=compress, device_budget=device_budget,
+                                  host_budget=host_budget, activation_reserve=activation_reserve, plan=plan,
+                                  weights=weights, disk_options=disk_options, block_lists=block_lists)
+    blocks, list_name = checked.blocks, checked.list_name
     # compress=True makes the copies move (and the host pin) the coded bytes: the planner counts those;
     # under a plan, "auto" (which only the compiled core runs) has the planner pick raw or coded copies.
-    planned_compress = "on" if compress is True else (
-        "auto" if compress == "auto" and choose_backend(backend, device) == "ext" else "off")
+    planned_compress = "on" if compress is True else ("auto" if compress == "auto" and checked.backend == "ext"
+                                                      else "off")
     layout = resolve_layout(list(blocks), device, list_name, compress=planned_compress,
                             resident_blocks=resident_blocks,
                             prefetch_depth=prefetch_depth, device_budget=device_budget,
                             host_budget=None if weights is not None else host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic,
-                            disk=_disk_costs(weights, list_name, blocks, disk_budget, disk_options, device, backend))
+                            disk=_disk_costs(weights, list_name, blocks, checked.disk_budget, disk_options, device,
+                                             backend))
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
-    chosen = choose_backend(backend, device)
-    share_host_copy = check_storage_arguments(weights, disk_options, chosen, share_host_copy)
-    sharing.resolve(share_host_copy, chosen, process_group)  # refuses share_host_copy=True without a group
-    compress_mode = codec.resolve_compress(compress, chosen)
+    compress_mode = checked.compress_mode
     if compress_mode == "auto" and layout.compress is not None:
         compress_mode = layout.compress  # the plan was made for coded (or raw) copies: the engine must match
-    return OffloadOptions(device=device, backend=chosen, list_name=list_name, blocks=blocks, resident=layout.resident,
-                          prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
+    return OffloadOptions(device=device, backend=checked.backend, list_name=list_name, blocks=blocks,
+                          resident=layout.resident, prefetch_depth=depth, cyclic=cyclic, is_replace=is_replace,
                           pin_backing=pin_backing or DEFAULT_PIN_BACKING, allow_pageable_fallback=allow_pageable_fallback,
-                          pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=share_host_copy,
+                          pinned_limit_bytes=pinned_limit_bytes or 0, share_host_copy=checked.share_host_copy,
                           process_group=process_group, compress=compress_mode, plan=layout.plan,
                           settings=layout.settings, weights=weights,
-                          host_budget_bytes=disk_budget,
-                          disk_options=disk_options, lists=tuple(lists))
+                          host_budget_bytes=checked.disk_budget,
+                          disk_options=disk_options, lists=checked.lists)
 
 
 def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget: Any, disk_options: Any,

@@ -40,6 +40,14 @@ What it does, in order:
    package does not implement. The ones that resolved to True are listed in
    ``AppliedOffload.not_applied`` and logged, so the pipeline can act on them; none is silently dropped.
 
+Calling it again for a transformer that already has layerwise offload (from an earlier call, or from
+``enable_layerwise_offload``) is refused up front, before any loader runs, unless ``layerwise_options``
+holds ``is_replace=True``: then the new offload replaces the old one, as ``enable_layerwise_offload``'s
+``is_replace`` does. For a lazy transformer that means the offload registered for future loads is
+swapped (never stacked: a second registration would offload each load twice), and the instance loaded
+now, if any, has its offload replaced; one loaded without offload is offloaded. A refused replacement
+leaves the old offload as it was, on the loaded instance and for future loads.
+
 ``device`` is passed to ``enable_layerwise_offload`` unchanged: None lets the engine pick the current
 CUDA device; ``"cpu"`` runs the engine with the host as the device (how the CPU tests exercise it).
 """
@@ -77,6 +85,14 @@ _NOT_IMPLEMENTED_PATHS = (
 )
 # Arguments of enable_layerwise_offload that apply_offload_config supplies itself.
 _RESERVED_LAYERWISE_OPTIONS = ("model", "device")
+# The key of the layerwise offload among a lazy transformer's materialize transforms: registered again, it
+# replaces the one there instead of offloading each load twice.
+LAYERWISE_TRANSFORM_KEY = "fastoffload_ext.layerwise_offload"
+ALREADY_OFFLOADED_ERROR = (
+    "fastoffload: {what} already has layerwise offload{how}; applying it again would offload it twice. To "
+    "replace that offload with this call's options, pass layerwise_options={{..., 'is_replace': True}}; to keep "
+    "it, do not apply the config to this transformer again (or pass a config with "
+    "engine.offload.dit_layerwise=False)")
 
 
 class LayerwiseAction(enum.StrEnum):
@@ -262,6 +278,28 @@ def _load_now(name: str, loader: Callable[[], Any]) -> Any:
     return component
 
 
+def _check_offloaded_again(transformer: Any, options: Mapping[str, Any]) -> None:
+    """Refuses, before anything loads, a transformer that has layerwise offload already (an earlier call's,
+    or ``enable_layerwise_offload``'s), unless ``is_replace`` asks to replace it. Loads nothing."""
+    from fastoffload_ext.engine.group import get_offload_group
+
+    if options.get("is_replace") is True or transformer is None:
+        return
+    if is_lazy_module(transformer):  # first: isinstance() on a proxy would load it
+        name = transformer.lazy_name
+        if transformer.has_materialize_transform(LAYERWISE_TRANSFORM_KEY):
+            raise OffloadConfigError(ALREADY_OFFLOADED_ERROR.format(
+                what=f"the lazy transformer {name!r}",
+                how=" registered by an earlier apply_offload_config call (it offloads every instance it loads)"))
+        if transformer.is_materialized and get_offload_group(transformer.materialize()) is not None:
+            raise OffloadConfigError(ALREADY_OFFLOADED_ERROR.format(
+                what=f"the instance the lazy transformer {name!r} has loaded", how=""))
+        return
+    if isinstance(transformer, nn.Module) and get_offload_group(transformer) is not None:
+        raise OffloadConfigError(ALREADY_OFFLOADED_ERROR.format(what=f"the transformer ({type(transformer).__name__})",
+                                                                how=""))
+
+
 def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device | str | None,
                      options: dict[str, Any]) -> tuple[LayerwiseAction, Any]:
     """Layerwise offload of ``target`` as resolved: now, on load (a lazy target), or not; and its result."""
@@ -278,7 +316,17 @@ def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device |
                        "pass transformer= to apply_offload_config")
         return LayerwiseAction.NO_TRANSFORMER, None
     # Imported here: the engine module is heavier and this module must stay importable without it.
+    from fastoffload_ext.engine.group import get_offload_group
     from fastoffload_ext.engine.layerwise import enable_layerwise_offload
+
+    # is_replace replaces the offload on a transformer that has one, and offloads one that has none (an
+    # instance a lazy transformer loads is always new).
+    replacing = options.pop("is_replace", False) is True
+
+    def offload(module: Any) -> Any:
+        if replacing and get_offload_group(module) is not None:
+            return enable_layerwise_offload(module, is_replace=True, device=device, **options)
+        return enable_layerwise_offload(module, device=device, **options)
 
     if is_lazy_module(target):
         from fastoffload_ext.engine.options import resolve_device
@@ -292,12 +340,13 @@ def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device |
             return LayerwiseAction.SKIPPED, None
 
         def offload_on_load(module: Any) -> Any:
-            enable_layerwise_offload(module, device=device, **options)
+            offload(module)
             return module
 
-        target.set_materialize_transform(offload_on_load)
+        # Keyed: a later call with is_replace swaps it (the refusal above keeps any other call from stacking it).
+        target.set_materialize_transform(offload_on_load, key=LAYERWISE_TRANSFORM_KEY)
         return LayerwiseAction.ON_LOAD, None
-    layerwise_result = enable_layerwise_offload(target, device=device, **options)
+    layerwise_result = offload(target)
     return (LayerwiseAction.SKIPPED if layerwise_result is None else LayerwiseAction.APPLIED), layerwise_result
 
 
@@ -311,6 +360,11 @@ def apply_offload_config(
     steps: Sequence[ResolutionStep] = DEVICE_POLICY_STEPS,
 ) -> AppliedOffload:
     """Resolve ``config`` through the device policy and apply the result (see the module docstring).
+
+    Called again for a transformer that already has layerwise offload (a lazy one whose offload an earlier
+    call registered, loaded or not, or a module offloaded before), it raises before anything is loaded or
+    changed, unless ``layerwise_options`` holds ``is_replace=True``: then this call's offload replaces the
+    one there (for a lazy transformer, on the instance loaded now and for every later load).
 
     Args:
         config: the offload config as nested mappings (schema:
@@ -329,6 +383,9 @@ def apply_offload_config(
     Raises:
         TypeError: a component is not a loader, ``transformer`` is of the wrong kind, or
             ``layerwise_options`` names an argument ``enable_layerwise_offload`` does not take.
+        OffloadConfigError: layerwise offload is on and ``transformer`` has layerwise offload already (an
+            earlier call registered it, or it was enabled by hand), and ``layerwise_options`` lacks
+            ``is_replace=True``; nothing was loaded or changed (see "Calling it again" in the module docstring).
         ValueError: ``transformer`` names no component, ``layerwise_options`` holds ``model`` or
             ``device`` or a bad value (``OffloadConfigError``), ``device`` is not a device, or a loader
             returned None; resolution errors
@@ -342,6 +399,7 @@ def apply_offload_config(
     resolution = resolve(config, steps)
     if resolution.get(_LAYERWISE_PATH) and transformer is not None:
         _check_layerwise_target(device, options)
+        _check_offloaded_again(transformer, options)
 
     lazy = bool(resolution.get(_LAZY_PATH))
     built: dict[str, Any] = {}

@@ -29,8 +29,8 @@ together. The loader runs with the proxy's lock held; a loader that waits for an
 uses the same proxy would deadlock, as it would with any lock.
 
 Copies: ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give a new, *unloaded* proxy with the same
-name, loader and materialize transform (deep-copied by ``deepcopy``; pickling needs a picklable
-loader and transform, e.g. module-level functions or ``functools.partial`` of them). A copy loads its own
+name, loader and materialize transforms (deep-copied by ``deepcopy``; pickling needs a picklable
+loader and transforms, e.g. module-level functions or ``functools.partial`` of them). A copy loads its own
 instance on first use; it shares neither the loaded component nor the release callbacks, which
 belong to whoever manages the original. None of them loads the component. A copy of a proxy whose
 loaded component was changed since it loaded (see below) is refused: it would load the component
@@ -75,8 +75,11 @@ __all__ = ["LazyModule", "is_lazy_module"]
 
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
-_STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_materialize_transform", "_lazy_module",
-                "_lazy_release_callbacks", "_lazy_lock", "_lazy_loaded_as")
+_STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_transforms", "_lazy_module", "_lazy_release_callbacks",
+                "_lazy_lock", "_lazy_loaded_as")
+
+# The materialize transforms, in the order they run: (key, transform); the key is None for an unkeyed one.
+Transforms = tuple[tuple[str | None, Callable[[Any], Any]], ...]
 
 CHANGED_WARNING = ("fastoffload: deferred module {name} was not released: it changed after it loaded ({change}), and a "
                    "reload would bring it back as its loader builds it, without that change. Make the change in the "
@@ -214,7 +217,7 @@ class LazyModule:
     def __init__(self, name: str, loader: Callable[[], Any]) -> None:
         _set_state(self, "_lazy_name", name)
         _set_state(self, "_lazy_loader", loader)
-        _set_state(self, "_lazy_materialize_transform", None)
+        _set_state(self, "_lazy_transforms", ())
         _set_state(self, "_lazy_module", None)
         _set_state(self, "_lazy_release_callbacks", [])
         _set_state(self, "_lazy_loaded_as", None)
@@ -264,8 +267,7 @@ class LazyModule:
                 raise ValueError(f"fastoffload: Deferred loader for module {name} returned None; the loader must "
                                  "return the built component (check for a missing return statement)")
 
-            transform = _state(self, "_lazy_materialize_transform")
-            if transform is not None:
+            for _, transform in _state(self, "_lazy_transforms"):
                 component = _apply_transform(transform, component, name)
         _set_state(self, "_lazy_loaded_as", _loaded_as(component))
         _set_state(self, "_lazy_module", component)
@@ -275,7 +277,7 @@ class LazyModule:
             logger.info("Loaded deferred module %s, cuda allocated now %.2f GiB", name, allocated)
         return component
 
-    def set_materialize_transform(self, transform: Callable[[Any], Any]) -> None:
+    def set_materialize_transform(self, transform: Callable[[Any], Any], *, key: str | None = None) -> None:
         """Apply ``transform`` to the component now (if loaded) and to every instance loaded later.
 
         Registering a transform never loads the component. Transforms compose: a second call wraps
@@ -283,23 +285,34 @@ class LazyModule:
         having been through ``old`` already, receives only ``new``, so current and future instances
         end up set up the same way. A transform may return a wrapper (``torch.compile`` does).
 
+        ``key`` names the transform, so that registering it again replaces it instead of stacking a
+        second copy: a transform registered under the same ``key`` before is swapped for ``transform``
+        in its place in the chain, so future loads run the new one where the old one ran; a loaded
+        instance, which has been through the old one, receives the new one, which must therefore take
+        an instance that the old one set up (offload that replaces the offload already there, say).
+
         Raises:
             ValueError: the component is loaded and ``transform`` returned None for it; the proxy is
-                left exactly as it was (previous transform, previous instance).
+                left exactly as it was (previous transforms, previous instance). Whatever ``transform``
+                raises on the loaded instance propagates, and leaves the proxy as it was too.
         """
         with _state(self, "_lazy_lock"):
-            self._add_transform(transform)
+            self._add_transform(transform, key)
 
-    def _add_transform(self, transform: Callable[[Any], Any]) -> None:
-        previous = _state(self, "_lazy_materialize_transform")
-        loaded = _state(self, "_lazy_module")
+    def has_materialize_transform(self, key: str) -> bool:
+        """Whether a transform is registered under ``key`` (:meth:`set_materialize_transform`); asking does
+        not load the component."""
+        return any(existing == key for existing, _ in _state(self, "_lazy_transforms"))
 
-        if previous is None:
-            composed: Callable[[Any], Any] = transform
+    def _add_transform(self, transform: Callable[[Any], Any], key: str | None) -> None:
+        transforms = _state(self, "_lazy_transforms")
+        keys = [existing for existing, _ in transforms]
+        if key is not None and key in keys:
+            at = keys.index(key)
+            chain = (*transforms[:at], (key, transform), *transforms[at + 1:])
         else:
-            def composed(component: Any) -> Any:
-                return transform(previous(component))
-
+            chain = (*transforms, (key, transform))
+        loaded = _state(self, "_lazy_module")
         if loaded is not None:
             unchanged = self._change() is None
             transformed = _apply_transform(transform, loaded, self.lazy_name)
@@ -308,7 +321,7 @@ class LazyModule:
                 # What the transform did is replayed on every reload: it is part of what the component loads as.
                 # A change made before it is not, and stays visible to release().
                 _set_state(self, "_lazy_loaded_as", _loaded_as(transformed))
-        _set_state(self, "_lazy_materialize_transform", composed)
+        _set_state(self, "_lazy_transforms", chain)
 
     def _change(self) -> str | None:
         """How the loaded component differs from what it loaded as, in words; None when it does not (or is not
@@ -380,7 +393,7 @@ class LazyModule:
     def __copy__(self) -> LazyModule:
         self._check_copyable()
         clone = LazyModule(_state(self, "_lazy_name"), _state(self, "_lazy_loader"))
-        _set_state(clone, "_lazy_materialize_transform", _state(self, "_lazy_materialize_transform"))
+        _set_state(clone, "_lazy_transforms", _state(self, "_lazy_transforms"))
         return clone
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LazyModule:
@@ -388,15 +401,13 @@ class LazyModule:
         clone = LazyModule(copy.deepcopy(_state(self, "_lazy_name"), memo),
                            copy.deepcopy(_state(self, "_lazy_loader"), memo))
         memo[id(self)] = clone
-        _set_state(clone, "_lazy_materialize_transform",
-                   copy.deepcopy(_state(self, "_lazy_materialize_transform"), memo))
+        _set_state(clone, "_lazy_transforms", copy.deepcopy(_state(self, "_lazy_transforms"), memo))
         return clone
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
         # Only the recipe travels: a lock and a loaded component cannot (and should not) be pickled.
         self._check_copyable()
-        return (_rebuild, (_state(self, "_lazy_name"), _state(self, "_lazy_loader"),
-                           _state(self, "_lazy_materialize_transform")))
+        return (_rebuild, (_state(self, "_lazy_name"), _state(self, "_lazy_loader"), _state(self, "_lazy_transforms")))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
@@ -487,10 +498,13 @@ class LazyModule:
         return f"<LazyModule {_state(self, '_lazy_name')} ({state})>"
 
 
-def _rebuild(name: str, loader: Callable[[], Any], transform: Callable[[Any], Any] | None) -> LazyModule:
-    """An unloaded proxy from its recipe (what pickle stores)."""
+def _rebuild(name: str, loader: Callable[[], Any], transforms: Transforms | Callable[[Any], Any] | None) -> LazyModule:
+    """An unloaded proxy from its recipe (what pickle stores). A pickle from before transforms had keys
+    holds one composed transform, or None."""
     proxy = LazyModule(name, loader)
-    _set_state(proxy, "_lazy_materialize_transform", transform)
+    if callable(transforms):
+        transforms = ((None, transforms),)
+    _set_state(proxy, "_lazy_transforms", tuple(transforms or ()))
     return proxy
 
 

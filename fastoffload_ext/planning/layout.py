@@ -225,18 +225,40 @@ def _planned_mode(plan: OffloadPlan, compress: str) -> str | None:
     return "on" if plan.compressed else "off"
 
 
-def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
-               settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
-               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True) -> Layout:
+def _check_plan_form(plan: object, n: int, list_name: str, resident_blocks: object, prefetch_depth: object) -> None:
     if not isinstance(plan, OffloadPlan):
         raise OffloadConfigError(f"fastoffload: plan must be an OffloadPlan from plan_offload(), got "
                                  f"{type(plan).__name__}")
-    if plan.blocks != len(blocks):
+    if plan.blocks != n:
         raise OffloadConfigError(f"fastoffload: the plan was made for {plan.blocks} blocks, but {list_name!r} has "
-                                 f"{len(blocks)}; make a plan from this model's costs")
+                                 f"{n}; make a plan from this model's costs")
     if resident_blocks is not None or prefetch_depth is not None:
         raise OffloadConfigError("fastoffload: pass either plan= or resident_blocks/prefetch_depth, not both: the "
                                  f"plan already sets resident {list(plan.resident)} and depth {plan.prefetch_depth}")
+
+
+def check_layout_arguments(n: int, list_name: str, *, resident_blocks: object, prefetch_depth: object,
+                           device_budget: object = None, host_budget: object = AUTO, activation_reserve: object = None,
+                           plan: object = None) -> None:
+    """The refusals of :func:`resolve_layout` that need no block's size: the forms of the arguments, the
+    resident indices against the ``n`` blocks, a plan's kind and block count. Enable runs them before it
+    changes anything, also before ``is_replace`` undoes the offload on the model (whose blocks hold
+    placeholders until then, so their sizes are not known)."""
+    resident = _resident_spec(resident_blocks, n, list_name)
+    depth = check_prefetch_depth(prefetch_depth)
+    budget = parse_size(device_budget, "device_budget")
+    parse_size(host_budget, "host_budget")
+    reserve = parse_size(activation_reserve, "activation_reserve", allow_auto=False)
+    if plan is not None:
+        _check_plan_form(plan, n, list_name, resident_blocks, prefetch_depth)
+    else:
+        check_reserve_has_budget(reserve, budget, resident, depth, None)
+
+
+def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
+               settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
+               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True) -> Layout:
+    _check_plan_form(plan, len(blocks), list_name, resident_blocks, prefetch_depth)
     if compress == "on" and not plan.costs.compressed:
         # A plan made for raw copies, applied with compress=True: the copies move coded bytes and the decoder
         # keeps its staging on the device, so the same layout is scored (and checked) again with both.
@@ -263,5 +285,5 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 
 
-__all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "Layout", "activation_reserve", "check_prefetch_depth",
-           "check_reserve_has_budget", "default_costs", "resolve_layout"]
+__all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "Layout", "activation_reserve", "check_layout_arguments",
+           "check_prefetch_depth", "check_reserve_has_budget", "default_costs", "resolve_layout"]

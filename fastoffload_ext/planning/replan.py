@@ -12,6 +12,12 @@ the old one on the model (``get_offload_group(model)``); the new plan is compute
 not fit, before anything is undone, and if enabling it fails all the same the previous layout is
 applied again before the error is raised. A group that streams blocks from disk is never re-enabled
 (it would go through host memory): a new layout for it is refused, or kept out by a calibration.
+
+From another thread, applying a new layout waits for a forward that runs in the model (between two
+blocks or inside a resident block too, which a block's own gate does not see), and forwards that start
+meanwhile wait for it: the disable would otherwise take a resident block's weights from under a running
+``F.linear`` (``engine/threads.py``, ``ModelForwards``). A re-plan that waited for another thread's
+re-plan or disable finds its group gone and raises ``STALE_GROUP_ERROR``.
 """
 from __future__ import annotations
 
@@ -345,25 +351,27 @@ def _carry_fixed(old: Any, new: Any) -> None:
 
 def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     from fastoffload_ext.engine.layerwise import disable_layerwise_offload, enable_layerwise_offload
+    from fastoffload_ext.engine.threads import layout_change
 
     model = group.model_ref
     arguments = dict(group.enable_kwargs.get("arguments", {}))
     arguments.update(resident_blocks=None, prefetch_depth=None)
+    # A forward running in another thread finishes first, on the layout it started with, and forwards that
+    # start meanwhile wait for the new one (threads.ModelForwards): the disable below would otherwise take a
+    # resident block's weights from under a forward that computes with them.
     # A re-plan is often reached from inside the caller's inference_mode() loop (calibrate, observe_step):
     # the tensors disable and enable make must still be ordinary ones, or every block that becomes
     # resident would hold inference tensors from then on, which autograd and requires_grad_ refuse.
-    with torch.inference_mode(False):
+    with layout_change(model), torch.inference_mode(False):
+        _check_current(group)  # another thread's disable or re-plan may have come first while this one waited
         disable_layerwise_offload(model, device="cpu")
         try:
             fresh = enable_layerwise_offload(model, **arguments, plan=plan, device_budget=plan.device_budget)
         except BaseException:
             # Enable rolled itself back; the layout that ran before is applied again, so a failed re-plan
             # leaves the model offloaded as it was (with its current values), then the error is raised.
-            old = group.plan
             try:
-                restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
-                restored.costs = group.costs
-                _carry_fixed(group, restored)
+                reapply(group)
             except BaseException as second:
                 logger.error("fastoffload: re-planning failed and the previous layout could not be applied again "
                              "(%s); the model is in host memory without offload", second)
@@ -373,5 +381,43 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     return fresh
 
 
-__all__ = ["DISK_REPLAN_ERROR", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "recheck", "replan", "replan_group",
-           "transfer_bytes", "with_disk_tier"]
+def reapply_refusal(group: Any) -> str | None:
+    """Why the offload ``group`` ran cannot be applied again by :func:`reapply` on this rank alone (None: it
+    can): one enabled as a collective of several ranks would start enable's collective on this rank only."""
+    ranks = _collective_ranks(group)
+    if ranks:
+        return (f"it was enabled as a collective of {ranks} ranks, which one rank cannot start again alone; on every "
+                "rank, enable offload again")
+    return None
+
+
+def reapply(group: Any) -> Any:
+    """Enables the layout ``group`` ran on its model again, after a disable took it off: the same arguments,
+    resident set, depth and plan, with the model's current values. Returns the new group.
+
+    What a failed re-plan or a failed ``enable_layerwise_offload(is_replace=True)`` does so that the model
+    stays offloaded as it was. A group built from ``weights=`` is applied again from the values the disable
+    brought into host memory, not from the checkpoint (whose tensors may differ from them by now), its host
+    budget counted as for any model in host memory.
+    """
+    from fastoffload_ext.engine.layerwise import enable_layerwise_offload
+
+    model = group.model_ref
+    arguments = dict(group.enable_kwargs.get("arguments", {}))
+    if group.checkpoint is not None:
+        arguments["host_budget"] = "auto"
+    old = group.plan
+    with torch.inference_mode(False):
+        if old is not None:
+            restored = enable_layerwise_offload(model, **arguments, plan=old, device_budget=old.device_budget)
+        else:
+            arguments["activation_reserve"] = None  # only a plan counts it
+            restored = enable_layerwise_offload(model, **arguments, resident_blocks=list(group.resident),
+                                                prefetch_depth=group.prefetch_depth)
+    restored.costs = group.costs
+    _carry_fixed(group, restored)
+    return restored
+
+
+__all__ = ["DISK_REPLAN_ERROR", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "reapply", "reapply_refusal",
+           "recheck", "replan", "replan_group", "transfer_bytes", "with_disk_tier"]
