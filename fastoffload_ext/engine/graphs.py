@@ -16,7 +16,11 @@ What capture needs, and how it is provided:
 - the same slot for a block on every step: :func:`cyclic_slot_assignment` gives each block a fixed
   slot such that any ``prefetch_depth + 1`` consecutive blocks (wrapping around) use different slots.
   With ``L`` blocks that takes ``ceil(L / floor(L / (depth + 1)))`` slots: depth + 1 when it divides
-  L, one more otherwise (an odd cycle cannot be two-coloured);
+  L, more otherwise (an odd cycle cannot be two-coloured: 5 blocks at depth 1 take 3 slots). That is
+  more device memory than eager offload holds and the planner counts (``prefetch_depth + 1`` slots):
+  under a ``device_budget`` the capture is refused before anything changes when the extra slots do
+  not fit (:func:`check_graph_slots`; ``plan_offload(..., cuda_graph=True)`` plans for them), and
+  without one the graph takes them and says so (``graph.num_slots``, ``group.stats()["num_slots"]``);
 - no wait on an event recorded before the capture: the engine forks its copy stream into the capture
   and skips the first block's "ready" wait, whose copy the previous step's wrap-around prefetch issued
   (see ``CopyEngine::begin_capture`` in csrc/copy_engine.h);
@@ -37,30 +41,49 @@ from torch import nn
 
 from fastoffload_ext.engine.layerwise import LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
+from fastoffload_ext.planning.budgets import format_bytes
+from fastoffload_ext.planning.slots import cyclic_slot_assignment
 
 logger = logging.getLogger(__name__)
 
 
-def cyclic_slot_assignment(n_blocks: int, prefetch_depth: int) -> tuple[list[int], int]:
-    """A fixed slot for each of ``n_blocks`` blocks and the number of slots.
+def _device_budget(group: LayerwiseOffloadGroup) -> int | None:
+    """The device budget (bytes) the group runs under: the one enable applied ("auto" resolved), else its
+    plan's (a plan applied without a ``device_budget``); None without a plan."""
+    if group.plan is None:
+        return None
+    applied = group.enable_kwargs.get("device_budget_bytes")
+    return applied if applied is not None else group.plan.device_budget
 
-    Any ``prefetch_depth + 1`` cyclically consecutive blocks get different slots: the running block
-    and the ones being prefetched never share one. The cycle is cut into
-    ``groups = n_blocks // window`` runs of ``ceil(n_blocks / groups)`` or one fewer blocks, each run
-    numbered from 0, so every run is at least a window long and no window sees a slot twice.
+
+def check_graph_slots(group: LayerwiseOffloadGroup, num_slots: int) -> None:
+    """Refuses a capture whose ``num_slots`` fixed slots would take a budgeted group above its device budget.
+
+    The planner counts ``prefetch_depth + 1`` slots (``OffloadPlan.num_slots``); a capture may need more
+    (:func:`cyclic_slot_assignment`). Each extra slot holds ``plan.slot_bytes`` on top of the plan's
+    ``device_bytes``. Where that passes the budget, :class:`OffloadConfigError` says by how much and what
+    to change, before the engine's slots change. Without a budget (no plan, or a plan made without one),
+    or with a plan that counted the capture (``plan_offload(..., cuda_graph=True)``), nothing is refused.
     """
-    if n_blocks < 1:
-        raise OffloadConfigError(f"fastoffload: n_blocks must be >= 1, got {n_blocks}")
-    window = prefetch_depth + 1
-    if n_blocks <= window:
-        return list(range(n_blocks)), n_blocks
-    groups = n_blocks // window
-    num_slots = -(-n_blocks // groups)
-    full = n_blocks - groups * (num_slots - 1)  # runs of num_slots blocks; the rest have one fewer
-    assignment: list[int] = []
-    for run in range(groups):
-        assignment.extend(range(num_slots if run < full else num_slots - 1))
-    return assignment, num_slots
+    plan = group.plan
+    budget = _device_budget(group)
+    if plan is None or budget is None or num_slots <= plan.num_slots:
+        return
+    extra = num_slots - plan.num_slots
+    need = plan.device_bytes + extra * plan.slot_bytes
+    if need <= budget:
+        return
+    blocks, depth = len(group.states), group.prefetch_depth
+    raise OffloadConfigError(
+        f"fastoffload: OffloadedCUDAGraph needs {num_slots} fixed device slots for the {blocks} offloaded blocks at "
+        f"prefetch_depth {depth} (any {depth + 1} blocks in a row must use different slots, and {depth + 1} does "
+        f"not divide {blocks}), {extra} more than the {plan.num_slots} the plan counts: "
+        f"{format_bytes(plan.device_bytes)} + {extra} x {format_bytes(plan.slot_bytes)} = {format_bytes(need)}, "
+        f"above device_budget {format_bytes(budget)}. Nothing was changed. Plan for the capture: enable with "
+        "plan=plan_offload(costs, device_budget, cuda_graph=True), whose slots and device bytes count the graph's "
+        "(costs: group.plan.costs, or group.costs after group.calibrate(step)); or keep this layout with a "
+        f"device_budget of at least {format_bytes(need)} (plan=group.plan); or enable with a prefetch_depth or "
+        "resident set that leaves a multiple of prefetch_depth + 1 blocks offloaded")
 
 
 def _clone_inputs(value: Any) -> Any:
@@ -109,7 +132,14 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
 
 
 class OffloadedCUDAGraph:
-    """One captured forward of a layerwise-offloaded model, replayed with fresh inputs."""
+    """One captured forward of a layerwise-offloaded model, replayed with fresh inputs.
+
+    It fixes each offloaded block's slot (:func:`cyclic_slot_assignment`), which can take more device
+    slots than the ``prefetch_depth + 1`` of eager offload: ``num_slots`` says how many, and the engine
+    keeps that many from then on (``group.stats()["num_slots"]``). A group planned under a device
+    budget that the extra slots would exceed is refused (:func:`check_graph_slots`) before its slots
+    change.
+    """
 
     def __init__(self, model: nn.Module, *example_args: Any, warmup_steps: int = 2,
                  pool: Any = None, **example_kwargs: Any) -> None:
@@ -135,8 +165,14 @@ class OffloadedCUDAGraph:
         self.warmup_steps = warmup_steps
         self.pool = pool
         assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
+        check_graph_slots(group, num_slots)
+        eager_slots = self.engine.num_slots
         self.engine.set_slot_assignment(assignment, num_slots)
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # the fixed slots the engine holds from now on (also group.stats())
+        if num_slots > eager_slots:
+            logger.info("The graph's fixed slots are %d, %d more than the %d of eager offload (prefetch_depth + 1 = %d "
+                        "does not divide the %d offloaded blocks)", num_slots, num_slots - eager_slots, eager_slots,
+                        group.prefetch_depth + 1, len(group.states))
         self.recapture()
 
     def recapture(self) -> None:
@@ -177,4 +213,4 @@ class OffloadedCUDAGraph:
         return self.replay()
 
 
-__all__ = ["OffloadedCUDAGraph", "cyclic_slot_assignment"]
+__all__ = ["OffloadedCUDAGraph", "check_graph_slots", "cyclic_slot_assignment"]

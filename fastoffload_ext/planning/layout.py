@@ -189,7 +189,10 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     budget, host, reserve = _budgets(settings, blocks, device, costs)
     fixed_resident = None if resident in (None, AUTO) else resident
     fixed_depth = None if depth in (None, AUTO) else int(depth)  # type: ignore[arg-type]
-    settings.update(fixed_resident=fixed_resident, fixed_depth=fixed_depth, activation_reserve_bytes=reserve)
+    # device_budget_bytes: the budget enable applied, in bytes ("auto" resolved), for checks made later (a
+    # CUDA-graph capture's fixed slots, engine/graphs.py).
+    settings.update(fixed_resident=fixed_resident, fixed_depth=fixed_depth, activation_reserve_bytes=reserve,
+                    device_budget_bytes=budget)
     if n == 0:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
@@ -264,14 +267,14 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
         # keeps its staging on the device, so the same layout is scored (and checked) again with both.
         coded = dataclasses.replace(plan.costs, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
         plan = plan_offload(coded, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
-                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic, cuda_graph=plan.cuda_graph)
     elif compress == "off" and plan.costs.compressed:
         # A plan made for coded copies, applied without compression (compress=False, or a backend without the
         # decoder): the copies move and the host pins the raw bytes, so the same layout is scored (and checked
         # against its host budget) again with those; kept as it was, it reported coded blocks that never run.
         raw = dataclasses.replace(plan.costs, transfer_bytes=None)
         plan = plan_offload(raw, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
-                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic)
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic, cuda_graph=plan.cuda_graph)
     budget, host, _ = _budgets(settings, blocks, device, costs)
     if budget is not None and plan.device_bytes > budget:
         raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "
@@ -280,7 +283,7 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
                 "on" if plan.compressed and compress != "off" else "off")
     # The reserve the plan counts (a re-plan keeps it unless the caller gave one or a calibration measured it).
     reserve = settings["activation_reserve"]
-    settings.update(fixed_resident=None, fixed_depth=None,
+    settings.update(fixed_resident=None, fixed_depth=None, device_budget_bytes=budget,
                     activation_reserve_bytes=reserve if reserve is not None else plan.costs.activation_bytes)
     return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 

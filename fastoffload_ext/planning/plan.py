@@ -20,9 +20,13 @@ class OffloadPlan:
     """A resident set and a prefetch depth for one block list, with the figures behind the choice.
 
     device_bytes = resident_bytes + num_slots x slot_bytes + staging_bytes + activation_bytes: what a
-    step may hold on the device (never above ``device_budget``). host_bytes: the offloaded blocks'
-    pinned host copies, which are also the bytes a step copies (compressed where the blocks are:
-    ``compressed_blocks`` of them, against ``raw_offloaded_bytes`` uncompressed). predicted_step_ms
+    step may hold on the device (never above ``device_budget``). num_slots is the eager ring's
+    ``prefetch_depth + 1``; with ``cuda_graph`` (``plan_offload(..., cuda_graph=True)``) it also covers the
+    fixed slots of an ``OffloadedCUDAGraph`` capture, more where ``prefetch_depth + 1`` does not divide
+    the offloaded blocks (``slots.py``); a capture that needs more than a budgeted plan counts and does
+    not fit its budget is refused. host_bytes: the offloaded blocks' pinned host copies, which are also
+    the bytes a step copies (compressed where the blocks are: ``compressed_blocks`` of them, against
+    ``raw_offloaded_bytes`` uncompressed). predicted_step_ms
     comes from the pipeline simulation; ideal_ms is max(compute of the step, moved bytes / bandwidth),
     the floor no schedule can beat with this resident set (with host figures also the host's dispatch of
     the step); overhead_ms is the hooks' fixed cost per step that the prediction includes and the ideal
@@ -65,6 +69,7 @@ class OffloadPlan:
     # (a host-bound model's measured step was 0.52-1.35 of it on the H200), which must not read as a
     # resolution change every step.
     measured_step_ms: float = 0.0
+    cuda_graph: bool = False  # num_slots and device_bytes count a CUDA-graph capture's fixed slots
 
     @property
     def offloaded(self) -> tuple[int, ...]:
@@ -121,6 +126,7 @@ class OffloadPlan:
             "host_hooks_ms": self.host_hooks_ms, "host_bound": self.host_bound,
             "measured_step_ms": self.measured_step_ms, "tolerance": self.tolerance,
             "disk_blocks": self.disk_blocks, "disk_ms": self.disk_ms, "disk_bound": self.disk_bound,
+            "cuda_graph": self.cuda_graph,
         }
 
     def explain(self) -> str:
@@ -129,11 +135,13 @@ class OffloadPlan:
         moved = (f"{format_bytes(self.host_bytes)} compressed from {format_bytes(self.raw_offloaded_bytes)} "
                  f"({self.compressed_blocks} coded blocks, {format_bytes(self.staging_bytes)} device staging)"
                  if self.compressed else f"{format_bytes(self.host_bytes)} raw")
-        if self.offloaded and self.num_slots >= len(self.offloaded):
+        # The eager ring's slots (num_slots may also count a capture's fixed ones, which the prediction does not).
+        if self.offloaded and self.prefetch_depth + 1 >= len(self.offloaded):
             moved = f"none after the first step ({format_bytes(self.host_bytes)} stays in the slots)"
         lines = [
             f"resident {len(self.resident)} of {self.blocks} blocks {list(self.resident)}, prefetch_depth "
-            f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}",
+            f"{self.prefetch_depth}, {self.num_slots} slots x {format_bytes(self.slot_bytes)}"
+            + (" (counting a CUDA graph's fixed slots)" if self.cuda_graph else ""),
             f"device {format_bytes(self.device_bytes)} of budget {format_bytes(self.device_budget)} (activation "
             f"reserve {format_bytes(self.activation_bytes)}); host pinned "
             + (f"at most {format_bytes(self.costs.disk.host_budget)} (host tier and staging ring)"

@@ -7,7 +7,8 @@ offloaded blocks' host copies within the host budget. The fastest predicted cand
 predictions go to the one predicted fastest with copies 10 % slower (slack in the copy windows), then
 to the one that keeps more bytes resident (what the simulation leaves out, the copies' pressure on
 memory bandwidth, only ever favours residency), then to the shortest run of offloaded blocks in a row,
-then to less device memory, then to the shallower prefetch.
+then to less device memory, then to the shallower prefetch. With ``cuda_graph`` a layout's slots are the
+more of depth + 1 and a captured graph's fixed ones (``slots.py``).
 
 Which candidates: every subset when the list is short (``exhaustive_limit`` blocks), else for each
 count of resident blocks the evenly spread sets (with uniform blocks, spreading the resident ones lets
@@ -29,6 +30,7 @@ from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.costs import BlockCosts
 from fastoffload_ext.planning.plan import OffloadPlan
 from fastoffload_ext.planning.simulate import simulate_step
+from fastoffload_ext.planning.slots import planned_slot_count
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +44,18 @@ _TIE_MS = 1e-6  # predictions closer than this are equal (float noise of the sim
 SLOW_COPY_FACTOR = 1.1
 
 
-def _memory(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[int, int, int, int]:
+def _memory(costs: BlockCosts, resident: frozenset[int], depth: int,
+            cuda_graph: bool = False) -> tuple[int, int, int, int]:
     """(resident bytes, slot bytes, device bytes, host bytes) of one candidate.
 
     Slots hold decoded blocks (``block_bytes``); coded copies add the engine's two staging buffers on
-    the device, and the host holds what the copies move (``transfer_bytes``).
+    the device, and the host holds what the copies move (``transfer_bytes``). ``cuda_graph``: the slots
+    are the more of eager offload's and a captured graph's fixed ones (``slots.planned_slot_count``).
     """
     resident_bytes = sum(costs.block_bytes[b] for b in resident)
     offloaded = [b for b in range(costs.blocks) if b not in resident]
     slot = max((costs.block_bytes[b] for b in offloaded), default=0)
-    slots = (depth + 1) if offloaded else 0
+    slots = planned_slot_count(len(offloaded), depth, cuda_graph)
     device = resident_bytes + slots * slot + costs.staging_bytes(offloaded) + costs.activation_bytes
     return resident_bytes, slot, device, sum(costs.moved_bytes(b) for b in offloaded)
 
@@ -152,18 +156,20 @@ def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
 
 
 def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | None, depths: list[int],
-             fixed: frozenset[int] | None) -> OffloadConfigError:
+             fixed: frozenset[int] | None, cuda_graph: bool = False) -> OffloadConfigError:
     """Why nothing fits, with the numbers of the cheapest layout and what to change."""
     depth = min(depths)
     reserve = format_bytes(costs.activation_bytes)
+    graph = " (with a CUDA graph's fixed slots)" if cuda_graph else ""
     if fixed is not None:
         depth = _run_depth(costs, fixed, depth)
-        resident_bytes, slot, device, host = _memory(costs, fixed, depth)
+        resident_bytes, slot, device, host = _memory(costs, fixed, depth, cuda_graph)
+        slots = planned_slot_count(costs.blocks - len(fixed), depth, cuda_graph)
         staging = costs.staging_bytes([b for b in range(costs.blocks) if b not in fixed])
         if device_budget is not None and device > device_budget:
             return OffloadConfigError(
                 f"fastoffload: device_budget {format_bytes(device_budget)} is too small for {len(fixed)} resident "
-                f"blocks ({format_bytes(resident_bytes)}) + {depth + 1} slots x {format_bytes(slot)} + "
+                f"blocks ({format_bytes(resident_bytes)}) + {slots} slots{graph} x {format_bytes(slot)} + "
                 + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
                 + f"{reserve} activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
                 "resident_blocks='auto', or raise device_budget")
@@ -173,12 +179,13 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
             "or raise host_budget")
     depth = _run_depth(costs, frozenset(), depth)
     slot = max(costs.block_bytes, default=0)
+    slots = planned_slot_count(costs.blocks, depth, cuda_graph)
     staging = costs.staging_bytes(range(costs.blocks))
-    need = (depth + 1) * slot + staging + costs.activation_bytes
+    need = slots * slot + staging + costs.activation_bytes
     if device_budget is not None and device_budget < need:
         return OffloadConfigError(
             f"fastoffload: device_budget {format_bytes(device_budget)} is smaller than what offload needs at least: "
-            f"{depth + 1} slots x {format_bytes(slot)} (the largest block) + "
+            f"{slots} slots{graph} x {format_bytes(slot)} (the largest block) + "
             + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
             + f"{reserve} activation reserve = {format_bytes(need)}. Raise device_budget to at least {format_bytes(need)}, lower prefetch_depth, or "
             "lower activation_reserve")
@@ -291,15 +298,19 @@ def _check_inputs(costs: BlockCosts, device_budget: int | None, host_budget: int
 def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_budget: int | None = None,
                  resident: Collection[int] | None = None, prefetch_depth: int | None = None,
                  max_depth: int = DEFAULT_MAX_DEPTH, cyclic: bool = True,
-                 exhaustive_limit: int = EXHAUSTIVE_LIMIT) -> OffloadPlan:
+                 exhaustive_limit: int = EXHAUSTIVE_LIMIT, cuda_graph: bool = False) -> OffloadPlan:
     """The fastest predicted (resident set, depth) for ``costs`` within the budgets (bytes, None: no limit).
 
     ``resident`` or ``prefetch_depth`` fix that half of the plan; the other is searched (depths
     1..``max_depth``). Raises :class:`OffloadConfigError` with the numbers when nothing fits.
+    ``cuda_graph``: the model will be captured with ``OffloadedCUDAGraph``, whose fixed slots can be
+    more than ``depth + 1`` (``slots.cyclic_slot_count``); the memory counts them, so the capture
+    stays within ``device_budget``. The predicted step is the eager one either way.
     """
     _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
-    if not isinstance(cyclic, bool):  # cyclic="no" is truthy: it would silently plan the cyclic schedule
-        raise OffloadConfigError(f"fastoffload: plan_offload's cyclic must be True or False, got {cyclic!r}")
+    for name, flag in (("cyclic", cyclic), ("cuda_graph", cuda_graph)):
+        if not isinstance(flag, bool):  # cyclic="no" is truthy: it would silently plan the cyclic schedule
+            raise OffloadConfigError(f"fastoffload: plan_offload's {name} must be True or False, got {flag!r}")
     fixed = frozenset(resident) if resident is not None else None
     depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
     best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
@@ -311,7 +322,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                                                                  exhaustive_limit=exhaustive_limit)
         for chosen in sets:
             depth = _run_depth(costs, chosen, asked)
-            resident_bytes, _, device, host = _memory(costs, chosen, depth)
+            resident_bytes, _, device, host = _memory(costs, chosen, depth, cuda_graph)
             if (device_budget is not None and device > device_budget) or (host_budget is not None
                                                                           and host > host_budget):
                 continue
@@ -327,9 +338,10 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)
     if best is None:
-        raise no_staging if no_staging is not None else _refusal(costs, device_budget, host_budget, depths, fixed)
+        raise no_staging if no_staging is not None else _refusal(costs, device_budget, host_budget, depths, fixed,
+                                                                 cuda_graph)
     _, chosen, depth, ms = best
-    resident_bytes, slot, device, host = _memory(costs, chosen, depth)
+    resident_bytes, slot, device, host = _memory(costs, chosen, depth, cuda_graph)
     timeline = simulate_step(costs, chosen, depth, cyclic=cyclic)
     # Offloaded blocks that all fit the slots stay there after the first step: the step copies none, so
     # no copy sets its floor (the ideal counted them, and read above the step predicted without them).
@@ -346,7 +358,8 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     device_ms = _score(costs.device_only(), chosen, depth, cyclic)
     plan = OffloadPlan(
         blocks=costs.blocks, resident=tuple(sorted(chosen)), prefetch_depth=depth,
-        num_slots=(depth + 1) if offloaded else 0, slot_bytes=slot, resident_bytes=resident_bytes,
+        num_slots=planned_slot_count(len(offloaded), depth, cuda_graph), slot_bytes=slot,
+        resident_bytes=resident_bytes,
         host_bytes=host, activation_bytes=costs.activation_bytes, device_bytes=device,
         device_budget=device_budget, host_budget=host_budget, predicted_step_ms=ms, ideal_ms=ideal,
         compute_ms=compute, copy_ms=copy_ms, candidates=scored,
@@ -359,7 +372,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
         why=_why(costs, chosen, depth, ms, ideal, copy_ms, device_budget,
                  _host_clause(costs, len(offloaded), host_ms, device_ms), _disk_clause(costs, chosen, copy_ms),
                  cached=bool(offloaded) and not timeline.copies),
-        costs=costs)
+        costs=costs, cuda_graph=cuda_graph)
     logger.debug("%s", plan)
     return plan
 

@@ -185,7 +185,7 @@ def _kept(group: Any, table: BlockCosts) -> Any:
     """The layout now applied, scored again from ``table`` (for a group whose layout a re-plan cannot change)."""
     old = group.plan
     return plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=old.resident,
-                        prefetch_depth=old.prefetch_depth, cyclic=group.cyclic)
+                        prefetch_depth=old.prefetch_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph)
 
 
 def _disk_blocks(group: Any) -> int:
@@ -233,10 +233,11 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
     if auto:
         # "auto" under a plan: raw and coded copies are planned again from the measured table.
         new = choose_codec_plan(table, _coded_table(group, table), old.device_budget, host_budget=old.host_budget,
-                                resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=group.cyclic)
+                                resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=group.cyclic,
+                                cuda_graph=old.cuda_graph)
     else:
         new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
-                           prefetch_depth=fixed_depth, cyclic=group.cyclic)
+                           prefetch_depth=fixed_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph)
     # Under "auto" a switch between raw and coded copies is a new layout too: the engine's mode changes.
     if new.same_layout(old) and (not auto or new.compressed == (group.compress_mode == "on")):
         group.plan = new
@@ -281,7 +282,7 @@ def recheck(group: Any) -> Any:
     try:
         group.plan = carry_choice(plan, plan_offload(costs, plan.device_budget, host_budget=plan.host_budget,
                                                      resident=plan.resident, prefetch_depth=plan.prefetch_depth,
-                                                     cyclic=group.cyclic))
+                                                     cyclic=group.cyclic, cuda_graph=plan.cuda_graph))
         return group
     except OffloadConfigError as error:
         if _collective_ranks(group):
@@ -294,7 +295,7 @@ def recheck(group: Any) -> Any:
     try:
         new = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget,
                            resident=settings.get("fixed_resident"), prefetch_depth=settings.get("fixed_depth"),
-                           cyclic=group.cyclic)
+                           cyclic=group.cyclic, cuda_graph=plan.cuda_graph)
     except OffloadConfigError as error:
         logger.warning("fastoffload: the compressed blocks are larger than estimated and no layout fits the budgets "
                        "with them (%s); keeping the layout enable applied", error)
@@ -335,7 +336,8 @@ def with_disk_tier(group: Any) -> None:
                      staging_buffers=source.options.staging_buffers)
     group.plan = plan_offload(dataclasses.replace(plan.costs, disk=disk), plan.device_budget,
                               host_budget=plan.host_budget, resident=plan.resident,
-                              prefetch_depth=plan.prefetch_depth, cyclic=group.cyclic)
+                              prefetch_depth=plan.prefetch_depth, cyclic=group.cyclic,
+                              cuda_graph=plan.cuda_graph)
     logger.info("fastoffload: %s", group.plan.why)
 
 
