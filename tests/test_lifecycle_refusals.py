@@ -229,3 +229,27 @@ def test_disable_to_a_device_it_cannot_restore_to_is_refused_before_anything_cha
     assert fo.get_offload_group(model) is group and all(has_hooks(model.blocks[i]) for i in (1, 2, 3))
     _runs_exactly(model, reference, x)
     _finish(model, reference)
+
+
+def test_is_replace_on_an_offload_that_streams_from_disk_is_refused_before_anything_changes(tmp_path) -> None:
+    """Undoing a disk-tier offload to host memory would read every block into RAM at once (the disk tier is
+    there because they do not fit): refused with the way out, and the offload keeps running from disk."""
+    from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+
+    reference = reference_stack(8)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = 4 * block_bytes(reference) + 4096 + 3 * fo.planning.tiers.STAGING_SLACK
+    model = meta_stack(8)
+    group = fo.enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    on_disk = sum(1 for state in group.states if state.on_disk)
+    assert on_disk >= 4
+    with pytest.raises(RuntimeError, match=rf"^fastoffload: is_replace=True would undo an offload that streams "
+                                           rf"{on_disk} blocks from disk .* nothing was changed. To swap it: "
+                                           r"disable_layerwise_offload\(model, 'meta'\), then enable_layerwise_offload"
+                                           r"\(model, weights=\.\.\., \.\.\.\) with the new arguments$"):
+        fo.enable_layerwise_offload(model, is_replace=True, device="cpu", weights=path, prefetch_depth=2)
+    assert fo.get_offload_group(model) is group
+    with torch.no_grad():
+        assert torch.equal(model(inputs()), reference(inputs()))
+    fo.disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)

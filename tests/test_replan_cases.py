@@ -166,3 +166,24 @@ def test_a_cost_table_for_another_block_count_is_refused_before_anything_changes
         assert torch.equal(model(x), reference(x))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_made_without_a_budget_keeps_the_budget_enable_was_given(backend: str) -> None:
+    """enable(plan=p, device_budget=b) with p made without a budget: re-plans keep to b (they used p's None
+    and re-planned every block resident, twice the budget)."""
+    model, reference, x = _setup()
+    costs = BlockCosts([0.1] * N, [BLOCK_BYTES] * N, 1e-3)
+    plan = plan_offload(costs, resident=(0,), prefetch_depth=1)
+    assert plan.device_budget is None
+    budget = 4 * BLOCK_BYTES
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, plan=plan, device_budget=budget)
+    assert group.plan.device_budget == budget
+    assert (group.resident, group.prefetch_depth) == ((0,), 1)  # the layout is the plan's
+    fresh = group.replan(costs)
+    assert fresh.plan.device_budget == budget and fresh.plan.device_bytes <= budget
+    assert len(fresh.resident) == 2  # the most that fit beside two slots
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

@@ -206,6 +206,12 @@ REPLACE_ROLLBACK_NOTE = ("fastoffload: the offload that was on the model before 
                          "without offload. Enable offload again (with the arguments that worked before)")
 
 
+DISK_REPLACE_ERROR = ("fastoffload: is_replace=True would undo an offload that streams {disk} blocks from disk (built "
+                      "with weights=) by bringing every block into host memory first, which a model larger than the "
+                      "host's RAM cannot survive; nothing was changed. To swap it: disable_layerwise_offload(model, "
+                      "'meta'), then enable_layerwise_offload(model, weights=..., ...) with the new arguments")
+
+
 def _replace(enable: _Enable) -> LayerwiseOffloadGroup:
     """is_replace on a model this library offloads: the offload there is undone, then the new one is enabled.
 
@@ -215,12 +221,17 @@ def _replace(enable: _Enable) -> LayerwiseOffloadGroup:
     Every refusal that the arguments alone can tell was raised before this (``check_arguments``); if the
     new offload still fails (a budget, the model's devices, memory), the offload that ran before is
     applied again, with the model's current values, before the error is raised, as a failed re-plan does.
+    An offload that streams blocks from disk is refused instead (``DISK_REPLACE_ERROR``), as its re-plan is.
     """
     model = enable.model
     old = get_offload_group(model)
     if old is None:  # another thread's disable got here first: nothing to undo
         return enable.run(replaced=False)
     try:
+        on_disk = sum(1 for state in old.states if getattr(state, "on_disk", False))
+        if on_disk:
+            # Undoing it to host memory would read every block from disk into RAM at once.
+            raise OffloadStateError(DISK_REPLACE_ERROR.format(disk=on_disk))
         disable_layerwise_offload(model, device="cpu")
     except BaseException as error:
         enable.rendezvous.fail(error)  # the other ranks of a collective learn of it instead of waiting

@@ -281,6 +281,11 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
                                  f"more than device_budget {format_bytes(budget)}; re-plan with this budget")
     _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO,
                 "on" if plan.compressed and compress != "off" else "off")
+    if budget is not None and plan.device_budget != budget:
+        # The budget given beside the plan is the one its re-plans keep to: a plan made without one (or
+        # with another) would otherwise re-plan to any layout, above the budget the caller gave here.
+        plan = plan_offload(plan.costs, budget, host_budget=plan.host_budget, resident=plan.resident,
+                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic, cuda_graph=plan.cuda_graph)
     # The reserve the plan counts (a re-plan keeps it unless the caller gave one or a calibration measured it).
     reserve = settings["activation_reserve"]
     settings.update(fixed_resident=None, fixed_depth=None, device_budget_bytes=budget,
