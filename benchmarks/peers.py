@@ -11,7 +11,10 @@ module itself never calls and which the GPU machine cannot install offline. :fun
 loads the offload module with its package's ``__init__`` skipped; a few third-party modules that
 SGLang's import chain names but its offload path never calls are replaced by stubs when absent
 (listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip installed them, or
-inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a zip).
+inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a zip). Two
+dependencies are real, not stubbed: SGLang's import chain serializes a class with ``dill`` at import
+time, and mmgp imports ``optimum.quanto`` (``optimum-quanto``) whether or not it quantizes; an offline
+machine needs their wheels too.
 
 Each setup takes the model (on the host), the device and the names of the model's block lists, and
 returns a teardown; a peer that cannot run raises :class:`PeerUnavailable` with the reason.
@@ -151,6 +154,17 @@ def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *
         raise PeerUnavailable(f"{package} is not installed and no {package}-*.whl is in {WHEEL_DIR}")
     root = list(spec.submodule_search_locations)[0]
     wanted = [stub for stub in stubs if not _importable(stub)]
+    try:
+        return _import_with_stubs(package, module, root, wanted, stub_missing)
+    except PeerUnavailable:
+        # A failed try leaves no half-imported package behind for the next layout's try to reuse.
+        for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+            del sys.modules[name]
+        raise
+
+
+def _import_with_stubs(package: str, module: str, root: str, wanted: list[str],
+                       stub_missing: bool) -> types.ModuleType:
     for _ in range(MAX_STUBS):
         _bare_parents(package, module, root)
         for stub in wanted:
@@ -179,6 +193,10 @@ def _bare_parents(package: str, module: str, root: str) -> None:
         if name not in sys.modules and depth < len(parts):
             bare = types.ModuleType(name)
             bare.__path__ = [os.path.join(root, *parts[1:depth])]  # type: ignore[attr-defined]
+            # With a spec, so that importlib.util.find_spec (the next layout's try, or the peer's own code)
+            # can look beneath it.
+            bare.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            bare.__spec__.submodule_search_locations = list(bare.__path__)
             sys.modules[name] = bare
 
 
@@ -203,6 +221,12 @@ class _Stub(metaclass=_StubMeta):
         if name.startswith("__"):
             raise AttributeError(name)
         return _Stub()
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        # A stub named in a pydantic model's field (SGLang's request protocol) validates anything.
+        from pydantic_core import core_schema
+        return core_schema.any_schema()
 
 
 def _stub_module(name: str) -> types.ModuleType:

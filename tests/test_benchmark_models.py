@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import re
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -119,6 +120,38 @@ def test_stub_modules_can_be_subclassed_called_and_used_as_decorators() -> None:
     assert issubclass(Derived, base) and Derived().anything is not None
     with pytest.raises(AttributeError):
         stub.__file__  # noqa: B018
+
+
+def test_a_failed_layout_leaves_nothing_behind_for_the_next_try(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang moved its offload module between releases: the first layout's failed try must not leave a
+    spec-less half-import of the package that the next try's find_spec trips on."""
+    root = tmp_path / "moved_peer"
+    (root / "runtime" / "utils").mkdir(parents=True)
+    (root / "__init__.py").write_text("raise ImportError('the whole runtime')\n")
+    (root / "runtime" / "__init__.py").write_text("raise ImportError('the whole runtime')\n")
+    (root / "runtime" / "utils" / "__init__.py").write_text("")
+    (root / "runtime" / "utils" / "offload.py").write_text("import importlib.util\n"
+                                                           "FOUND = importlib.util.find_spec('moved_peer.runtime')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(peers.PeerUnavailable, match="moved_peer.runtime.managers"):
+            peers.import_module_only("moved_peer", "moved_peer.runtime.managers.offload")
+        assert not [name for name in sys.modules if name.startswith("moved_peer")]
+        module = peers.import_module_only("moved_peer", "moved_peer.runtime.utils.offload")
+        assert module.FOUND is not None and module.FOUND.submodule_search_locations == [str(root / "runtime")]
+    finally:
+        for name in [name for name in sys.modules if name.startswith("moved_peer")]:
+            del sys.modules[name]
+
+
+def test_a_stub_in_a_pydantic_field_validates_anything() -> None:
+    pydantic = pytest.importorskip("pydantic")
+    stub = peers._stub_module("absent_protocol")
+
+    class Request(pydantic.BaseModel):
+        tool: stub.Tool  # type: ignore[name-defined]
+
+    assert Request(tool=3).tool == 3
 
 
 def _tiny_wan() -> torch.nn.Module:
