@@ -181,3 +181,49 @@ def test_a_denoiser_offloaded_under_another_name_is_checked_before_the_pipeline_
     x = torch.randn(2, 16)
     with torch.no_grad():
         assert torch.equal(pipe.unet(x), reference(x))
+
+
+def test_from_pipe_casting_the_offloaded_transformer_is_refused_before_any_shared_component_is_cast(
+        expected: torch.Tensor) -> None:
+    """from_pipe builds a pipeline around the same components and casts it: it cast the shared text encoder
+    to float16 and only then reached the offloaded transformer's refusal, so the original pipeline ran on
+    with a half-precision encoder."""
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu")
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: pipe\.to\(torch\.float16\) would cast the "
+                                                r"layerwise-offloaded pipe\.transformer to torch\.float16.*nothing was "
+                                                r"cast.*A pipeline that DiffusionPipeline\.from_pipe builds is cast to "
+                                                r"its dtype= \(torch_dtype=\) argument, torch\.float32 when none is "
+                                                r"given: pass the offloaded model's dtype there$"):
+        type(pipe).from_pipe(pipe, dtype=torch.float16)
+    for component in (pipe.text_encoder, pipe.vae, pipe.transformer):
+        assert {p.dtype for p in component.parameters()} == {torch.float32}
+    assert torch.equal(_video(pipe), expected)
+
+
+def test_a_pipeline_from_pipe_shares_the_offloaded_transformer_with_the_same_rules(expected: torch.Tensor) -> None:
+    pipe = tiny_pipeline()
+    groups = offload_transformer(pipe, device="cpu")
+    other = type(pipe).from_pipe(pipe)  # float32: the tiny pipeline's dtype, so nothing is cast
+    assert other.transformer is pipe.transformer and get_offload_group(other.transformer) is groups["transformer"]
+    assert torch.equal(_video(other), expected)
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: pipe\.to\(torch\.bfloat16\) would cast the "
+                                                r"layerwise-offloaded pipe\.transformer"):
+        other.to(torch.bfloat16)
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: enable_sequential_cpu_offload would put accelerate's "
+                                                r"per-parameter hooks on the layerwise-offloaded pipe\.transformer"):
+        other.enable_sequential_cpu_offload(device="cpu")
+    other.enable_model_cpu_offload(device="cpu")
+    assert not hasattr(other.transformer, "_hf_hook") and hasattr(other.text_encoder, "_hf_hook")
+    assert torch.equal(_video(other), expected)
+    assert {p.dtype for p in other.text_encoder.parameters()} == {torch.float32}
+    assert torch.equal(_video(pipe), expected)
+
+
+def test_a_pipeline_without_an_offloaded_component_is_untouched_by_the_pipeline_rules() -> None:
+    offload_transformer(tiny_pipeline(), device="cpu")  # the rules are on every diffusers pipeline from here on
+    pipe = tiny_pipeline()
+    assert pipe.to(torch.float64) is pipe and {p.dtype for p in pipe.transformer.parameters()} == {torch.float64}
+    pipe.to(torch.float32)
+    pipe.enable_sequential_cpu_offload(device="cpu")
+    assert any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())

@@ -23,6 +23,13 @@ device, and defines the pipeline's device operations on the offloaded model:
 - ``pipe.enable_sequential_cpu_offload()`` would put accelerate's per-parameter hooks on the
   offloaded blocks; it raises :class:`OffloadStateError` instead.
 
+The three pipeline methods are defined once on diffusers' ``DiffusionPipeline`` class, for every
+pipeline that holds an offloaded model in any component slot: ``DiffusionPipeline.from_pipe`` builds a
+new pipeline around the same components and casts it (to ``torch.float32`` unless given a dtype), and
+that cast must be refused before it reaches the shared text encoder. A pipeline without an offloaded
+component goes straight to diffusers' own methods. Any other object with a denoiser attribute gets them
+on itself alone.
+
 ``bound(pipe, name, component)`` puts a component into a pipeline slot for one stage only, so that a
 pipeline built with that slot empty can hand its stages :class:`~fastoffload_ext.pipeline.lazy.LazyModule`
 components: diffusers asks every component it holds for its device on each call, which would load a
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +50,7 @@ from torch import nn
 from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
                                               get_offload_group)
 from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.pipeline.lazy import is_lazy_module
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ _GUARDED_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", 
 _FLOAT_CASTS = {"half": torch.float16, "float": torch.float32, "bfloat16": torch.bfloat16, "double": torch.float64}
 _GUARD_ATTRIBUTE = "_fastoffload_device_guard"
 _NAMES_ATTRIBUTE = "_fastoffload_denoisers"  # on the pipeline: every attribute offload_transformer offloaded
+_WRAPPED = "_fastoffload_wrapped"  # on a pipeline method this module defined
 
 MOVE_ERROR = ("fastoffload: {what} would move the layerwise-offloaded {model} to {target}, but its blocks are "
               "offloaded to {device} and the rest of the model must run there too. Move it to {device} (or leave "
@@ -61,6 +71,8 @@ CAST_ERROR = ("fastoffload: {what} would cast the layerwise-offloaded {model} to
               "offloaded blocks live in the offload engine's host copy, which a cast does not reach ({name} would go "
               "from {was} to {dtype}); nothing was cast. Cast the model before offloading it, or undo the offload "
               "first: fastoffload_ext.disable_layerwise_offload(model, device=...), cast, and offload it again")
+FROM_PIPE_HINT = (". A pipeline that DiffusionPipeline.from_pipe builds is cast to its dtype= (torch_dtype=) "
+                  "argument, torch.float32 when none is given: pass the offloaded model's dtype there")
 SEQUENTIAL_ERROR = ("fastoffload: enable_sequential_cpu_offload would put accelerate's per-parameter hooks on "
                     "the layerwise-offloaded {names}, whose blocks this engine already streams. Use "
                     "enable_model_cpu_offload() (it keeps the layerwise offload) or undo the offload first with "
@@ -123,8 +135,9 @@ def _offloaded_parameters(group: LayerwiseOffloadGroup) -> Iterator[tuple[nn.Mod
 
 
 def _check_cast(model: nn.Module, group: LayerwiseOffloadGroup, what: str, model_name: str,
-                cast: Callable[[torch.Tensor], torch.Tensor | torch.dtype]) -> None:
-    """Raise CAST_ERROR when ``cast`` would change the dtype (or device) of an offloaded parameter."""
+                cast: Callable[[torch.Tensor], torch.Tensor | torch.dtype], hint: str = "") -> None:
+    """Raise CAST_ERROR (with ``hint`` after it) when ``cast`` would change the dtype (or device) of an
+    offloaded parameter."""
     for block, name, param in _offloaded_parameters(group):
         result = cast(param)
         dtype = result if isinstance(result, torch.dtype) else result.dtype
@@ -134,7 +147,7 @@ def _check_cast(model: nn.Module, group: LayerwiseOffloadGroup, what: str, model
         if dtype != param.dtype:
             block_name = next((n for n, m in model.named_modules() if m is block), "?")
             raise OffloadStateError(CAST_ERROR.format(what=what, model=model_name, dtype=dtype,
-                                                      name=f"{block_name}.{name}", was=param.dtype))
+                                                      name=f"{block_name}.{name}", was=param.dtype) + hint)
 
 
 def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device | None, torch.dtype | None]:
@@ -201,65 +214,127 @@ def _devices_before(group: LayerwiseOffloadGroup) -> torch.device:
     return group.original_devices[0] if group.original_devices else group.device
 
 
+def _component_names(pipe: Any) -> tuple[str, ...]:
+    """The component slots a diffusers pipeline registered; () for other objects. A component is an
+    attribute of the pipeline named in its config; the config's other keys (``expand_timesteps``) are
+    not attributes, and reading them through the pipeline warns."""
+    if _diffusion_pipeline_class(pipe) is None:
+        return ()
+    slots = vars(pipe)
+    return tuple(key for key in pipe.config.keys() if not key.startswith("_") and key in slots)
+
+
+def _offloaded_model(pipe: Any, name: str) -> nn.Module | None:
+    """``pipe.<name>`` when it is an offloaded model; a lazy component counts only while loaded (asking
+    must not load it)."""
+    component = getattr(pipe, name, None)
+    if is_lazy_module(component):
+        if not component.is_materialized:
+            return None
+        component = component.materialize()
+    if isinstance(component, nn.Module) and get_offload_group(component) is not None:
+        return component
+    return None
+
+
 def _offloaded_names(pipe: Any) -> list[str]:
-    # The usual denoisers, and any other attribute offload_transformer(names=...) offloaded (a "unet").
-    names = dict.fromkeys((*DENOISER_NAMES, *getattr(pipe, _NAMES_ATTRIBUTE, ())))
-    return [name for name in names
-            if isinstance(getattr(pipe, name, None), nn.Module) and get_offload_group(getattr(pipe, name)) is not None]
+    # The usual denoisers, any other attribute offload_transformer(names=...) offloaded (a "unet"), and any
+    # component holding an offloaded model (a pipeline that from_pipe built around one).
+    names = dict.fromkeys((*DENOISER_NAMES, *getattr(pipe, _NAMES_ATTRIBUTE, ()), *_component_names(pipe)))
+    return [name for name in names if _offloaded_model(pipe, name) is not None]
+
+
+def _check_pipeline_to(pipe: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuses a ``pipe.to(...)`` that would move an offloaded component off its offload device or cast
+    an offloaded parameter, before the pipeline moves or casts anything: diffusers moves the components one
+    by one, and a refusal half-way would leave the pipeline (and the components it shares) split."""
+    target, dtype = _pipeline_target(args, kwargs)
+    cast = _module_to_cast(dtype)  # diffusers casts each component with module.to(device, dtype)
+    for name in _offloaded_names(pipe):
+        model = _offloaded_model(pipe, name)
+        group = get_offload_group(model) if model is not None else None
+        if group is None:
+            continue
+        if target is not None and not _same_device(target, group.device):
+            raise OffloadStateError(MOVE_ERROR.format(what=f"pipe.to({str(target)!r})", model=f"pipe.{name}",
+                                                      target=str(target), device=str(group.device)))
+        if cast is not None:
+            _check_cast(model, group, f"pipe.to({dtype})", f"pipe.{name}", cast, hint=FROM_PIPE_HINT)
+
+
+def _pipeline_methods() -> dict[str, Callable[..., Callable[..., Any]]]:
+    """For each pipeline method defined on offloaded models: a function of the original (called as
+    ``original(pipe, *args, **kwargs)``) giving its replacement (same signature)."""
+
+    def to(original: Callable[..., Any]) -> Callable[..., Any]:
+        def checked_to(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_pipeline_to(pipe, args, kwargs)
+            return original(pipe, *args, **kwargs)
+        return checked_to
+
+    def enable_model_cpu_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+        def keeping_layerwise(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            hidden = {name: getattr(pipe, name) for name in _offloaded_names(pipe)}
+            # Hidden from the pipeline's components for the call: diffusers first moves every component
+            # to the CPU, then hooks each one in its offload sequence.
+            for name in hidden:
+                object.__setattr__(pipe, name, None)
+            try:
+                return original(pipe, *args, **kwargs)
+            finally:
+                for name, model in hidden.items():
+                    object.__setattr__(pipe, name, model)
+        return keeping_layerwise
+
+    def enable_sequential_cpu_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+        def refused(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            names = _offloaded_names(pipe)
+            if names:
+                raise OffloadStateError(SEQUENTIAL_ERROR.format(names=" and ".join(f"pipe.{n}" for n in names)))
+            return original(pipe, *args, **kwargs)
+        return refused
+
+    return {"to": to, "enable_model_cpu_offload": enable_model_cpu_offload,
+            "enable_sequential_cpu_offload": enable_sequential_cpu_offload}
+
+
+def _diffusion_pipeline_class(pipe: Any) -> type | None:
+    """diffusers' ``DiffusionPipeline`` when ``pipe`` is one (diffusers is never imported here: a pipeline
+    of it means it already is)."""
+    diffusers = sys.modules.get("diffusers")
+    base = getattr(diffusers, "DiffusionPipeline", None) if diffusers is not None else None
+    return base if isinstance(base, type) and isinstance(pipe, base) else None
 
 
 def _wrap_pipeline_offloads(pipe: Any) -> None:
-    """Wraps ``pipe.enable_model_cpu_offload`` so accelerate's hooks skip the offloaded denoisers."""
-    original = pipe.enable_model_cpu_offload
-    if getattr(original, "_fastoffload_wrapped", False):
+    """Defines ``to``, ``enable_model_cpu_offload`` and ``enable_sequential_cpu_offload`` on offloaded
+    components. For a diffusers pipeline, once on ``DiffusionPipeline`` itself, so that every pipeline that
+    holds an offloaded model has them, also one built later around a shared component
+    (``from_pipe``); a pipeline without one passes straight through. For any other object, on it alone."""
+    base = _diffusion_pipeline_class(pipe)
+    for method, wrap in _pipeline_methods().items():
+        if base is not None:
+            original = base.__dict__.get(method)
+            if original is not None and not getattr(original, _WRAPPED, False):
+                replacement = functools.wraps(original)(wrap(original))
+                setattr(replacement, _WRAPPED, True)
+                setattr(base, method, replacement)
+        elif hasattr(pipe, method):
+            _wrap_on_instance(pipe, method, wrap)
+
+
+def _wrap_on_instance(pipe: Any, method: str, wrap: Callable[..., Callable[..., Any]]) -> None:
+    bound_method = getattr(pipe, method)
+    if getattr(bound_method, _WRAPPED, False):
         return
+    replacement = wrap(lambda _pipe, *args, **kwargs: bound_method(*args, **kwargs))
 
-    @functools.wraps(original)
-    def enable_model_cpu_offload(*args: Any, **kwargs: Any) -> Any:
-        hidden = {name: getattr(pipe, name) for name in _offloaded_names(pipe)}
-        # Hidden from the pipeline's components for the call: diffusers first moves every component
-        # to the CPU, then hooks each one in its offload sequence.
-        for name in hidden:
-            object.__setattr__(pipe, name, None)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            for name, model in hidden.items():
-                object.__setattr__(pipe, name, model)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return replacement(pipe, *args, **kwargs)
 
-    enable_model_cpu_offload._fastoffload_wrapped = True  # type: ignore[attr-defined]
-    object.__setattr__(pipe, "enable_model_cpu_offload", enable_model_cpu_offload)
-
-    move = pipe.to
-
-    @functools.wraps(move)
-    def to(*args: Any, **kwargs: Any) -> Any:
-        # Checked for every denoiser before the pipeline moves or casts anything: diffusers moves the
-        # components one by one, and a refusal half-way would leave the pipeline split.
-        target, dtype = _pipeline_target(args, kwargs)
-        cast = _module_to_cast(dtype)  # diffusers casts each component with module.to(device, dtype)
-        for name in _offloaded_names(pipe):
-            model = getattr(pipe, name)
-            group = get_offload_group(model)
-            if group is None:
-                continue
-            if target is not None and not _same_device(target, group.device):
-                raise OffloadStateError(MOVE_ERROR.format(what=f"pipe.to({str(target)!r})", model=f"pipe.{name}",
-                                                          target=str(target), device=str(group.device)))
-            if cast is not None:
-                _check_cast(model, group, f"pipe.to({dtype})", f"pipe.{name}", cast)
-        return move(*args, **kwargs)
-
-    object.__setattr__(pipe, "to", to)
-
-    @functools.wraps(pipe.enable_sequential_cpu_offload)
-    def enable_sequential_cpu_offload(*args: Any, **kwargs: Any) -> Any:
-        names = _offloaded_names(pipe)
-        if names:
-            raise OffloadStateError(SEQUENTIAL_ERROR.format(names=" and ".join(f"pipe.{n}" for n in names)))
-        return type(pipe).enable_sequential_cpu_offload(pipe, *args, **kwargs)
-
-    object.__setattr__(pipe, "enable_sequential_cpu_offload", enable_sequential_cpu_offload)
+    functools.update_wrapper(call, bound_method)
+    setattr(call, _WRAPPED, True)
+    object.__setattr__(pipe, method, call)
 
 
 def _check_names(pipe: Any, names: Any) -> tuple[str, ...]:
@@ -322,7 +397,7 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
         guard_device_moves(model)
     if groups:
         setattr(pipe, _NAMES_ATTRIBUTE, (*getattr(pipe, _NAMES_ATTRIBUTE, ()), *groups))
-    if groups and hasattr(pipe, "enable_model_cpu_offload"):
+    if groups:
         _wrap_pipeline_offloads(pipe)
     logger.info("Offloaded %s of %s layer by layer", ", ".join(groups) or "nothing", type(pipe).__name__)
     return groups
