@@ -92,6 +92,7 @@ from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.planning import OffloadPlan
+from fastoffload_ext.planning.memory import probe_host
 
 TITLE = ("models: Wan 1.3B / 14B and Flux (first list, all lists) vs resident and the peers that offload the same "
          "lists, interleaved rounds")
@@ -132,6 +133,10 @@ ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
 # benchmark's start-up fit a GPU command of about 420 s.
 DEFAULT_BUDGET_S = 360.0
 INITIAL_EXTRA_ROUNDS = 2  # the first session gives ext's rows: a few more rounds than a peer's
+# A peer's set-up takes up to this many times the model's bytes of host memory on top of what the section
+# holds (measured on Flux: SGLang 1.7x, diffusers block level 1.6x); with less available it is not run, since
+# the kernel would kill the whole section for it.
+PEER_HOST_FACTOR = 2.0
 SLOW_PEER_FACTOR = 4.0  # a peer whose first forward takes this many times ext's is timed 1 forward a round
 # Peers in the order they are set up: the strongest first, so a spent time budget cuts the weakest.
 RUN_ORDER = ("fastvideo", "sglang", "diffusers", "mmgp", "diffusers leaf", "accelerate")
@@ -506,6 +511,11 @@ def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadl
         return (f"not run: {run.spec.name}'s share of the section's time budget ({ENV_BUDGET}) ends at "
                 f"{deadline_s:.0f} s; at {elapsed:.0f} s the slowest peer so far ({slowest:.0f} s) would not "
                 f"finish before it; the stronger peers ran first")
+    need, usable = PEER_HOST_FACTOR * run.model_bytes, probe_host().usable
+    if need > usable:
+        return (f"not run: its set-up may take {need / GB:.0f} GB of host memory ({PEER_HOST_FACTOR:g}x the "
+                f"model's {run.model_bytes / GB:.1f} GB) and {usable / GB:.0f} GB is available; the kernel would "
+                "kill the section for it")
     return None
 
 
@@ -582,6 +592,7 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
         if teardown is not None:
             teardown()
     finally:
+        teardown = None  # what the peer's set-up holds goes before the memory is collected below
         kept = {key: holder[key] for key in ("notes", "parts", "config") if key in holder}
         holder.clear()
         holder.update(kept)

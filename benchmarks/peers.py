@@ -302,6 +302,9 @@ def sglang(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown
         for manager in managers:
             manager.remove_forward_hooks()
             manager.release_all()
+        # Its pinned host copies (the whole model's) go with the managers, not with release_all; the
+        # section empties torch's host cache next, and the next peer needs that memory on a large model.
+        managers.clear()
 
     return teardown
 

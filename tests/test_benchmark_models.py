@@ -212,6 +212,27 @@ def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
                       "480 s and it was 500 s; the stronger peers ran first")
 
 
+def test_a_peer_the_host_memory_cannot_hold_is_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's set-up pins its own copy of the model: with too little host memory left the kernel killed the
+    whole section (SIGKILL on Flux, after SGLang's copy), losing the rows still to come."""
+    from fastoffload_ext.planning import memory
+
+    run = _run_for(models.MODELS["flux"], 0.0)
+    run.model_bytes = 24 * 10**9
+    ctx = _cuda_ctx()
+    try:
+        monkeypatch.setattr(models, "probe_host", lambda: memory.HostMemory(
+            mem_available=60 * 10**9, cgroup_headroom=None, cgroup_path=None, margin=0))
+        assert models._peer_skip_reason(ctx, run, peers.PEERS[0], 480.0) is None
+        monkeypatch.setattr(models, "probe_host", lambda: memory.HostMemory(
+            mem_available=30 * 10**9, cgroup_headroom=None, cgroup_path=None, margin=0))
+        reason = models._peer_skip_reason(ctx, run, peers.PEERS[0], 480.0)
+    finally:
+        ctx.close()
+    assert reason == ("not run: its set-up may take 48 GB of host memory (2x the model's 24.0 GB) and 30 GB is "
+                      "available; the kernel would kill the section for it")
+
+
 def test_a_peer_that_would_outlast_the_budget_is_not_started() -> None:
     run = _run_for(models.MODELS["flux"], 400.0)
     run.peer_seconds = [30.0, 55.0]
