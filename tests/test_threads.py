@@ -122,10 +122,7 @@ def test_a_refused_forward_logs_no_error_for_the_block_the_other_thread_runs(bac
     # The refused entry acquired nothing, so it has nothing to release: no "releasing a block ... failed".
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     paused.handle.remove()
-    with torch.no_grad():
-        assert torch.equal(model(x), want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _runs_then_disables_exactly(model, reference, x, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,6 +255,14 @@ class Logged(logging.Handler):
         self.logger.setLevel(self.level)
 
 
+def _runs_then_disables_exactly(model: Any, reference: Any, x: torch.Tensor, want: torch.Tensor) -> None:
+    """The offload still runs bit-exact, and a disable leaves every parameter with its exact value."""
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 def _planned(backend: str, all_resident: bool, seed: int) -> tuple[Any, Any, torch.Tensor, torch.Tensor, Any]:
     """A 6-block model under a budget of five blocks: resident (0, 1, 2), or every block once re-planned."""
     model, reference = make_pair(N, seed=seed)
@@ -331,10 +336,7 @@ def test_replan_waits_for_a_forward_inside_an_offloaded_or_resident_block_it_mak
     assert torch.equal(forward_result["value"], want)
     assert replan_result["value"].resident == tuple(range(N))
     paused.handle.remove()
-    with torch.no_grad():
-        assert torch.equal(model(x), want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _runs_then_disables_exactly(model, reference, x, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -381,10 +383,7 @@ def test_is_replace_from_another_thread_waits_for_the_running_forward(backend: s
     assert torch.equal(forward_result["value"], want)
     assert replace_result["value"].resident == () and replace_result["value"].prefetch_depth == 2
     paused.handle.remove()
-    with torch.no_grad():
-        assert torch.equal(model(x), want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _runs_then_disables_exactly(model, reference, x, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -431,10 +430,7 @@ def test_a_forward_ended_by_keyboard_interrupt_does_not_hold_up_a_replan(backend
         still_alive.set()
         thread.join(WAIT_S)
     assert fresh.resident == (0, 2, 4)
-    with torch.no_grad():
-        assert torch.equal(model(x), want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _runs_then_disables_exactly(model, reference, x, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -466,7 +462,4 @@ def test_a_replan_that_waited_for_another_threads_replan_refuses_the_stale_group
         second.join(WAIT_S)
     assert first_result["value"].resident == (0, 2, 4)
     assert str(second_result.get("error")) == STALE_GROUP_ERROR
-    with torch.no_grad():
-        assert torch.equal(model(x), want)
-    fo.disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+    _runs_then_disables_exactly(model, reference, x, want)
