@@ -98,6 +98,10 @@ class LayerwiseOffloadGroup:
             self.calibrate(step)
         return drifted
 
+    def disk_blocks(self) -> int:
+        """How many offloaded blocks stream from disk every step (built with ``weights=``; 0 otherwise)."""
+        return sum(1 for state in self.states if getattr(state, "on_disk", False))
+
     def _check_current(self) -> None:
         # A disable or re-plan took this group off its model: its figures and its plan describe a layout
         # the model no longer runs.
@@ -110,7 +114,7 @@ class LayerwiseOffloadGroup:
         disk: dict[str, Any] = {}
         if self.checkpoint is not None:
             disk_stats = dict(self.engine.disk_stats())
-            disk = dict(disk_blocks=sum(1 for state in self.states if getattr(state, "on_disk", False)),
+            disk = dict(disk_blocks=self.disk_blocks(),
                         disk_reads=disk_stats["reads"], disk_waits=disk_stats["waits"],
                         staging_bytes=disk_stats["staging_count"] * disk_stats["staging_bytes"],
                         bytes_read=dict(self.engine.reader.stats())["bytes_read"])

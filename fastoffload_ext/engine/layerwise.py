@@ -228,10 +228,9 @@ def _replace(enable: _Enable) -> LayerwiseOffloadGroup:
     if old is None:  # another thread's disable got here first: nothing to undo
         return enable.run(replaced=False)
     try:
-        on_disk = sum(1 for state in old.states if getattr(state, "on_disk", False))
-        if on_disk:
+        if old.disk_blocks():
             # Undoing it to host memory would read every block from disk into RAM at once.
-            raise OffloadStateError(DISK_REPLACE_ERROR.format(disk=on_disk))
+            raise OffloadStateError(DISK_REPLACE_ERROR.format(disk=old.disk_blocks()))
         disable_layerwise_offload(model, device="cpu")
     except BaseException as error:
         enable.rendezvous.fail(error)  # the other ranks of a collective learn of it instead of waiting

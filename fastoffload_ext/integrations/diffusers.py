@@ -237,11 +237,17 @@ def _offloaded_model(pipe: Any, name: str) -> nn.Module | None:
     return None
 
 
-def _offloaded_names(pipe: Any) -> list[str]:
-    # The usual denoisers, any other attribute offload_transformer(names=...) offloaded (a "unet"), and any
-    # component holding an offloaded model (a pipeline that from_pipe built around one).
+def _offloaded_models(pipe: Any) -> dict[str, nn.Module]:
+    """Slot name -> offloaded model: the usual denoisers, any other attribute offload_transformer(names=...)
+    offloaded (a "unet"), and any component holding an offloaded model (a pipeline that from_pipe built
+    around one)."""
     names = dict.fromkeys((*DENOISER_NAMES, *getattr(pipe, _NAMES_ATTRIBUTE, ()), *_component_names(pipe)))
-    return [name for name in names if _offloaded_model(pipe, name) is not None]
+    found = {name: _offloaded_model(pipe, name) for name in names}
+    return {name: model for name, model in found.items() if model is not None}
+
+
+def _offloaded_names(pipe: Any) -> list[str]:
+    return list(_offloaded_models(pipe))
 
 
 def _check_pipeline_to(pipe: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -250,11 +256,8 @@ def _check_pipeline_to(pipe: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     by one, and a refusal half-way would leave the pipeline (and the components it shares) split."""
     target, dtype = _pipeline_target(args, kwargs)
     cast = _module_to_cast(dtype)  # diffusers casts each component with module.to(device, dtype)
-    for name in _offloaded_names(pipe):
-        model = _offloaded_model(pipe, name)
-        group = get_offload_group(model) if model is not None else None
-        if group is None:
-            continue
+    for name, model in _offloaded_models(pipe).items():
+        group = get_offload_group(model)
         if target is not None and not _same_device(target, group.device):
             raise OffloadStateError(MOVE_ERROR.format(what=f"pipe.to({str(target)!r})", model=f"pipe.{name}",
                                                       target=str(target), device=str(group.device)))

@@ -188,10 +188,6 @@ def _kept(group: Any, table: BlockCosts) -> Any:
                         prefetch_depth=old.prefetch_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph)
 
 
-def _disk_blocks(group: Any) -> int:
-    return sum(1 for state in group.states if getattr(state, "on_disk", False))
-
-
 def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     """A fresh plan from ``costs`` (default: the last calibration) under the enable-time budgets."""
     return replan_group(group, costs)
@@ -251,7 +247,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
         logger.warning("%s; keeping the layout enable applied", SHARED_REPLAN_ERROR.format(ranks=ranks, plan=new))
         group.plan = _kept(group, table)
         return group
-    disk = _disk_blocks(group)
+    disk = group.disk_blocks()
     if disk:
         kept = _kept(group, table)
         if new.predicted_step_ms >= kept.predicted_step_ms * (1 - DISK_REPLAN_GAIN):
