@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -401,23 +403,34 @@ def test_disable_from_another_thread_waits_for_the_whole_forward(backend: str) -
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_forward_ended_by_keyboard_interrupt_does_not_hold_up_a_replan(backend: str) -> None:
+def test_a_forward_ended_by_keyboard_interrupt_does_not_hold_up_a_replan(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch runs no always-call hook for a forward that a KeyboardInterrupt ends: the forward's record
-    stays behind, and the thread's stack is what tells the re-plan that the forward is over."""
+    stays behind, and its ended frame is what tells the re-plan that the forward is over. The record
+    then lets go of that forward's input, and no thread's stack is read from another thread (reading one
+    while its forward ran corrupted CPython 3.11's heap)."""
     model, reference, x, want, group = _planned(backend, all_resident=True, seed=50)
 
     def interrupt(module: Any, args: Any) -> None:
         raise KeyboardInterrupt
 
+    def no_stack_reads() -> Any:
+        raise AssertionError("sys._current_frames() was called")
+
+    monkeypatch.setattr(sys, "_current_frames", no_stack_reads)
     handle = model.blocks[2].register_forward_pre_hook(interrupt)
     interrupted, still_alive = threading.Event(), threading.Event()
+    its_input: list[weakref.ref[torch.Tensor]] = []
 
     def forward_then_linger() -> None:
+        own = x.clone()
+        its_input.append(weakref.ref(own))
         try:
             with torch.no_grad():
-                model(x)
+                model(own)
         except KeyboardInterrupt:
             interrupted.set()
+        del own
         assert still_alive.wait(WAIT_S)  # the thread lives on, its forward long gone
 
     thread = threading.Thread(target=forward_then_linger)
@@ -426,6 +439,7 @@ def test_a_forward_ended_by_keyboard_interrupt_does_not_hold_up_a_replan(backend
     handle.remove()
     try:
         fresh = group.replan(SOME_OFFLOADED_COSTS)  # would wait for good if the stale record counted
+        assert its_input[0]() is None  # the ended forward's frame no longer keeps its input
     finally:
         still_alive.set()
         thread.join(WAIT_S)

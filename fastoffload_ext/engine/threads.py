@@ -102,17 +102,23 @@ class ForwardGate:
             yield
 
 
-# How often a hold that waits looks again at the threads it waits for: a forward ended by a
-# KeyboardInterrupt skips torch's always-call hooks, and only the thread's stack then says it has left.
+# How often a hold that waits looks again at the forwards it waits for: a forward ended by a
+# KeyboardInterrupt skips torch's always-call hooks, and only its frame then says it has ended.
 RECHECK_SECONDS = 0.5
 
 
-def _stack_ids(frame: Any) -> set[int]:
-    ids = set()
-    while frame is not None:
-        ids.add(id(frame))
-        frame = frame.f_back
-    return ids
+def _frame_ended(frame: Any) -> bool:
+    """Whether ``frame`` has returned or unwound. ``frame.clear()`` refuses a frame that is executing
+    (documented) and otherwise drops the locals it holds, which an ended forward no longer needs.
+
+    A frame is only ever asked through the reference its own thread recorded: the threads' stacks are
+    never read across threads (``sys._current_frames()`` while another thread's forward ran corrupted
+    CPython 3.11's heap, a rare segfault in a later allocation)."""
+    try:
+        frame.clear()
+    except RuntimeError:
+        return False
+    return True
 
 
 class ModelForwards:
@@ -120,9 +126,9 @@ class ModelForwards:
 
     A forward pre-hook (run first) and an always-call forward hook on the model count the forwards
     of each thread; a forward is recorded by the frame that ran the hooks (torch's ``_call_impl``),
-    which stays on the thread's stack for exactly as long as the forward runs, so a forward that a
-    KeyboardInterrupt ended (torch skips the always-call hooks for it) is recognised as gone by
-    looking at that thread's stack instead of waiting for it forever. Inside a compiled region the
+    which executes for exactly as long as the forward runs, so a forward that a KeyboardInterrupt
+    ended (torch skips the always-call hooks for it) is recognised as gone by its frame having ended,
+    instead of being waited for forever. Inside a compiled region the
     hooks do nothing (dynamo would trace them): a whole-model ``torch.compile`` forward is not seen;
     regional compile (``block.compile()``) is.
 
@@ -134,7 +140,7 @@ class ModelForwards:
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
-        self._entries: dict[int, list[int]] = {}  # thread id -> ids of the frames that entered a forward
+        self._entries: dict[int, list[Any]] = {}  # thread id -> the frames that entered a forward
         self._holder: int | None = None
         self._hold_depth = 0
         self._handles: tuple[Any, ...] = ()
@@ -182,19 +188,18 @@ class ModelForwards:
     def _enter(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        frame = sys._getframe(1)  # torch's frame around this forward: on the stack until it returns
+        frame = sys._getframe(1)  # torch's frame around this forward: executing until the forward ends
         me = threading.get_ident()
         with self._condition:
             mine = self._entries.get(me)
             if mine:
-                live = _stack_ids(frame)
-                mine[:] = [entry for entry in mine if entry in live]  # ended by a KeyboardInterrupt
+                mine[:] = [entry for entry in mine if not _frame_ended(entry)]  # ended by a KeyboardInterrupt
             if not mine:
                 # Not nested in a forward of this thread: a layout change in another thread goes first.
                 if self._holder not in (None, me):
                     logger.debug("a forward waits for another thread's layout change of this offloaded model")
                 self._condition.wait_for(lambda: self._holder in (None, me))
-            self._entries.setdefault(me, []).append(id(frame))
+            self._entries.setdefault(me, []).append(frame)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -209,13 +214,11 @@ class ModelForwards:
                 self._condition.notify_all()
 
     def _others_running(self) -> bool:
-        """Whether a thread other than this one is inside a forward; drops the entries of forwards that
-        ended without the leave hook (their frame is no longer on their thread's stack)."""
+        """Whether a thread other than this one is inside a forward; drops the records of forwards that
+        ended without the leave hook (their frame has ended)."""
         me = threading.get_ident()
-        frames = sys._current_frames()
         for ident in [ident for ident in self._entries if ident != me]:
-            live = _stack_ids(frames.get(ident))
-            entries = [entry for entry in self._entries[ident] if entry in live]
+            entries = [entry for entry in self._entries[ident] if not _frame_ended(entry)]
             if entries:
                 self._entries[ident] = entries
                 return True
