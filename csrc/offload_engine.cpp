@@ -572,8 +572,10 @@ void OffloadEngine::bind_for_run(size_t block, size_t slot) {
 void OffloadEngine::acquire(size_t block) {
   GateHold hold = step_gate();
   check_block(block);
-  if (materialized_[block]) return;
+  // Refused also for a materialized block (a load that raised inside it, a forward inside
+  // mutate_params_scope): its parameters become placeholders again, leaving a gradient nowhere to live.
   if (at::GradMode::is_enabled()) check_grad(block);
+  if (materialized_[block]) return;
   int64_t slot = ring_.slot_of(block);
   if (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse) {
     // The block is already running (re-entrant call): it is bound and its copy was waited for.

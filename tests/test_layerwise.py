@@ -416,6 +416,25 @@ def test_tied_weights_are_refused_and_nothing_changes(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grad_forward_through_a_block_inside_mutate_params_scope_is_refused(backend: str) -> None:
+    """Inside mutate_params_scope the block's parameters are real tensors, but it is still offloaded: its
+    parameters become placeholders at the scope's end, so a gradient would have nowhere to live. Refused as
+    for any offloaded block, on both backends (ext ran it)."""
+    model, reference, x = _setup(3, "cpu")
+    for m in (model, reference):  # only block 1, the one in the scope, has parameters that require grad
+        m.blocks[0].requires_grad_(False)
+        m.blocks[2].requires_grad_(False)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with offload_hook(model.blocks[1]).mutate_params_scope():
+        with pytest.raises(RuntimeError, match=r"its parameter '\S+' requires grad, and grad mode is on"):
+            model(x)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_block_list_reached_by_a_second_name_is_offloaded_not_refused_as_tied(backend: str) -> None:
     model, reference, x = _setup(3, "cpu")
     model.stages = model.blocks  # the same modules under another attribute: calling them runs their hooks
