@@ -15,6 +15,8 @@ from torch import nn
 import fastoffload_ext as fo
 from fastoffload_ext import ModuleHookManager, LayerwiseOffloadHook
 
+from fastoffload_ext.planning import BlockCosts, module_packed_bytes
+
 from ._models import OFFLOAD_DEVICES, Block, Stack, make_pair, offload_hook, params_equal, place_outside_blocks
 
 BACKENDS = ["ext", "python"]
@@ -413,6 +415,36 @@ def test_tied_weights_are_refused_and_nothing_changes(backend: str) -> None:
     model, _, _ = _setup(3, "cpu")
     model.proj_out.weight = model.blocks[0].o.weight
     assert fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=1) is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_planned_layout_keeps_tied_blocks_resident_through_re_plans(backend: str) -> None:
+    """A budget leaves the resident set to the planner: blocks whose weights are tied to another block (2 and
+    3) or to the rest of the model (0) stay resident in every plan, the first and the re-plans (enable used
+    to refuse the tie whenever the plan offloaded one, and a calibrate could re-plan into that refusal)."""
+    model, reference, x = _setup(6, "cpu")
+    for m in (model, reference):
+        m.blocks[3].o.weight = m.blocks[2].o.weight
+        m.proj_out.weight = m.blocks[0].o.weight
+    block = module_packed_bytes(model.blocks[1])
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * block)
+    assert {0, 2, 3} <= set(group.resident) and group.offloaded_indices
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    # Costs that would make any other blocks resident first: the tied ones still stay.
+    costs = BlockCosts([1.0, 0.1, 0.1, 0.1, 0.1, 5.0], [block] * 6, 1e-3)
+    group = group.replan(costs)
+    assert {0, 2, 3} <= set(group.resident) and group.offloaded_indices
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert model.blocks[3].o.weight is model.blocks[2].o.weight and model.proj_out.weight is model.blocks[0].o.weight
+    assert params_equal(model, reference)
+    # A budget too small for the tied blocks is refused before anything changes, naming them.
+    with pytest.raises(ValueError, match=r"too small for 3 resident blocks \(.*: blocks 0, 2, 3, whose weights are tied "
+                                         r"to another block or to the rest of the model\).*untie those weights"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=4 * block)
+    assert fo.get_offload_group(model) is None and params_equal(model, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

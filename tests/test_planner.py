@@ -33,10 +33,12 @@ def footprint(costs: BlockCosts, resident: frozenset[int], depth: int) -> tuple[
 
 
 def brute_force(costs: BlockCosts, budget: int | None, host_budget: int | None = None,
-                depths: tuple[int, ...] = (1, 2, 3)) -> float | None:
+                depths: tuple[int, ...] = (1, 2, 3), keep: frozenset[int] = frozenset()) -> float | None:
     best = None
     for r in range(costs.blocks + 1):
         for chosen in itertools.combinations(range(costs.blocks), r):
+            if not keep <= set(chosen):
+                continue
             for depth in depths:
                 device, host = footprint(costs, frozenset(chosen), depth)
                 if (budget is not None and device > budget) or (host_budget is not None and host > host_budget):
@@ -105,6 +107,37 @@ def test_optimal_on_small_tables_by_brute_force(seed: int) -> None:
         plan = plan_offload(costs, budget)
         assert plan.predicted_step_ms == pytest.approx(brute_force(costs, budget), rel=1e-9, abs=1e-9)
         assert plan.device_bytes == footprint(costs, frozenset(plan.resident), plan.prefetch_depth)[0] <= budget
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kept_blocks_are_in_every_plan_which_is_optimal_among_those_sets(seed: int) -> None:
+    """keep_resident (the blocks enable finds tied to another block or to the rest of the model) is in every
+    searched plan, the plan is the brute-force best among the sets that hold it, and a budget too small for
+    it is refused naming those blocks."""
+    rng = random.Random(200 + seed)
+    n = rng.randint(3, 6)
+    costs = random_costs(rng, n)
+    keep = frozenset(rng.sample(range(n), rng.randint(1, 2)))
+    total = sum(costs.block_bytes)
+    for fraction in (0.3, 0.6, 1.0, 2.0):
+        budget = int(fraction * total) + 4 * max(costs.block_bytes) + costs.activation_bytes
+        want = brute_force(costs, budget, keep=keep)
+        if want is None:
+            with pytest.raises(OffloadConfigError, match=r"whose weights are tied to another block"):
+                plan_offload(costs, budget, keep_resident=keep)
+            continue
+        plan = plan_offload(costs, budget, keep_resident=keep)
+        assert keep <= set(plan.resident) and plan.device_bytes <= budget
+        assert plan.predicted_step_ms == pytest.approx(want, rel=1e-9, abs=1e-9)
+    # Too small for the kept blocks and two slots: refused with their numbers, whatever else would fit.
+    kept = sum(costs.block_bytes[b] for b in keep)
+    with pytest.raises(OffloadConfigError, match=r"too small for %d resident blocks \(.*: blocks %s, whose weights"
+                       % (len(keep), ", ".join(map(str, sorted(keep))))):
+        plan_offload(costs, kept + costs.activation_bytes, keep_resident=keep)
+    # A fixed resident set is taken as given; indices out of range are refused.
+    assert plan_offload(costs, None, resident=(), keep_resident=keep).resident == ()
+    with pytest.raises(OffloadConfigError, match=r"keep_resident block indices must be integers in 0..%d" % (n - 1)):
+        plan_offload(costs, None, keep_resident=[n])
 
 
 @pytest.mark.parametrize("n, compute_ms", [(9, 0.5), (9, 1.8), (10, 1.0), (12, 2.0)])

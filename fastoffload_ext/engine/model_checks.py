@@ -18,7 +18,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 from fastoffload_ext.errors import OffloadConfigError
 
 __all__ = ["ALL_LISTS", "check_block_kinds", "check_block_lists_form", "check_devices", "check_repeated_blocks",
-           "check_tied_parameters", "check_weight_hooks", "find_block_list", "find_block_lists", "storage_key"]
+           "check_tied_parameters", "check_weight_hooks", "find_block_list", "find_block_lists", "storage_key",
+           "tied_block_indices"]
 
 ALL_LISTS = "all"
 
@@ -151,6 +152,30 @@ def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLis
                                          "weights tied between an offloaded block and the rest of the model are not "
                                          "supported. Untie them (clone one), or keep that block resident with "
                                          "resident_blocks")
+
+
+def tied_block_indices(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, ...]:
+    """The blocks holding a parameter whose storage another block, or the rest of the model, holds too.
+
+    :func:`check_tied_parameters` refuses to offload any of them; a planner that picks the resident set
+    keeps them resident instead (a weight tied inside one block is not a tie between owners)."""
+    owners: dict[tuple[object, ...], set[int]] = {}
+    for index, block in enumerate(blocks):
+        for param in block.parameters():
+            owners.setdefault(storage_key(param), set()).add(index)
+    block_ids = {id(block) for block in blocks}
+    inside: list[str] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if any(prefix.startswith(block_prefix) for block_prefix in inside):
+            continue
+        if id(module) in block_ids:  # a block, also where another path reaches it: its own parameters
+            inside.append(f"{prefix}.")
+            continue
+        for param in module.parameters(recurse=False):
+            key = storage_key(param)
+            if key in owners:
+                owners[key].add(-1)  # the rest of the model
+    return tuple(sorted({index for held in owners.values() if len(held) > 1 for index in held if index >= 0}))
 
 
 def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> None:

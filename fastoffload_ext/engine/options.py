@@ -19,7 +19,7 @@ from torch import nn
 
 from fastoffload_ext import _backend, codec
 from fastoffload_ext.engine import sharing
-from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_lists
+from fastoffload_ext.engine.model_checks import check_block_kinds, find_block_lists, tied_block_indices
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.storage.options import DiskOptions, check_storage_arguments
 from fastoffload_ext.planning.budgets import parse_size
@@ -257,7 +257,8 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                             host_budget=None if weights is not None else host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic,
                             disk=_disk_costs(weights, list_name, blocks, checked.disk_budget, disk_options, device,
-                                             backend))
+                                             backend),
+                            tied=tied_block_indices(model, list(blocks)))
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     compress_mode = checked.compress_mode
     if compress_mode == "auto" and layout.compress is not None:

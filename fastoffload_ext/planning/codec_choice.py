@@ -33,7 +33,8 @@ def _raw(costs: BlockCosts) -> BlockCosts:
 def choose_codec_plan(raw: BlockCosts, coded: BlockCosts, device_budget: int | None = None, *,
                       host_budget: int | None = None, resident: Collection[int] | None = None,
                       prefetch_depth: int | None = None, cyclic: bool = True,
-                      margin: float = CODED_MARGIN, cuda_graph: bool = False) -> OffloadPlan:
+                      margin: float = CODED_MARGIN, cuda_graph: bool = False,
+                      keep_resident: Collection[int] = ()) -> OffloadPlan:
     """The faster predicted of the raw plan (``raw``'s bytes, no staging) and the coded one (``coded``'s
     ``transfer_bytes``, staging counted), each within the budgets; ``plan.compressed`` says which.
 
@@ -43,7 +44,7 @@ def choose_codec_plan(raw: BlockCosts, coded: BlockCosts, device_budget: int | N
     if not 0.0 <= margin < 1.0:
         raise OffloadConfigError(f"fastoffload: choose_codec_plan's margin must be in [0, 1), got {margin!r}")
     kwargs = dict(host_budget=host_budget, resident=resident, prefetch_depth=prefetch_depth, cyclic=cyclic,
-                  cuda_graph=cuda_graph)
+                  cuda_graph=cuda_graph, keep_resident=keep_resident)
     raw_plan: OffloadPlan | None = None
     refusal: OffloadConfigError | None = None
     try:

@@ -157,8 +157,11 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
                    prefetch_depth: object, device_budget: object = None, host_budget: object = AUTO,
                    activation_reserve: object = None, plan: OffloadPlan | None = None, cyclic: bool = True,
                    costs: BlockCosts | None = None, compress: str = "off",
-                   disk: Callable[[], DiskCosts | None] | None = None) -> Layout:
+                   disk: Callable[[], DiskCosts | None] | None = None, tied: Collection[int] = ()) -> Layout:
     """The resident set and depth enable should apply; raises OffloadConfigError before anything changes.
+
+    ``tied``: blocks whose weights are tied to another block or to the rest of the model; a plan keeps
+    them resident (kept in the settings as ``tied_resident``, for the re-plans).
 
     ``disk``: with ``weights=``, what gives the disk tier the plan must count (None when every block
     fits the host budget); called only when a plan is made, since it may read from the disk.
@@ -176,7 +179,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
                 "activation_reserve": parse_size(activation_reserve, "activation_reserve", allow_auto=False)}
     if plan is not None:
         return _from_plan(plan, blocks, device, list_name, settings, resident_blocks, prefetch_depth, costs, compress,
-                          cyclic)
+                          cyclic, tied)
     planned = settings["device_budget"] is not None or resident == AUTO or depth == AUTO
     check_reserve_has_budget(settings["activation_reserve"], settings["device_budget"], resident, depth, None)
     if not planned:
@@ -192,7 +195,7 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
     # device_budget_bytes: the budget enable applied, in bytes ("auto" resolved), for checks made later (a
     # CUDA-graph capture's fixed slots, engine/graphs.py).
     settings.update(fixed_resident=fixed_resident, fixed_depth=fixed_depth, activation_reserve_bytes=reserve,
-                    device_budget_bytes=budget)
+                    device_budget_bytes=budget, tied_resident=tuple(sorted(tied)))
     if n == 0:
         return Layout((), fixed_depth if fixed_depth is not None else 1, None, settings)
     table = costs if costs is not None and costs.blocks == n else default_costs(blocks, device, reserve)
@@ -208,10 +211,10 @@ def resolve_layout(blocks: Sequence[nn.Module], device: torch.device, list_name:
             table, transfer_bytes=tuple(estimate_transfer_bytes(blocks)))
     if chooses:
         chosen = choose_codec_plan(table, coded, budget, host_budget=host, resident=fixed_resident,
-                                   prefetch_depth=fixed_depth, cyclic=cyclic)
+                                   prefetch_depth=fixed_depth, cyclic=cyclic, keep_resident=tied)
     else:
         chosen = plan_offload(coded if compress == "on" else table, budget, host_budget=host,
-                              resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=cyclic)
+                              resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=cyclic, keep_resident=tied)
     logger.info("%s", chosen)
     return Layout(chosen.resident, chosen.prefetch_depth, chosen, settings,
                   _planned_mode(chosen, compress) if chooses else None)
@@ -260,7 +263,8 @@ def check_layout_arguments(n: int, list_name: str, *, resident_blocks: object, p
 
 def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.device, list_name: str,
                settings: dict[str, Any], resident_blocks: object, prefetch_depth: object,
-               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True) -> Layout:
+               costs: BlockCosts | None, compress: str = "off", cyclic: bool = True,
+               tied: Collection[int] = ()) -> Layout:
     _check_plan_form(plan, len(blocks), list_name, resident_blocks, prefetch_depth)
     if compress == "on" and not plan.costs.compressed:
         # A plan made for raw copies, applied with compress=True: the copies move coded bytes and the decoder
@@ -289,7 +293,8 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     # The reserve the plan counts (a re-plan keeps it unless the caller gave one or a calibration measured it).
     reserve = settings["activation_reserve"]
     settings.update(fixed_resident=None, fixed_depth=None, device_budget_bytes=budget,
-                    activation_reserve_bytes=reserve if reserve is not None else plan.costs.activation_bytes)
+                    activation_reserve_bytes=reserve if reserve is not None else plan.costs.activation_bytes,
+                    tied_resident=tuple(sorted(tied)))
     return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 
 

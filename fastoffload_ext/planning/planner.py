@@ -156,8 +156,9 @@ def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
 
 
 def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | None, depths: list[int],
-             fixed: frozenset[int] | None, cuda_graph: bool = False) -> OffloadConfigError:
-    """Why nothing fits, with the numbers of the cheapest layout and what to change."""
+             fixed: frozenset[int] | None, cuda_graph: bool = False, tied: bool = False) -> OffloadConfigError:
+    """Why nothing fits, with the numbers of the cheapest layout and what to change. ``tied``: ``fixed``
+    is the blocks whose tied weights keep them resident, not a set the caller chose."""
     depth = min(depths)
     reserve = format_bytes(costs.activation_bytes)
     graph = " (with a CUDA graph's fixed slots)" if cuda_graph else ""
@@ -167,12 +168,15 @@ def _refusal(costs: BlockCosts, device_budget: int | None, host_budget: int | No
         slots = planned_slot_count(costs.blocks - len(fixed), depth, cuda_graph)
         staging = costs.staging_bytes([b for b in range(costs.blocks) if b not in fixed])
         if device_budget is not None and device > device_budget:
+            what = (f"{format_bytes(resident_bytes)}: blocks {', '.join(map(str, sorted(fixed)))}, whose weights are "
+                    "tied to another block or to the rest of the model" if tied else format_bytes(resident_bytes))
+            advice = ("untie those weights (clone one) to let the planner offload those blocks, or raise device_budget"
+                      if tied else "keep fewer blocks resident, use resident_blocks='auto', or raise device_budget")
             return OffloadConfigError(
                 f"fastoffload: device_budget {format_bytes(device_budget)} is too small for {len(fixed)} resident "
-                f"blocks ({format_bytes(resident_bytes)}) + {slots} slots{graph} x {format_bytes(slot)} + "
+                f"blocks ({what}) + {slots} slots{graph} x {format_bytes(slot)} + "
                 + (f"{format_bytes(staging)} staging for compressed copies + " if staging else "")
-                + f"{reserve} activation reserve = {format_bytes(device)}; keep fewer blocks resident, use "
-                "resident_blocks='auto', or raise device_budget")
+                + f"{reserve} activation reserve = {format_bytes(device)}; {advice}")
         return OffloadConfigError(
             f"fastoffload: host_budget {format_bytes(host_budget)} cannot hold the {format_bytes(host)} of pinned host "
             f"copies that the {costs.blocks - len(fixed)} offloaded blocks need; keep more blocks resident, "
@@ -289,58 +293,22 @@ def _check_inputs(costs: BlockCosts, device_budget: int | None, host_budget: int
         raise OffloadConfigError(f"fastoffload: plan_offload's resident must be None or a collection of block indices "
                                  f"(a list, tuple, set or range; the first N blocks: range(N)), got {resident!r}")
     if resident is not None:
-        bad = [b for b in resident if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < costs.blocks]
-        if bad:
-            raise OffloadConfigError(f"fastoffload: resident block indices must be integers in 0..{costs.blocks - 1}, "
-                                     f"got {sorted(resident, key=repr)!r}")
+        _check_indices(costs, resident, "resident")
 
 
-def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_budget: int | None = None,
-                 resident: Collection[int] | None = None, prefetch_depth: int | None = None,
-                 max_depth: int = DEFAULT_MAX_DEPTH, cyclic: bool = True,
-                 exhaustive_limit: int = EXHAUSTIVE_LIMIT, cuda_graph: bool = False) -> OffloadPlan:
-    """The fastest predicted (resident set, depth) for ``costs`` within the budgets (bytes, None: no limit).
+def _check_indices(costs: BlockCosts, indices: Collection[int], name: str) -> None:
+    if not isinstance(indices, Collection) or isinstance(indices, (str, bytes)):
+        raise OffloadConfigError(f"fastoffload: plan_offload's {name} must be a collection of block indices, got "
+                                 f"{indices!r}")
+    bad = [b for b in indices if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < costs.blocks]
+    if bad:
+        raise OffloadConfigError(f"fastoffload: {name} block indices must be integers in 0..{costs.blocks - 1}, "
+                                 f"got {sorted(indices, key=repr)!r}")
 
-    ``resident`` or ``prefetch_depth`` fix that half of the plan; the other is searched (depths
-    1..``max_depth``). Raises :class:`OffloadConfigError` with the numbers when nothing fits.
-    ``cuda_graph``: the model will be captured with ``OffloadedCUDAGraph``, whose fixed slots can be
-    more than ``depth + 1`` (``slots.cyclic_slot_count``); the memory counts them, so the capture
-    stays within ``device_budget``. The predicted step is the eager one either way.
-    """
-    _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
-    for name, flag in (("cyclic", cyclic), ("cuda_graph", cuda_graph)):
-        if not isinstance(flag, bool):  # cyclic="no" is truthy: it would silently plan the cyclic schedule
-            raise OffloadConfigError(f"fastoffload: plan_offload's {name} must be True or False, got {flag!r}")
-    fixed = frozenset(resident) if resident is not None else None
-    depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
-    best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
-    slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
-    scored = 0
-    no_staging: OffloadConfigError | None = None  # a disk tier whose staging ring the host budget cannot hold
-    for asked in depths:
-        sets = [fixed] if fixed is not None else candidate_sets(costs, asked, cyclic=cyclic,
-                                                                 exhaustive_limit=exhaustive_limit)
-        for chosen in sets:
-            depth = _run_depth(costs, chosen, asked)
-            resident_bytes, _, device, host = _memory(costs, chosen, depth, cuda_graph)
-            if (device_budget is not None and device > device_budget) or (host_budget is not None
-                                                                          and host > host_budget):
-                continue
-            try:
-                ms = _score(costs, chosen, depth, cyclic)
-            except OffloadConfigError as error:
-                no_staging = error
-                continue
-            scored += 1
-            key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
-                   -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
-                   tuple(sorted(chosen)))
-            if best is None or key < best[0]:
-                best = (key, chosen, depth, ms)
-    if best is None:
-        raise no_staging if no_staging is not None else _refusal(costs, device_budget, host_budget, depths, fixed,
-                                                                 cuda_graph)
-    _, chosen, depth, ms = best
+
+def _make_plan(costs: BlockCosts, chosen: frozenset[int], depth: int, ms: float, scored: int,
+               device_budget: int | None, host_budget: int | None, cyclic: bool, cuda_graph: bool) -> OffloadPlan:
+    """The plan for the layout the search chose, with its memory, its ideal and why."""
     resident_bytes, slot, device, host = _memory(costs, chosen, depth, cuda_graph)
     timeline = simulate_step(costs, chosen, depth, cyclic=cyclic)
     # Offloaded blocks that all fit the slots stay there after the first step: the step copies none, so
@@ -373,6 +341,65 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                  _host_clause(costs, len(offloaded), host_ms, device_ms), _disk_clause(costs, chosen, copy_ms),
                  cached=bool(offloaded) and not timeline.copies),
         costs=costs, cuda_graph=cuda_graph)
+    return plan
+
+
+def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_budget: int | None = None,
+                 resident: Collection[int] | None = None, prefetch_depth: int | None = None,
+                 max_depth: int = DEFAULT_MAX_DEPTH, cyclic: bool = True,
+                 exhaustive_limit: int = EXHAUSTIVE_LIMIT, cuda_graph: bool = False,
+                 keep_resident: Collection[int] = ()) -> OffloadPlan:
+    """The fastest predicted (resident set, depth) for ``costs`` within the budgets (bytes, None: no limit).
+
+    ``resident`` or ``prefetch_depth`` fix that half of the plan; the other is searched (depths
+    1..``max_depth``). ``keep_resident``: blocks every searched resident set includes (enable passes
+    the blocks whose weights are tied to another block or to the rest of the model, which cannot be
+    offloaded); a fixed ``resident`` is taken as given. Raises :class:`OffloadConfigError` with the
+    numbers when nothing fits.
+    ``cuda_graph``: the model will be captured with ``OffloadedCUDAGraph``, whose fixed slots can be
+    more than ``depth + 1`` (``slots.cyclic_slot_count``); the memory counts them, so the capture
+    stays within ``device_budget``. The predicted step is the eager one either way.
+    """
+    _check_inputs(costs, device_budget, host_budget, resident, prefetch_depth, max_depth)
+    _check_indices(costs, keep_resident, "keep_resident")
+    keep = frozenset(keep_resident)
+    for name, flag in (("cyclic", cyclic), ("cuda_graph", cuda_graph)):
+        if not isinstance(flag, bool):  # cyclic="no" is truthy: it would silently plan the cyclic schedule
+            raise OffloadConfigError(f"fastoffload: plan_offload's {name} must be True or False, got {flag!r}")
+    fixed = frozenset(resident) if resident is not None else None
+    depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
+    best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
+    slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
+    scored = 0
+    no_staging: OffloadConfigError | None = None  # a disk tier whose staging ring the host budget cannot hold
+    for asked in depths:
+        sets = [fixed] if fixed is not None else dict.fromkeys(
+            chosen | keep for chosen in candidate_sets(costs, asked, cyclic=cyclic, exhaustive_limit=exhaustive_limit))
+        for chosen in sets:
+            depth = _run_depth(costs, chosen, asked)
+            resident_bytes, _, device, host = _memory(costs, chosen, depth, cuda_graph)
+            if (device_budget is not None and device > device_budget) or (host_budget is not None
+                                                                          and host > host_budget):
+                continue
+            try:
+                ms = _score(costs, chosen, depth, cyclic)
+            except OffloadConfigError as error:
+                no_staging = error
+                continue
+            scored += 1
+            key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
+                   -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
+                   tuple(sorted(chosen)))
+            if best is None or key < best[0]:
+                best = (key, chosen, depth, ms)
+    if best is None:
+        if no_staging is not None:
+            raise no_staging
+        if fixed is None and keep:
+            raise _refusal(costs, device_budget, host_budget, depths, keep, cuda_graph, tied=True)
+        raise _refusal(costs, device_budget, host_budget, depths, fixed, cuda_graph)
+    _, chosen, depth, ms = best
+    plan = _make_plan(costs, chosen, depth, ms, scored, device_budget, host_budget, cyclic, cuda_graph)
     logger.debug("%s", plan)
     return plan
 

@@ -220,6 +220,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
         table = dataclasses.replace(table, disk=old.costs.disk)  # a calibration measures no disk
     fixed_resident = settings.get("fixed_resident")
     fixed_depth = settings.get("fixed_depth")
+    tied = settings.get("tied_resident") or ()  # weights tied across blocks: those blocks stay resident
     auto = settings.get("arguments", {}).get("compress") == "auto" and group.engine is not None
     if group.compress_mode == "on" and not table.compressed:
         # A raw table (one the caller built) for a group that sends coded copies: planned raw, the layout
@@ -230,10 +231,11 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
         # "auto" under a plan: raw and coded copies are planned again from the measured table.
         new = choose_codec_plan(table, _coded_table(group, table), old.device_budget, host_budget=old.host_budget,
                                 resident=fixed_resident, prefetch_depth=fixed_depth, cyclic=group.cyclic,
-                                cuda_graph=old.cuda_graph)
+                                cuda_graph=old.cuda_graph, keep_resident=tied)
     else:
         new = plan_offload(table, old.device_budget, host_budget=old.host_budget, resident=fixed_resident,
-                           prefetch_depth=fixed_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph)
+                           prefetch_depth=fixed_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph,
+                           keep_resident=tied)
     # Under "auto" a switch between raw and coded copies is a new layout too: the engine's mode changes.
     if new.same_layout(old) and (not auto or new.compressed == (group.compress_mode == "on")):
         group.plan = new
