@@ -31,7 +31,7 @@ from ._models import offload_hook
 
 D = 8
 BACKENDS = ["ext", "python"]
-SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "8"))
+SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "48"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "50"))
 
 
@@ -500,6 +500,12 @@ class Driver:
 
         try:
             group.calibrate(step, repeats=1)
+        except OffloadConfigError as error:
+            # A block that a scope grew (new parameters) can leave no layout within the budget: the re-plan
+            # refuses with the numbers and changes nothing.
+            assert "is too small for" in str(error), error
+            assert self.group is group
+            self.log.append("  refused: " + str(error)[:100])
         finally:
             for block in self.model.blocks:
                 block.counting = True
