@@ -62,7 +62,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Sequence
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -403,11 +404,27 @@ def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -
     return state
 
 
+def _budget_check(group: LayerwiseOffloadGroup, index: int) -> Callable[[], None]:
+    """What runs as a mutate_params_scope on the ``index``-th offloaded block ends: the plan's budget checked
+    against the block's new size (``replan.warn_if_grown``). Holds the group weakly: the hook outlives it
+    when a re-plan replaces the group."""
+    group_ref = weakref.ref(group)
+
+    def check() -> None:
+        from fastoffload_ext.planning import replan as replanning
+
+        current = group_ref()
+        if current is not None and get_offload_group(current.model_ref) is current:
+            replanning.warn_if_grown(current, current.offloaded_indices[index])
+    return check
+
+
 def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cuda.Stream | None) -> LayerwiseOffloadHook:
     """Hooks ``block`` (its state takes the weights) and moves its buffers to the device."""
     group.original_devices.append(next((p.device for p in block.parameters()), group.device))
     state = _new_state(group, stream)
     hook = LayerwiseOffloadHook(state)
+    hook.after_mutation = _budget_check(group, len(group.states))
     manager = ModuleHookManager.get_from_or_default(block)
     if manager.get_forward_hook(hook.name()) is not None:
         manager.replace_forward_hook(hook.name(), hook)

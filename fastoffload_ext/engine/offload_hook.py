@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ class LayerwiseOffloadHook(ForwardHook):
 
     def __init__(self, state: BlockOffloadState) -> None:
         self.state = state
+        # Called as the outermost mutate_params_scope ends, before the rebuild (the budget check, set at enable).
+        self.after_mutation: Callable[[], None] | None = None
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
@@ -127,7 +129,11 @@ class LayerwiseOffloadHook(ForwardHook):
         try:
             yield
         finally:
-            leave_mutation(self.state)
-            if getattr(self.state, "mutation_depth", 0) == 0 and self.state_dict_hooks.attached():
-                # The scope may have added or replaced submodules, whose own state_dict() needs the hooks.
-                self.state_dict_hooks.attach(self.state.module_ref)
+            try:
+                if getattr(self.state, "mutation_depth", 0) == 1 and self.after_mutation is not None:
+                    self.after_mutation()  # the outermost scope ends: its parameters are still real tensors
+            finally:
+                leave_mutation(self.state)
+                if getattr(self.state, "mutation_depth", 0) == 0 and self.state_dict_hooks.attached():
+                    # The scope may have added or replaced submodules, whose own state_dict() needs the hooks.
+                    self.state_dict_hooks.attach(self.state.module_ref)

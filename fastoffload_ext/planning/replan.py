@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fastoffload_ext.engine.messages import STALE_GROUP_ERROR
+from fastoffload_ext.engine.messages import STALE_GROUP_ERROR, warn_caller
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
@@ -293,12 +293,38 @@ def recheck(group: Any) -> Any:
     try:
         new = plan_offload(costs, plan.device_budget, host_budget=plan.host_budget,
                            resident=settings.get("fixed_resident"), prefetch_depth=settings.get("fixed_depth"),
-                           cyclic=group.cyclic, cuda_graph=plan.cuda_graph)
+                           cyclic=group.cyclic, cuda_graph=plan.cuda_graph,
+                           keep_resident=settings.get("tied_resident") or ())
     except OffloadConfigError as error:
         logger.warning("fastoffload: the compressed blocks are larger than estimated and no layout fits the budgets "
                        "with them (%s); keeping the layout enable applied", error)
         return group
     return _apply(group, new, costs)
+
+
+GROWN_OVER_BUDGET = ("fastoffload: mutate_params_scope grew block {block} of '{list_name}' to {size}, more than the "
+                     "plan's {slots} slots of {slot} hold: from the next step they take {need} of device memory, above "
+                     "device_budget {budget}. Enable offload again with a larger budget (is_replace=True), or keep "
+                     "fewer blocks resident")
+
+
+def warn_if_grown(group: Any, block: int) -> None:
+    """As ``mutate_params_scope`` on ``block`` of ``group`` ends (its parameters still real tensors, before
+    the host copy is rebuilt from them): the engine makes its slots as large as the
+    largest offloaded block at the next step, so a block the scope grew (an adapter's new parameters) can
+    take the slots above the plan's device budget. Warned then, with the numbers; a later calibrate or
+    re-plan refuses when no layout fits the grown block."""
+    plan = group.plan
+    if plan is None or plan.device_budget is None or plan.num_slots == 0:
+        return
+    size = module_packed_bytes(group.blocks[block])
+    if size <= plan.slot_bytes:
+        return
+    need = plan.device_bytes + plan.num_slots * (size - plan.slot_bytes)
+    if need > plan.device_budget:
+        warn_caller(GROWN_OVER_BUDGET.format(block=block, list_name=group.list_name, size=format_bytes(size),
+                                             slots=plan.num_slots, slot=format_bytes(plan.slot_bytes),
+                                             need=format_bytes(need), budget=format_bytes(plan.device_budget)))
 
 
 # Fewer bytes than this read at enable say too little about the disk's speed to predict with.
@@ -419,5 +445,5 @@ def reapply(group: Any) -> Any:
     return restored
 
 
-__all__ = ["DISK_REPLAN_ERROR", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "reapply", "reapply_refusal",
-           "recheck", "replan", "replan_group", "transfer_bytes", "with_disk_tier"]
+__all__ = ["DISK_REPLAN_ERROR", "GROWN_OVER_BUDGET", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "reapply",
+           "reapply_refusal", "recheck", "replan", "replan_group", "transfer_bytes", "warn_if_grown", "with_disk_tier"]
