@@ -454,22 +454,22 @@ def test_a_scope_that_grows_a_block_past_the_budget_warns_with_the_numbers(backe
     them above the plan's device budget from the next step, which a warning says, with the numbers."""
     model, reference, x = _setup(3, "cpu")
     block = module_packed_bytes(model.blocks[1])
-    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=2 * block + 1024,
-                                        resident_blocks=[])
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=3 * block + 1024,
+                                        resident_blocks=[0])
     assert group.plan.num_slots == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a scope that changes values only says nothing
-        with offload_hook(model.blocks[1]).mutate_params_scope(), torch.no_grad():
-            model.blocks[1].o.weight.mul_(1.0)
-    with pytest.warns(RuntimeWarning, match=r"mutate_params_scope grew block 1 of 'blocks' to .*, more than the "
+        with offload_hook(model.blocks[2]).mutate_params_scope(), torch.no_grad():
+            model.blocks[2].o.weight.mul_(1.0)
+    with pytest.warns(RuntimeWarning, match=r"mutate_params_scope grew block 2 of 'blocks' to .*, more than the "
                                             r"plan's 2 slots of .* hold: from the next step they take .* of device "
                                             r"memory, above device_budget"):
-        with offload_hook(model.blocks[1]).mutate_params_scope():
-            model.blocks[1].adapter = nn.Linear(16, 16)  # not called by the block's forward
+        with offload_hook(model.blocks[2]).mutate_params_scope():
+            model.blocks[2].adapter = nn.Linear(16, 16)  # not called by the block's forward
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
     fo.disable_layerwise_offload(model)
-    del model.blocks[1].adapter
+    del model.blocks[2].adapter
     assert params_equal(model, reference)
 
 

@@ -404,18 +404,21 @@ def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -
     return state
 
 
-def _budget_check(group: LayerwiseOffloadGroup, index: int) -> Callable[[], None]:
-    """What runs as a mutate_params_scope on the ``index``-th offloaded block ends: the plan's budget checked
-    against the block's new size (``replan.warn_if_grown``). Holds the group weakly: the hook outlives it
-    when a re-plan replaces the group."""
+def _budget_check(group: LayerwiseOffloadGroup, block: nn.Module) -> Callable[[], None]:
+    """What runs as a mutate_params_scope on ``block`` ends: the plan's budget checked against the block's
+    new size (``replan.warn_if_grown``). Holds the group weakly: the hook outlives it when a re-plan
+    replaces the group."""
     group_ref = weakref.ref(group)
 
     def check() -> None:
         from fastoffload_ext.planning import replan as replanning
 
         current = group_ref()
-        if current is not None and get_offload_group(current.model_ref) is current:
-            replanning.warn_if_grown(current, current.offloaded_indices[index])
+        if current is None or get_offload_group(current.model_ref) is not current:
+            return
+        index = next((i for i, candidate in enumerate(current.blocks) if candidate is block), None)
+        if index is not None:
+            replanning.warn_if_grown(current, index)
     return check
 
 
@@ -424,7 +427,7 @@ def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cu
     group.original_devices.append(next((p.device for p in block.parameters()), group.device))
     state = _new_state(group, stream)
     hook = LayerwiseOffloadHook(state)
-    hook.after_mutation = _budget_check(group, len(group.states))
+    hook.after_mutation = _budget_check(group, block)
     manager = ModuleHookManager.get_from_or_default(block)
     if manager.get_forward_hook(hook.name()) is not None:
         manager.replace_forward_hook(hook.name(), hook)
