@@ -7,7 +7,7 @@ other side would never see a change again, and disable would hand back two copie
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,23 @@ def _tie_text(where: str, param: torch.Tensor, other_where: str, other: torch.Te
     return f"fastoffload: parameter {where} {relation} {other_where}"
 
 
+def _parameters_outside(model: nn.Module, blocks: Sequence[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, parameter) of every parameter of ``model`` outside ``blocks``. A block reached by another path
+    (``self.alias = self.blocks``) is the same module, and calling it there runs its offload hook: its
+    parameters are not outside. A submodule of a block reached from outside the block would run without
+    the hook, on placeholders: its parameters are."""
+    block_ids = {id(block) for block in blocks}
+    inside: list[str] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if any(prefix.startswith(block_prefix) for block_prefix in inside):
+            continue
+        if id(module) in block_ids:
+            inside.append(f"{prefix}.")
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            yield (f"{prefix}.{leaf}" if prefix else leaf), param
+
+
 def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleList,
                           offloaded_indices: Collection[int]) -> None:
     """Refuses storage shared by two offloaded blocks, or by an offloaded block and anything else."""
@@ -132,26 +149,14 @@ def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLis
                                          "into a placeholder). Untie them (clone one), or keep those blocks resident "
                                          "with resident_blocks")
             owner[key] = (where, param)
-    # An offloaded block reached by another path (``self.alias = self.blocks``) is the same module, and
-    # calling it there runs its offload hook: not a tie. A submodule of a block reached from outside the
-    # block would run without the hook, on placeholders, and stays refused.
-    offloaded_blocks = {id(blocks[index]) for index in offloaded_indices}
-    inside: list[str] = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        if any(prefix.startswith(block_prefix) for block_prefix in inside):
-            continue
-        if id(module) in offloaded_blocks:
-            inside.append(f"{prefix}.")
-            continue
-        for leaf, param in module.named_parameters(recurse=False):
-            key = storage_key(param)
-            if key in owner:
-                other_where, other = owner[key]
-                name = f"{prefix}.{leaf}" if prefix else leaf
-                raise OffloadConfigError(_tie_text(name, param, other_where, other) + ", which would be offloaded: "
-                                         "weights tied between an offloaded block and the rest of the model are not "
-                                         "supported. Untie them (clone one), or keep that block resident with "
-                                         "resident_blocks")
+    for name, param in _parameters_outside(model, [blocks[index] for index in offloaded_indices]):
+        key = storage_key(param)
+        if key in owner:
+            other_where, other = owner[key]
+            raise OffloadConfigError(_tie_text(name, param, other_where, other) + ", which would be offloaded: "
+                                     "weights tied between an offloaded block and the rest of the model are not "
+                                     "supported. Untie them (clone one), or keep that block resident with "
+                                     "resident_blocks")
 
 
 def tied_block_indices(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[int, ...]:
@@ -163,18 +168,10 @@ def tied_block_indices(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[i
     for index, block in enumerate(blocks):
         for param in block.parameters():
             owners.setdefault(storage_key(param), set()).add(index)
-    block_ids = {id(block) for block in blocks}
-    inside: list[str] = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        if any(prefix.startswith(block_prefix) for block_prefix in inside):
-            continue
-        if id(module) in block_ids:  # a block, also where another path reaches it: its own parameters
-            inside.append(f"{prefix}.")
-            continue
-        for param in module.parameters(recurse=False):
-            key = storage_key(param)
-            if key in owners:
-                owners[key].add(-1)  # the rest of the model
+    for _, param in _parameters_outside(model, blocks):
+        key = storage_key(param)
+        if key in owners:
+            owners[key].add(-1)  # the rest of the model
     return tuple(sorted({index for held in owners.values() if len(held) > 1 for index in held if index >= 0}))
 
 
