@@ -75,7 +75,7 @@ def bound_figures(ext: Sequence[float], bounds: Sequence[float], floor_ms: float
     note = None
     if x_floor > EXT_TARGET and bound / floor_ms > EXT_TARGET:
         note = (f"the floor is out of reach with {slots} slots: the best schedule of these blocks (per-block compute "
-                f"from CUDA events on the resident model, copies at peak H2D, copy i+k issued when block i starts) "
+                f"from CUDA events on the resident model, copies at peak H2D, copy i+k+1 issued when block i frees its slot) "
                 f"is {bound:.1f} ms = {bound / floor_ms:.3f}x floor")
     return values, note
 

@@ -2,8 +2,8 @@
 
 The transfer floor max(resident, offloaded bytes / peak H2D) assumes every copy can hide behind any
 compute. With k+1 slots it cannot: the copy of offloaded block j may start only once a slot is free
-and the hook that issues it has run (block j-k starts), so a copy-bound block's excess copy time is
-not covered by a compute-bound block's slack further on. On FLUX.1 at 9216 tokens the double-stream
+(block j-k-1 has ended; the hooks issue it then), so a copy-bound block's excess copy time is not
+covered by a compute-bound block's slack further on. On FLUX.1 at 9216 tokens the double-stream
 blocks copy for ~14 ms and compute for ~9, the single-stream ones ~4 against ~6: the floor is
 unreachable at depth 1, and the best depth-1 forward is about sum_i max(gap_i, copy_{i+1}).
 
@@ -30,24 +30,24 @@ STEADY_FORWARDS = 4  # the ring's first forward starts with nothing prefetched; 
 
 def schedule_ms(steps: Sequence[Step], prefetch_depth: int, forwards: int = STEADY_FORWARDS) -> float:
     """Length of one steady-state forward: copies in order on one stream, the copy of the m-th offloaded
-    step issued when offloaded step m - depth starts computing (its slot is free by then), each compute
-    step waiting for its own copy and for the step before it."""
+    step issued as offloaded step m - depth - 1 ends computing and frees its slot (the hooks issue it then:
+    at step m - depth's start, or at step m - depth - 1's release where other compute follows it), each
+    compute step waiting for its own copy and for the step before it."""
     if prefetch_depth < 1:
         raise ValueError(f"fastoffload: prefetch_depth must be >= 1, got {prefetch_depth}")
     sequence = list(steps) * forwards
-    starts: list[float] = []
-    offloaded_starts: list[float] = []  # compute start of every offloaded step so far
+    offloaded_ends: list[float] = []  # compute end of every offloaded step so far: its slot is free then
     copy_end = compute_end = 0.0
     ends: list[float] = []
     for compute, copy in sequence:
         ready = compute_end
         if copy is not None:
-            issued = offloaded_starts[-prefetch_depth] if len(offloaded_starts) >= prefetch_depth else 0.0
+            issued = offloaded_ends[-prefetch_depth - 1] if len(offloaded_ends) > prefetch_depth else 0.0
             copy_end = max(copy_end, issued) + copy
             ready = max(ready, copy_end)
-            offloaded_starts.append(ready)
-        starts.append(ready)
         compute_end = ready + compute
+        if copy is not None:
+            offloaded_ends.append(compute_end)
         ends.append(compute_end)
     per_forward = len(steps)
     return ends[-1] - ends[-1 - per_forward] if forwards > 1 else ends[-1]

@@ -153,10 +153,11 @@ def test_a_layout_whose_host_is_a_step_ahead_is_predicted_with_its_copies_back_t
     """The first six Flux blocks resident at depth 1 ran 30.8 ms on the H200, six single-stream copies back to
     back: a step ahead, the host had issued each copy long before its slot freed. Made to wait for the
     device at each step's start, the host reaches block 6's hook only after 11.7 ms of dispatch and the
-    prediction was 39.1 ms, which let calibration noise pick a depth-2 layout that ran 1.17x slower."""
+    prediction was 39.1 ms, which let calibration noise pick a depth-2 layout that ran 1.17x slower. (It is
+    35.0 ms now that the last block's release starts block 7's copy while the host waits.)"""
     costs = BlockCosts(**_FLUX_4_8)
     first_six = tuple(range(6))
-    assert simulate_step(costs, first_six, 1, host_waits=True).step_ms == pytest.approx(39.14, abs=0.01)
+    assert simulate_step(costs, first_six, 1, host_waits=True).step_ms == pytest.approx(35.01, abs=0.01)
     assert simulate_step(costs, first_six, 1).step_ms == pytest.approx(33.27, abs=0.01)
     plan = plan_offload(costs, 4 * 679662592 + 4 * 283183616 + costs.activation_bytes)  # the 50 % row's budget
     assert len(plan.resident) == 6 and plan.prefetch_depth == 1 and set(range(4)) <= set(plan.resident)

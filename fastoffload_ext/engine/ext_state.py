@@ -31,6 +31,9 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block over the compiled core (backend ``"ext"``)."""
 
     backend = "ext"
+    # An acquire waits for its own slot's copy alone, so a block's release can start the next copy into the
+    # slot it frees (layerwise._wire_prefetch_targets) without delaying any block that runs before that one.
+    prefetches_on_release = True
     # Detaches of any ext block so far: a change makes try_acquire_and_prefetch resolve its targets again.
     _detaches = 0
 

@@ -89,6 +89,7 @@ from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
 from fastoffload_ext.planning.plan import OffloadPlan
+from fastoffload_ext.planning.schedule import acquire_targets, release_target
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class _Enable:
             self.rendezvous.fail(error)  # a no-op once the negotiation ran
             raise
         _attach_blocks(group, options)
-        _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic)
+        _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic, options.offloaded_indices)
         group.load_guard = _load_guard(model, group)
         return _finish(model, group, options, was_on_cuda)
 
@@ -522,19 +523,19 @@ def _load_guard(model: nn.Module, group: LayerwiseOffloadGroup) -> LoadGuard:
     return LoadGuard(blocks).attach(model)
 
 
-def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool) -> None:
-    """Each state prefetches the next ``prefetch_depth`` states (wrapping around when ``cyclic``)."""
+def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool,
+                           positions: Sequence[int]) -> None:
+    """Each state prefetches the next ``prefetch_depth`` states as it starts (wrapping around when ``cyclic``)
+    and, where the backend allows it, one more as it releases when other compute follows it
+    (``planning/schedule.py``); ``positions`` are the states' indices in the block list."""
     count = len(states)
     for i, state in enumerate(states):
-        targets: list[BlockOffloadState] = []
-        for step in range(1, prefetch_depth + 1):
-            if not cyclic and i + step >= count:
-                break
-            target = states[(i + step) % count]
-            if target not in targets:
-                targets.append(target)
-        state.prefetch_targets = targets
-        state.next_state = targets[0] if targets else None
+        state.prefetch_targets = [states[t] for t in acquire_targets(i, count, prefetch_depth, cyclic)]
+        state.next_state = state.prefetch_targets[0] if state.prefetch_targets else None
+        if getattr(state, "prefetches_on_release", False):
+            target = release_target(i, positions, prefetch_depth, cyclic)
+            state.release_targets = [] if target is None else [states[target]]
+
 
 
 def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:

@@ -109,11 +109,15 @@ class LayerwiseOffloadHook(ForwardHook):
             raise
 
     def _leave(self) -> None:
+        state = self.state
         try:
             self.saved_tensors.leave()
         finally:
             # A Ctrl-C landing inside the scope's exit must not keep the block holding its slot (see _enter).
-            self.state.release()
+            state.release()
+        # Where other compute runs before the next offloaded block, its copies start in the slot just freed.
+        for target in getattr(state, "release_targets", ()):
+            target.prefetch()
 
     @contextlib.contextmanager
     def mutate_params_scope(self) -> Iterator[None]:

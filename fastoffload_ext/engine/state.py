@@ -8,6 +8,7 @@ at detach. Two implementations, with bit-identical results: ``python_state.Layer
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,6 +28,8 @@ class BlockOffloadState(Protocol):
     next_state: BlockOffloadState | None
     # The states this block prefetches when it starts (next_state first); prefetch_depth long.
     prefetch_targets: list[BlockOffloadState]
+    # The states this block prefetches when it releases (see layerwise._wire_prefetch_targets); mostly empty.
+    release_targets: Sequence[BlockOffloadState]
 
     @property
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
@@ -124,6 +127,10 @@ class SeedEntryPoints:
     mutating: bool = False
     # How many mutations (scopes, loads) the block is inside now: they nest (enter_mutation).
     mutation_depth: int = 0
+    # Whether the block's release may start the next copies (wired by enable_layerwise_offload): only where an
+    # acquire waits for its own copy alone, so an early copy delays no block before it.
+    prefetches_on_release: bool = False
+    release_targets: Sequence[BlockOffloadState] = ()
 
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:

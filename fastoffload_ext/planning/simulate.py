@@ -1,7 +1,8 @@
 """A step of the offload pipeline, simulated: compute-stream and copy-stream timelines with slot reuse.
 
 It replays what the hooks ask the engine for, in the order they ask (per offloaded block: acquire,
-then prefetch of the next ``depth`` offloaded blocks; release after the block ran) against a model of
+then prefetch of the next ``depth`` offloaded blocks; release after the block ran, then, where other
+compute follows it, the prefetch into the slot it freed: ``schedule.py``) against a model of
 the engine's slot ring: ``depth + 1`` slots; a copy goes into an empty slot, else the least recently
 touched cached one, else the least recently touched ready one, never into one in use; a copy into a
 slot waits for the slot's "free" event (the end of the compute that last used it) and for the copies
@@ -49,6 +50,7 @@ from collections.abc import Collection
 
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.costs import BlockCosts
+from fastoffload_ext.planning.schedule import acquire_targets, release_target
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,11 @@ class _Pipeline:
         self.resident = frozenset(resident)
         self.offloaded = [b for b in range(costs.blocks) if b not in self.resident]
         self.position = {b: j for j, b in enumerate(self.offloaded)}
+        count = len(self.offloaded)
+        self.acquire_targets = [[self.offloaded[t] for t in acquire_targets(j, count, depth, cyclic)]
+                                for j in range(count)]
+        released = [release_target(j, self.offloaded, depth, cyclic) for j in range(count)]
+        self.release_target = [None if t is None else self.offloaded[t] for t in released]
         self.ring = _Ring(depth + 1)
         self.compute_at = 0.0  # end of the last compute on the compute stream (the host, without overlap)
         self.copy_at = 0.0     # end of the last copy on the copy stream
@@ -222,11 +229,8 @@ class _Pipeline:
         start = max(self.compute_at, ring.ready_at[slot])
         ring.state[slot] = _IN_USE
         ring.touch(slot)
-        j, count = self.position[block], len(self.offloaded)
-        for step in range(1, self.depth + 1):
-            if not self.cyclic and j + step >= count:
-                break
-            target = self.offloaded[(j + step) % count]
+        j = self.position[block]
+        for target in self.acquire_targets[j]:
             if target not in ring.where:
                 self.issue(target, hook_at)
         start, dispatched = self.dispatch(block, start, self.costs.host_overhead_ms)
@@ -237,6 +241,9 @@ class _Pipeline:
         ring.state[slot] = _CACHED
         ring.free_at[slot] = end
         ring.touch(slot)
+        target = self.release_target[j]
+        if target is not None and target not in ring.where:
+            self.issue(target, self.host_at)  # the release hook runs once the host dispatched the block
         return start, end
 
     def begin_step(self) -> None:
