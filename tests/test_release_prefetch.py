@@ -104,3 +104,29 @@ def test_the_schedule_bound_copies_into_a_slot_as_it_frees() -> None:
     # The same ring with the host in step with the device: 3 copies of 10 ms behind 1 + 1 + 30 ms of compute.
     # Block 0's and block 1's copies run during the 30 ms tail; block 2's waits for block 0's slot.
     assert schedule_ms([(1.0, 10.0)] * 3 + [(30.0, None)], 1) == 42.0
+
+
+@pytest.mark.parametrize("fixed_slots", [False, True], ids=["ring", "graph-slots"])
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("resident", [(), (2,), (0,), (7,), (2, 5), (1, 2), (0, 3, 7)])
+def test_a_steady_step_loads_nothing_synchronously_and_skips_no_prefetch(resident: tuple[int, ...], depth: int,
+                                                                         fixed_slots: bool) -> None:
+    from fastoffload_ext.planning.slots import cyclic_slot_assignment
+
+    model, reference = make_pair(8)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", resident_blocks=list(resident),
+                                        prefetch_depth=depth)
+    assert group is not None
+    if fixed_slots:  # what a CUDA-graph capture sets: each block's own slot on every step
+        group.engine.set_slot_assignment(*cyclic_slot_assignment(len(group.states), group.prefetch_depth))
+    x = torch.randn(2, 3, 16)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))  # the first step loads what nothing prefetched yet
+        before = group.engine.stats()
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+    after = group.engine.stats()
+    assert after["sync_loads"] == before["sync_loads"]
+    assert after["skipped_prefetches"] == 0
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
