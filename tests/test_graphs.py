@@ -82,6 +82,19 @@ def test_begin_capture_outside_a_capture_is_refused() -> None:
         group.engine.begin_capture()
 
 
+def _capture_and_replay(model, reference, steps: int = 20):
+    """Captures ``model`` on an example input, then replays fresh inputs against ``reference`` bit for bit;
+    returns the graph and the example."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    example = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
+    graph = OffloadedCUDAGraph(model, example)
+    with torch.no_grad():
+        for step in range(steps):
+            x = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
+            assert torch.equal(graph(x), reference(x)), step
+    return graph, example
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("n_blocks", [1, 3, 4, 7])
@@ -90,13 +103,7 @@ def test_replay_is_bit_exact_with_fresh_inputs(n_blocks: int, depth: int) -> Non
     reference.cuda()
     place_outside_blocks(model, "cuda")
     fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    example = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
-    graph = OffloadedCUDAGraph(model, example)
-    with torch.no_grad():
-        for step in range(20):
-            x = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
-            assert torch.equal(graph(x), reference(x)), step
+    graph, example = _capture_and_replay(model, reference)
     # Running eagerly moves the slots: the old graph refuses to replay until recaptured.
     with torch.no_grad():
         assert torch.equal(model(example), reference(example))
@@ -121,13 +128,7 @@ def test_replay_with_resident_blocks_between_offloaded_ones_is_bit_exact(depth: 
     place_outside_blocks(model, "cuda")
     group = fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth, resident_blocks=[2, 5])
     assert group is not None and any(state.release_targets for state in group.states[:2])
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    example = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
-    graph = OffloadedCUDAGraph(model, example)
-    with torch.no_grad():
-        for step in range(20):
-            x = torch.randn(2, 8, 64, device="cuda", generator=gen).bfloat16()
-            assert torch.equal(graph(x), reference(x)), step
+    _capture_and_replay(model, reference)
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
 
