@@ -74,7 +74,8 @@ from torch import nn
 
 from benchmarks.dit_workloads import dit_workloads
 from benchmarks.interleave import run_interleaved
-from benchmarks.utils import GB, Column, Context, MiB, Table, free_memory
+from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, free_memory,
+                              reset_device_peak)
 from benchmarks.workloads import Workload, move_all_but, move_non_block_modules, stack_workload
 
 TITLE = "budgets: the residency planner under device budgets (planner vs grid search vs ideal)"
@@ -207,13 +208,13 @@ class Config:
         self.model = copy.deepcopy(master)
         _rest_to_device(self.model, workload, ctx.device)
         self.args, self.kwargs = inputs
-        self.base = _allocated(ctx)  # device bytes before this configuration existed
-        _reset_peak(ctx)
+        self.base = device_allocated(ctx)  # device bytes before this configuration existed
+        reset_device_peak(ctx)
         self.group = enable_layerwise_offload(self.model, device=ctx.device, **_extra(workload), **enable_kwargs)
         first = self.forward()  # the first forward allocates the slots (and loads block 0 synchronously)
         self.first = workload.output(first).detach().to("cpu", copy=True)
         del first
-        self.peak_bytes = (_peak(ctx) - self.base) if ctx.cuda else None
+        self.peak_bytes = (device_peak(ctx) - self.base) if ctx.cuda else None
 
     def forward(self) -> Any:
         with torch.inference_mode():
@@ -233,24 +234,6 @@ class Config:
             self.group.engine.close()
         self.model = None  # type: ignore[assignment]
         self.group = None
-
-
-def _allocated(ctx: Context) -> int:
-    if not ctx.cuda:
-        return 0
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
-def _reset_peak(ctx: Context) -> None:
-    if ctx.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak(ctx: Context) -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
 
 
 def _spread_set(n: int, count: int) -> tuple[int, ...]:
@@ -523,9 +506,9 @@ def _peak_of(ctx: Context, config: Config) -> int | None:
         return None
     worst = config.peak_bytes or 0
     for _ in range(2):
-        _reset_peak(ctx)
+        reset_device_peak(ctx)
         config.forward()
-        worst = max(worst, _peak(ctx) - config.base)
+        worst = max(worst, device_peak(ctx) - config.base)
     return worst
 
 

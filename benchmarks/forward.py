@@ -43,11 +43,14 @@ from benchmarks.utils import (
     Context,
     MiB,
     Table,
+    device_allocated,
+    device_peak,
     empty_host_cache,
     free_memory,
     gbps,
     median,
     module_bytes,
+    reset_device_peak,
     try_import,
 )
 from benchmarks.workloads import Workload, llama_workload, move_non_block_modules, stack_workload
@@ -193,21 +196,6 @@ def _forward_fn(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[], Any
     return forward
 
 
-def _allocated(ctx: Context) -> int:
-    if not ctx.cuda:
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
-
-
-def _peak_bytes(ctx: Context) -> int | None:
-    if not ctx.cuda:
-        return None
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
-
-
 # builders: each makes cand.model ready to run ---------------------------------------------------------
 
 def _build_resident(run: WorkloadRun, cand: Candidate) -> None:
@@ -274,13 +262,14 @@ def _candidates(ctx: Context, workload: Workload, reasons: dict[str, str]) -> li
 def _prepare(run: WorkloadRun, cand: Candidate) -> None:
     """Builds the candidate and checks its first forward; an exception is kept for its row."""
     ctx = run.ctx
-    baseline = _allocated(ctx)
+    baseline = device_allocated(ctx)
+    reset_device_peak(ctx)
     try:
         cand.build(run, cand)
         cand.forward = _forward_fn(cand.model, run.args, run.kwargs)
         output = run.workload.output(cand.forward()).detach().to("cpu", copy=True)  # also the warm-up
-        peak = _peak_bytes(ctx)
-        if peak is not None:
+        if ctx.cuda:
+            peak = device_peak(ctx)
             cand.result["peak_bytes"] = peak - baseline
             cand.result["peak_mib"] = (peak - baseline) / MiB
         if cand.backend == "resident":

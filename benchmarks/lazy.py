@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.utils import Column, Context, MiB, Table, free_memory, module_bytes
+from benchmarks.utils import (Column, Context, MiB, Table, device_allocated, device_peak, free_memory, module_bytes,
+                              reset_device_peak)
 from benchmarks.workloads import DTYPE, StackSpec, build_stack, build_stack_on_host
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
@@ -105,9 +106,8 @@ def _variant_row(ctx: Context, name: str, make: Callable[[], tuple[dict[str, Any
                  inputs: dict[str, torch.Tensor], common: dict[str, float], results: dict[str, Any]) -> dict[str, Any]:
     """One pipeline variant's row: its peaks and wall time, as a ratio to eager's and checked against it."""
     free_memory()
-    if ctx.cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    base = device_allocated(ctx)
+    reset_device_peak(ctx)
     components, release = make()
     try:
         measured = _measure(ctx, components, release, inputs)
@@ -116,7 +116,7 @@ def _variant_row(ctx: Context, name: str, make: Callable[[], tuple[dict[str, Any
         free_memory()
     result: dict[str, Any] = {**common, "peak_live_mib": measured["live_peak"] / MiB, "wall_s": measured["wall_s"]}
     if ctx.cuda:
-        result["peak_gpu_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
+        result["peak_gpu_mib"] = (device_peak(ctx) - base) / MiB
     if name == "eager":
         results["eager"] = result
         results["eager_output"] = measured["output"]

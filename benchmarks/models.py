@@ -89,7 +89,8 @@ from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_fi
 from benchmarks.phases import PhaseLog
 from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
-from benchmarks.utils import GB, Column, Context, MiB, Table, empty_host_cache, free_memory, module_bytes, try_import
+from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
+                              module_bytes, reset_device_peak, try_import)
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.planning import OffloadPlan
 from fastoffload_ext.planning.memory import probe_host
@@ -394,11 +395,11 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
     run.block_bytes = {name: [module_bytes(block) for block in getattr(master, name)] for name in lists}
     run.shapes = {name: param.shape for name, param in master.named_parameters()}
     for label, inputs in run.inputs.items():
-        before = _allocated(ctx)
-        _reset_peak(ctx)
+        before = device_allocated(ctx)
+        reset_device_peak(ctx)
         run.references[label] = _forward(master, inputs)().to("cpu", copy=True)
         if ctx.cuda:
-            run.activations[label] = max(0, _peak(ctx) - before)
+            run.activations[label] = max(0, device_peak(ctx) - before)
         run.forwards[f"resident|{label}"] = _forward(master, inputs)
         run.clocks[label] = BlockClock(run.blocks(), ctx.cuda)
     _ensure_source(run)
@@ -422,39 +423,19 @@ def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: C
     memory is what it adds to what was allocated before its copy existed."""
     sizes = [size for name in ext_config.lists for size in run.block_bytes[name]]
     ext_config.offloaded_bytes, ext_config.largest_block = sum(sizes), max(sizes)
-    before = _allocated(ctx)
+    before = device_allocated(ctx)
     ext = host_copy(run.master, ext_config.lists, _ensure_source(run))
     run.log.mark(f"{run.spec.name}: {ext_config.name}: bound, {len(ext_config.lists)} list(s) on the host")
     if enable(ext, device=ctx.device, **ext_config.kwargs) is None:
         raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
     run.log.mark(f"{run.spec.name}: {ext_config.name} enabled")
     for label, inputs in run.inputs.items():
-        _reset_peak(ctx)
+        reset_device_peak(ctx)
         output = _forward(ext, inputs)().to("cpu", copy=True)
-        ext_config.peak[label] = max(0, _peak(ctx) - before)
+        ext_config.peak[label] = max(0, device_peak(ctx) - before)
         ext_config.equal[label] = bool(torch.equal(output, run.references[label]))
         run.forwards[f"{ext_config.name}|{label}"] = _forward(ext, inputs)
         run.warmed.update((f"resident|{label}", f"{ext_config.name}|{label}"))  # both ran once already
-
-
-def _allocated(ctx: Context) -> int:
-    if not ctx.cuda:
-        return 0
-    torch.cuda.synchronize()
-    return int(torch.cuda.memory_allocated())
-
-
-def _reset_peak(ctx: Context) -> None:
-    if ctx.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak(ctx: Context) -> int:
-    if not ctx.cuda:
-        return 0
-    torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated())
 
 
 def _iterations(ctx: Context, run: ModelRun) -> tuple[int, int]:
@@ -765,12 +746,12 @@ def _budget_session(ctx: Context, run: ModelRun, label: str, plan: OffloadPlan, 
     holder: dict[str, Any] = {}
     try:
         holder["model"] = host_copy(run.master, widest.lists, _ensure_source(run))
-        before = _allocated(ctx)
+        before = device_allocated(ctx)
         enable_layerwise_offload(holder["model"], device=ctx.device, plan=plan, **widest.kwargs)
         forward = _forward(holder["model"], run.inputs[label])
-        _reset_peak(ctx)
+        reset_device_peak(ctx)
         equal = bool(torch.equal(forward().to("cpu"), run.references[label]))
-        peak = max(0, _peak(ctx) - before)
+        peak = max(0, device_peak(ctx) - before)
         forward()
         iters, rounds = _iterations(ctx, run)
         name = f"budget|{label}"
