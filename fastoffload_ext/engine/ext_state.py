@@ -22,6 +22,7 @@ from torch import nn
 from fastoffload_ext.engine.messages import LOST_EDIT_WARNING, SHARED_MUTATION_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints
 from fastoffload_ext.engine.threads import CONCURRENT_FORWARD_ERROR
+from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
 __all__ = ["ExtLayerwiseOffloadState"]
@@ -31,6 +32,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block over the compiled core (backend ``"ext"``)."""
 
     backend = "ext"
+    module_ref = WeakModule()  # the block, held weakly: it holds this state through its hook
     # An acquire waits for its own slot's copy alone, so a block's release can start the next copy into the
     # slot it frees (layerwise._wire_prefetch_targets) without delaying any block that runs before that one.
     prefetches_on_release = True
@@ -42,7 +44,6 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.device: torch.device = torch.device(device)
         self.next_state = next_state
         self.prefetch_targets: list[BlockOffloadState] = [] if next_state is None else [next_state]
-        self.module_ref: nn.Module = None  # type: ignore[assignment]
         self.handle: int | None = None
         self.param_names: list[str] = []
         # Set by enable_layerwise_offload when the ranks of this host share one host copy (sharing.py):
@@ -111,6 +112,10 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
             return False
         self.engine.acquire_and_prefetch(self.handle, handles)
         return True
+
+    def unlink(self) -> None:
+        super().unlink()
+        self._targets_seen, self._target_handles = None, None
 
     def _resolve_targets(self, targets: list[BlockOffloadState]) -> None:
         # Keyed on the list object and its length: the list is replaced when prefetching is rewired. An

@@ -1,6 +1,7 @@
 """What ``enable_layerwise_offload`` set up on one model, kept on the model as one attribute."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -11,6 +12,7 @@ from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.messages import COPY_ERROR, STALE_GROUP_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.planning import replan as replanning
 from fastoffload_ext.planning.costs import BlockCosts
@@ -23,6 +25,10 @@ GROUP_ATTRIBUTE = "_fastoffload_group"
 
 class LayerwiseOffloadGroup:
     """What ``enable_layerwise_offload`` set up on one model: its states, engine and settings."""
+
+    model_ref = WeakModule()  # held weakly: the model holds the group
+    # Cuts the states' prefetch ring when the model is collected (set once enabled: free_with).
+    finalizer: weakref.finalize | None = None
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # see messages.COPY_ERROR
@@ -53,6 +59,13 @@ class LayerwiseOffloadGroup:
         self.original_devices: list[torch.device] = []
         self.checkpoint: Any = None  # storage.source.CheckpointSource when built with weights=
         self.load_guard: Any = None  # state_dict.LoadGuard: a refused load_state_dict changes nothing
+
+    def free_with(self, model: nn.Module) -> None:
+        """Frees the host copy and the device slots as soon as ``model`` is collected while still offloaded
+        (``disable_layerwise_offload`` runs it at once). Nothing of the offload refers to the model strongly
+        (weak.py), so that is when its last reference goes, as for any module."""
+        self.finalizer = weakref.finalize(model, _unlink, list(self.states))
+        self.finalizer.atexit = False  # at exit the process frees everything anyway
 
     def stats(self) -> dict[str, Any]:
         """Sizes and counters of this offload, for logs and benchmarks."""
@@ -141,6 +154,17 @@ class LayerwiseOffloadGroup:
         gone = "" if get_offload_group(self.model_ref) is self else ", no longer on its model"
         return (f"<LayerwiseOffloadGroup {self.list_name}: {len(self.states)} of {len(self.blocks)} blocks offloaded "
                 f"to {self.device} by backend {self.backend!r}, prefetch_depth={self.prefetch_depth}{gone}>")
+
+
+def _unlink(states: list[BlockOffloadState]) -> None:
+    """Cuts the states' prefetch ring, the one cycle an offload keeps (each state refers to the next ones), once
+    the model was collected: the states then go as soon as nothing else holds them, and with the last of them
+    the engine, its pinned host copy and its device slots. A block the caller still holds keeps its state and
+    the engine, and still runs (without prefetch)."""
+    for state in states:
+        unlink = getattr(state, "unlink", None)  # a state built by hand may lack it
+        if unlink is not None:
+            unlink()
 
 
 def get_offload_group(model: nn.Module) -> LayerwiseOffloadGroup | None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.messages import COPY_ERROR
+from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,8 @@ logger = logging.getLogger(__name__)
 HOOK_EXISTS_ERROR = ("fastoffload: Hook with name {name} is already registered; use replace_forward_hook to swap "
                      "it, or remove_forward_hook first.")
 NO_HOOK_ERROR = "fastoffload: No hook with name {name} found; use append_forward_hook to add it."
+DEAD_MODULE_ERROR = ("fastoffload: this forward belongs to a module that was deleted (only a reference to its "
+                     "`forward` was kept); call the module itself instead of a saved `module.forward`")
 
 
 class ForwardHook:
@@ -106,7 +111,12 @@ _eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval
                                "get_eval_frame_callback", _no_eval_frame_callback)
 
 
-def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> Any:
+    # The wrapper holds its module weakly (weak.py): a strong reference from the module's own attribute
+    # back to the module would be a cycle.
+    module: nn.Module | None = module_ref()
+    if module is None:
+        raise OffloadStateError(DEAD_MODULE_ERROR)
     manager: ModuleHookManager | None = getattr(module, ModuleHookManager.module_hook_attribute, None)
     if manager is None:
         # Another thread removed the manager (a disable) after this call looked up `forward`:
@@ -122,7 +132,9 @@ def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 # Inline rather than a helper: one Python frame less on every block of every step.
                 points[0]()
                 try:
-                    output = manager.original_forward(*args, **kwargs)
+                    forward = manager.instance_forward
+                    output = forward(*args, **kwargs) if forward is not None else \
+                        manager.class_forward(module, *args, **kwargs)
                 except BaseException:
                     try:
                         points[1]()
@@ -137,7 +149,8 @@ def _forward_with_hooks(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         for hook in tuple(manager.forward_hooks.values()):
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
             ran.append(hook)
-        output = manager.original_forward(*args, **kwargs)
+        forward = manager.instance_forward
+        output = forward(*args, **kwargs) if forward is not None else manager.class_forward(module, *args, **kwargs)
     except BaseException:
         for hook in reversed(ran):
             try:
@@ -152,11 +165,30 @@ class ModuleHookManager:
     """The hooks of one module, stored on it as ``module._hook_manager``."""
 
     module_hook_attribute = "_hook_manager"
+    module = WeakModule()  # held weakly: the module holds the manager
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.forward_hooks: dict[str, ForwardHook] = {}
-        self.original_forward = module.forward
+        # The forward the hooks run around. One set on the instance (another wrapper's) is kept as it is;
+        # the class's is called with the module each time, so that the manager holds no bound method, whose
+        # strong reference back to the module would be a cycle.
+        self.instance_forward: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.class_forward: Callable[..., Any] = type(module).forward
+
+    @property
+    def original_forward(self) -> Callable[..., Any]:
+        """The module's own forward, as a callable without the module argument."""
+        if self.instance_forward is not None:
+            return self.instance_forward
+        module = self.module
+        if module is None:
+            raise OffloadStateError(DEAD_MODULE_ERROR)
+        return types.MethodType(self.class_forward, module)
+
+    @original_forward.setter
+    def original_forward(self, forward: Callable[..., Any]) -> None:
+        self.instance_forward = forward
 
     def __reduce_ex__(self, protocol: object) -> Any:
         # Reached first when a model with offloaded blocks is deep-copied or pickled: a clear refusal
@@ -175,7 +207,7 @@ class ModuleHookManager:
         if manager is None:
             manager = cls(module)
             setattr(module, cls.module_hook_attribute, manager)
-            module.forward = functools.partial(_forward_with_hooks, module)
+            module.forward = functools.partial(_forward_with_hooks, weakref.ref(module))
         return manager
 
     @staticmethod
@@ -184,12 +216,10 @@ class ModuleHookManager:
         manager = ModuleHookManager.get_from(module)
         if manager is None:
             return
-        module.forward = manager.original_forward
-        # original_forward is the bound method when forward was not overridden on the instance;
-        # leaving it as an instance attribute would pin the old method object.
-        if getattr(module.forward, "__self__", None) is module and getattr(module.forward, "__func__", None) is \
-                getattr(type(module), "forward", None):
-            del module.forward
+        if manager.instance_forward is not None:
+            module.forward = manager.instance_forward
+        else:
+            module.__dict__.pop("forward", None)  # the class's forward again
         delattr(module, ModuleHookManager.module_hook_attribute)
 
     def _check_manager_attached(self) -> None:

@@ -407,15 +407,15 @@ def _new_state(group: LayerwiseOffloadGroup, stream: torch.cuda.Stream | None) -
 
 def _budget_check(group: LayerwiseOffloadGroup, block: nn.Module) -> Callable[[], None]:
     """What runs as a mutate_params_scope on ``block`` ends: the plan's budget checked against the block's
-    new size (``replan.warn_if_grown``). Holds the group weakly: the hook outlives it when a re-plan
-    replaces the group."""
-    group_ref = weakref.ref(group)
+    new size (``replan.warn_if_grown``). Holds the group weakly (the hook outlives it when a re-plan
+    replaces the group), and the block too (the block holds the hook: weak.py)."""
+    group_ref, block_ref = weakref.ref(group), weakref.ref(block)
 
     def check() -> None:
         from fastoffload_ext.planning import replan as replanning
 
-        current = group_ref()
-        if current is None or get_offload_group(current.model_ref) is not current:
+        current, block = group_ref(), block_ref()
+        if current is None or block is None or get_offload_group(current.model_ref) is not current:
             return
         index = next((i for i, candidate in enumerate(current.blocks) if candidate is block), None)
         if index is not None:
@@ -578,6 +578,7 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     _resident_to_device(group, options)
     setattr(model, GROUP_ATTRIBUTE, group)
+    group.free_with(model)  # a model dropped without a disable frees its host copy and slots at once
     ModelForwards.attach(model)  # what a later layout change waits for (threads.py)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -683,6 +684,8 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
                         setattr(module, key, buffer.to(target))
     if group.load_guard is not None:
         group.load_guard.detach()
+    if group.finalizer is not None:
+        group.finalizer()  # cuts the states' prefetch ring now, once: the states go with this group
     if group.engine is not None:
         group.engine.close()
     delattr(model, GROUP_ATTRIBUTE)

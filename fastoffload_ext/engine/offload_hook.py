@@ -39,9 +39,21 @@ class LayerwiseOffloadHook(ForwardHook):
         # other state (the python backend, one built by hand) through its acquire and prefetch.
         self._one_call_entry = getattr(state, "try_acquire_and_prefetch", None)
         cls = type(self)
-        if cls.pre_forward is LayerwiseOffloadHook.pre_forward and cls.post_forward is LayerwiseOffloadHook.post_forward:
-            # A subclass that changes either entry point keeps the general path.
-            self.eager_points = (self._enter, self._leave)  # type: ignore[misc]
+        # A subclass that changes either entry point keeps the general path.
+        self._eager = cls.pre_forward is LayerwiseOffloadHook.pre_forward and \
+            cls.post_forward is LayerwiseOffloadHook.post_forward
+
+    @property  # type: ignore[override]
+    def eager_points(self) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        # Made on each call, not kept: bound methods stored on the hook would refer back to it, a cycle
+        # that only the cycle collector frees (weak.py). A pair set on the hook replaces them.
+        if "_eager_points" in self.__dict__:
+            return self.__dict__["_eager_points"]
+        return (self._enter, self._leave) if self._eager else None
+
+    @eager_points.setter
+    def eager_points(self, points: tuple[Callable[[], None], Callable[[], None]] | None) -> None:
+        self.__dict__["_eager_points"] = points
 
     @classmethod
     def name(cls) -> str:

@@ -45,6 +45,7 @@ from fastoffload_ext.engine.messages import (CAST_ERROR, DETACHED_ERROR, GRAD_ER
                                             REPLACED_ERROR, scalar_type_name)
 from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints, real_copy, tensor_placeholder
 from fastoffload_ext.engine.threads import ForwardGate
+from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
     """Offload state of one block, FastVideo's pure-Python algorithm (backend ``"python"``)."""
 
     backend = "python"
+    module_ref = WeakModule()  # the block, held weakly: it holds this state through its hook
 
     def __init__(self, async_copy_stream: torch.cuda.Stream | None, device: torch.device,
                  next_state: BlockOffloadState | None = None) -> None:
@@ -74,7 +76,6 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.prefetch_targets: list[BlockOffloadState] = [] if next_state is None else [next_state]
         self.gpu_named_parameters: dict[str, torch.Tensor] = {}
         self.cpu_named_parameters: dict[str, torch.Tensor] = {}
-        self.module_ref: nn.Module = None  # type: ignore[assignment]
         self.device: torch.device = torch.device(device)
         # enable_layerwise_offload gives every state of a model the same gate and its index in the list.
         self.gate = ForwardGate()

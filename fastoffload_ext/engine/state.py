@@ -132,6 +132,13 @@ class SeedEntryPoints:
     prefetches_on_release: bool = False
     release_targets: Sequence[BlockOffloadState] = ()
 
+    def unlink(self) -> None:
+        """Drops this state's references to the other states (the prefetch ring, a cycle among them): its
+        model was collected while offloaded, and the states go with it (group.py)."""
+        self.next_state = None
+        self.prefetch_targets = []
+        self.release_targets = ()
+
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:
         self.acquire()  # type: ignore[attr-defined]

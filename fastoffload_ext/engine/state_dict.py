@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
+from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,11 @@ __all__ = ["LoadGuard", "StateDictHooks"]
 class StateDictHooks:
     """The state-dict hooks of one offloaded block, on the block and on each of its submodules."""
 
+    _block = WeakModule()  # held weakly: the block holds these hooks
+
     def __init__(self, state: BlockOffloadState) -> None:
         self.state = state
         self._handles: list[RemovableHandle] = []
-        self._block: nn.Module | None = None
         self._loading = False
         # Where the state_dict() or load now under way entered the block: (prefix, the submodule's name in
         # the block with a trailing dot, '' for the block). The submodules it reaches leave their part to it.

@@ -41,12 +41,14 @@ import contextlib
 import functools
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.hooks import DEAD_MODULE_ERROR
 from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
                                               get_offload_group)
 from fastoffload_ext.errors import OffloadStateError
@@ -162,8 +164,17 @@ def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tor
 
 
 def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    # The guard sits on the model and holds it weakly, and the class's method rather than the bound one: a
+    # strong reference back would keep a dropped model, and its host copy, until the cycle collector ran.
+    model_ref = weakref.ref(model)
+    own = model.__dict__.get(method)  # another wrapper's, set on the instance: kept as it is
+    unbound = getattr(type(model), method)
+
     @functools.wraps(original)
     def move(*args: Any, **kwargs: Any) -> Any:
+        model = model_ref()
+        if model is None:
+            raise OffloadStateError(DEAD_MODULE_ERROR)
         group = get_offload_group(model)
         # Arguments that diffusers' own ``to`` accepts but torch's parser does not.
         parse_kwargs = {k: v for k, v in kwargs.items() if k not in ("silence_dtype_warnings",)}
@@ -176,9 +187,11 @@ def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Cal
             cast = _cast_of(method, args, parse_kwargs)
             if cast is not None:
                 _check_cast(model, group, what, name, cast)
-        result = original(*args, **kwargs)
+        result = own(*args, **kwargs) if own is not None else unbound(model, *args, **kwargs)
         return model if result is model else result
 
+    if own is None:
+        del move.__wrapped__  # functools.wraps kept the bound method there, a reference back to the model
     return move
 
 
@@ -193,7 +206,7 @@ def guard_device_moves(model: nn.Module) -> None:
     if getattr(model, _GUARD_ATTRIBUTE, False):
         return
     for method in _GUARDED_METHODS:
-        # Bound method of the class: the guard wraps whatever ``to`` the model's class defines.
+        # The guard wraps whatever ``to`` the model's class defines.
         object.__setattr__(model, method, _guarded(model, method, getattr(model, method)))
     object.__setattr__(model, _GUARD_ATTRIBUTE, True)
 

@@ -12,6 +12,7 @@ parameters are put back.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         super().__init__(engine, device)
         self.source = source
         self.block: BlockSource = source.next_block(engine)
-        self._originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        # (the submodule, held weakly as the block is (engine/weak.py), the key, its meta parameter)
+        self._originals: list[tuple[weakref.ref, str, nn.Parameter]] = []
         self.mutated = False  # a mutation (mutate_params_scope, a load) began: the names may not be the file's
 
     @property
@@ -72,15 +74,17 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
                 with torch.inference_mode(False):  # an ordinary tensor, also when enable runs in inference mode
                     empty = nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=param.requires_grad)
                 for place, key in places.get(id(param), [(owner, leaf)]):
-                    self._originals.append((place, key, param))
+                    self._originals.append((weakref.ref(place), key, param))
                     place._parameters[key] = empty
                 param = empty
             params.append(param)
         return params
 
     def _put_back_originals(self) -> None:
-        for owner, leaf, param in reversed(self._originals):
-            owner._parameters[leaf] = param
+        for owner_ref, leaf, param in reversed(self._originals):
+            owner = owner_ref()
+            if owner is not None:
+                owner._parameters[leaf] = param
         self._originals.clear()
 
     @torch.compiler.disable
