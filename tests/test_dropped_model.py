@@ -139,6 +139,29 @@ def test_a_disabled_or_replaced_offload_leaves_nothing_to_collect(backend: str) 
         del model
 
 
+class _Interrupting(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_model_disabled_after_a_forward_that_ctrl_c_ended_is_freed_at_once(backend: str) -> None:
+    with no_collector():
+        model, reference = make_pair(4, d=D)
+        x = torch.randn(3, D)
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+        proj_out = model.proj_out
+        model.proj_out = _Interrupting()  # after every block, inside the model's forward
+        with pytest.raises(KeyboardInterrupt):
+            _forward(model, x)
+        model.proj_out = proj_out
+        refs = _refs(model)
+        fo.disable_layerwise_offload(model)
+        assert torch.equal(_forward(model, x), _forward(reference, x))
+        del model, proj_out
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+
+
 def test_a_forward_saved_from_a_dropped_block_says_so() -> None:
     with no_collector():
         model, _ = make_pair(3, d=D)

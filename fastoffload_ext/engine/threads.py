@@ -181,6 +181,12 @@ class ModelForwards:
         for handle in self._handles:
             handle.remove()
         self._handles = ()
+        # The record of a forward a KeyboardInterrupt ended holds its frame, whose locals hold the model, which
+        # held this tracker: left here, that cycle would keep the disabled model until the cycle collector ran.
+        for entries in self._entries.values():
+            for frame in entries:
+                _frame_ended(frame)  # clears the locals of an ended one
+        self._entries.clear()
         if model.__dict__.get(self.ATTRIBUTE) is self:
             del model.__dict__[self.ATTRIBUTE]
         self._detach_pending = None
