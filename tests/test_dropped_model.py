@@ -48,6 +48,17 @@ def _refs(model: torch.nn.Module) -> list[weakref.ref]:
     return refs + ([weakref.ref(group.engine)] if group.engine is not None else [])
 
 
+def _assert_freed(refs: list[weakref.ref]) -> None:
+    assert [ref() is None for ref in refs] == [True] * len(refs)
+
+
+def _offloaded(backend: str, n_blocks: int = 4) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """A model offloaded on the host, its resident twin and an input."""
+    model, reference = make_pair(n_blocks, d=D)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    return model, reference, torch.randn(3, D)
+
+
 CONFIGS = [
     pytest.param("ext", {}, id="ext"),
     pytest.param("python", {}, id="python"),
@@ -76,7 +87,7 @@ def test_a_dropped_offloaded_model_is_freed_without_the_collector(backend: str, 
         assert torch.equal(_forward(model, x), _forward(reference, x))
         refs = _refs(model)
         del model
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
 
 
 def test_a_compressed_offload_is_freed_without_the_collector() -> None:
@@ -87,7 +98,7 @@ def test_a_compressed_offload_is_freed_without_the_collector() -> None:
         assert torch.equal(_forward(model, x), _forward(reference, x))
         refs = _refs(model)
         del model
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
 
 
 def test_an_offload_streamed_from_a_checkpoint_is_freed_without_the_collector(tmp_path: Path) -> None:
@@ -101,15 +112,13 @@ def test_an_offload_streamed_from_a_checkpoint_is_freed_without_the_collector(tm
         assert torch.equal(_forward(model, x), _forward(reference, x))
         refs = _refs(model)
         del model
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
 
 
 @pytest.mark.parametrize("backend", ["ext", "python"])
 def test_a_block_kept_after_its_model_was_dropped_still_runs_bit_exact(backend: str) -> None:
     with no_collector():
-        model, reference = make_pair(4, d=D)
-        x = torch.randn(3, D)
-        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+        model, reference, x = _offloaded(backend)
         _forward(model, x)
         block = model.blocks[2]
         engine_ref = _refs(model)[-1]
@@ -135,7 +144,7 @@ def test_a_disabled_or_replaced_offload_leaves_nothing_to_collect(backend: str) 
         fo.disable_layerwise_offload(model)
         assert torch.equal(_forward(model, x), _forward(reference, x))
         refs.pop(0)  # the model itself, alive and ordinary again
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
         del model
 
 
@@ -147,9 +156,7 @@ class _Interrupting(torch.nn.Module):
 @pytest.mark.parametrize("backend", ["ext", "python"])
 def test_a_model_disabled_after_a_forward_that_ctrl_c_ended_is_freed_at_once(backend: str) -> None:
     with no_collector():
-        model, reference = make_pair(4, d=D)
-        x = torch.randn(3, D)
-        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+        model, reference, x = _offloaded(backend)
         proj_out = model.proj_out
         model.proj_out = _Interrupting()  # after every block, inside the model's forward
         with pytest.raises(KeyboardInterrupt):
@@ -159,7 +166,7 @@ def test_a_model_disabled_after_a_forward_that_ctrl_c_ended_is_freed_at_once(bac
         fo.disable_layerwise_offload(model)
         assert torch.equal(_forward(model, x), _forward(reference, x))
         del model, proj_out
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
 
 
 def test_a_forward_saved_from_a_dropped_block_says_so() -> None:
@@ -184,7 +191,7 @@ def test_a_guarded_diffusers_transformer_is_freed_without_the_collector() -> Non
         refs = _refs(pipe.transformer)
         assert pipe.transformer.to("cpu") is pipe.transformer  # the move guard, called once
         del pipe
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
 
 
 @pytest.mark.cuda
@@ -208,5 +215,5 @@ def test_dropping_an_offloaded_model_gives_its_device_memory_back_at_once(backen
         refs = _refs(model)
         del model
         torch.cuda.synchronize()
-        assert [ref() is None for ref in refs] == [True] * len(refs)
+        _assert_freed(refs)
         assert torch.cuda.memory_allocated() == before
