@@ -11,7 +11,8 @@ while offloaded or after a disable, is freed with its last reference (the cycle 
 The models vary: 1 to 6 blocks of mixed kinds (a Linear with a buffer that counts calls, a weight tied
 inside the block, a block with no parameters, LayerNorm-heavy blocks), weights tied across two blocks
 (refused unless both stay resident), and parameters outside the block list. ``FASTOFFLOAD_FUZZ_SEEDS``
-(a count) and ``FASTOFFLOAD_FUZZ_STEPS`` run it longer than CI does (the defaults take ~10-20 s on one core).
+(a count) and ``FASTOFFLOAD_FUZZ_STEPS`` run it longer than CI does (the defaults take ~10-20 s on one core);
+``FASTOFFLOAD_FUZZ_FIRST_SEED`` starts the seeds past the ones an earlier run covered.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ D = 8
 BACKENDS = ["ext", "python"]
 SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "48"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "50"))
+FIRST_SEED = int(os.environ.get("FASTOFFLOAD_FUZZ_FIRST_SEED", "0"))
 
 
 class Fault(RuntimeError):
@@ -578,6 +580,6 @@ class Driver:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("seed", range(SEEDS))
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SEEDS))
 def test_fuzz_against_the_resident_model(backend: str, seed: int) -> None:
     Driver(backend, seed).run(STEPS)
