@@ -58,7 +58,9 @@ parts from the resident one (``benchmarks/peer_diff.py``), and torch's numerics 
 compared and put back around every peer.
 
 ``pass`` on an ext row: at most 1.05x its floor, and 1.02x on the host-bound rows named as targets (Flux at
-1024 tokens with the first list, Wan-1.3B at 4096: ``ModelSpec.tight``). Every offloaded output is
+1024 tokens with the first list, Wan-1.3B at 4096: ``ModelSpec.tight``). On a peer's row: its per-round
+ratio to ext is above 1. The summary calls a peer tied with ext, not faster, when that ratio's median is
+within 2 % below 1 and ext was at least as fast in one of the rounds (``model_rows.peer_verdict``). Every offloaded output is
 compared with the resident one bit for bit. ext's peak GPU memory is its
 own (the peak during its forwards less what was allocated before its copy existed), against (k+1) x
 its largest block + the modules it leaves resident + activations.

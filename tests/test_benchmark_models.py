@@ -54,11 +54,11 @@ def _summary_rows() -> list[dict[str, Any]]:
          "range": "[1.010, 1.040]", "bit_equal": True},
         {"model": "flux", "tokens": tokens, "backend": "ext all lists", "ms": 497.0, "x_floor": 1.165,
          "range": "[1.160, 1.168]", "bit_equal": True, "bound_ms": 497.0, "x_bound": 1.0},
-        {"model": "flux", "tokens": tokens, "backend": "fastvideo", "ms": 430.0, "x_ext": 0.98,
+        {"model": "flux", "tokens": tokens, "backend": "fastvideo", "ms": 430.0, "x_ext": 0.98, "x_ext_max": 0.99,
          "range": "[0.97, 0.99]", "bit_equal": True, "vs_ext": "ext"},
-        {"model": "flux", "tokens": tokens, "backend": "sglang", "ms": 519.0, "x_ext": 1.04,
+        {"model": "flux", "tokens": tokens, "backend": "sglang", "ms": 519.0, "x_ext": 1.04, "x_ext_max": 1.05,
          "range": "[1.04, 1.05]", "bit_equal": True, "vs_ext": "ext all lists"},
-        {"model": "flux", "tokens": tokens, "backend": "mmgp", "ms": 900.0, "x_ext": 1.81,
+        {"model": "flux", "tokens": tokens, "backend": "mmgp", "ms": 900.0, "x_ext": 1.81, "x_ext_max": 1.9,
          "range": "[1.8, 1.9]", "bit_equal": False, "vs_ext": "ext all lists"},
         {"model": "flux", "tokens": tokens, "backend": "accelerate", "skipped": "why"},
     ]
@@ -67,13 +67,43 @@ def _summary_rows() -> list[dict[str, Any]]:
 def test_summary_compares_each_peer_with_the_ext_that_offloads_the_same_lists() -> None:
     assert models.summarize(_summary_rows()) == [
         "flux 9216 (balanced): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
-        "flux 9216 (balanced): fastest peer vs ext: fastvideo 430.00 ms, 0.98x ext [0.97, 0.99]; ext faster than "
+        "flux 9216 (balanced): fastest peer vs ext: fastvideo 430.00 ms, 0.980x ext [0.97, 0.99]; ext faster than "
         "every peer offloading the same lists: NO",
         "flux 9216 (balanced): ext all lists 497.00 ms = 1.165x floor [1.160, 1.168] (MISSES <=1.05x), 1.000x "
         "schedule bound 497.0 ms (the bound is above the floor target)",
-        "flux 9216 (balanced): fastest peer vs ext all lists: sglang 519.00 ms, 1.04x ext all lists [1.04, 1.05]; "
+        "flux 9216 (balanced): fastest peer vs ext all lists: sglang 519.00 ms, 1.040x ext all lists [1.04, 1.05]; "
         "ext all lists faster than every peer offloading the same lists: yes",
     ]
+
+
+def test_a_peer_within_the_rounds_noise_is_tied_and_one_faster_in_every_round_is_faster() -> None:
+    tokens = "6240 (balanced)"
+
+    def rows(x_ext: float, x_ext_max: float, range_text: str) -> list[dict[str, Any]]:
+        return [
+            {"model": "wan-1.3b", "tokens": tokens, "backend": "ext", "ms": 72.74, "x_floor": 1.037,
+             "range": "[1.032, 1.040]", "bit_equal": True},
+            # A budgeted ext row names its configuration too; it is not a peer, and it is faster.
+            {"model": "wan-1.3b", "tokens": tokens, "backend": "ext, budget 1.0 GB", "ms": 60.0, "x_ext": 0.82,
+             "x_ext_max": 0.85, "vs_ext": "ext", "bit_equal": True},
+            {"model": "wan-1.3b", "tokens": tokens, "backend": "fastvideo", "ms": 72.19, "x_ext": 1.002,
+             "x_ext_max": 1.317, "range": "[0.995, 1.317]", "bit_equal": True, "vs_ext": "ext"},
+            {"model": "wan-1.3b", "tokens": tokens, "backend": "sglang", "ms": 72.69, "x_ext": x_ext,
+             "x_ext_max": x_ext_max, "range": range_text, "bit_equal": False, "vs_ext": "ext"},
+        ]
+
+    head = "wan-1.3b 6240 (balanced): fastest peer vs ext: sglang 72.69 ms, not bit-equal, "
+    assert models.summarize(rows(0.9992, 1.536, "[0.960, 1.536]"))[1] == (
+        head + "0.999x ext [0.960, 1.536]; ext faster than every peer offloading the same lists: tied with sglang "
+        "(within 2%, and ext as fast in some rounds)")
+    # Faster in every round, or by more than the band: a loss, whatever the other rounds say.
+    assert models.summarize(rows(0.995, 0.998, "[0.990, 0.998]"))[1].endswith("the same lists: NO")
+    assert models.summarize(rows(0.97, 1.2, "[0.90, 1.20]"))[1].endswith("the same lists: NO")
+    assert models.summarize(rows(1.01, 1.2, "[0.99, 1.20]"))[1] == (
+        "wan-1.3b 6240 (balanced): fastest peer vs ext: fastvideo 72.19 ms, 1.002x ext [0.995, 1.317]; ext faster "
+        "than every peer offloading the same lists: yes")
+    assert [model_rows.peer_verdict(*pair) for pair in ((1.001, 1.1), (0.99, 1.0), (0.99, 0.999), (0.979, 1.5))] == [
+        "slower", "tied", "faster", "faster"]
 
 
 def test_summary_flags_a_row_that_is_not_bit_equal_and_holds_the_host_bound_rows_to_their_target() -> None:
