@@ -60,13 +60,16 @@ compared and put back around every peer.
 ``pass`` on an ext row: at most 1.05x its floor, and 1.02x on the host-bound rows named as targets (Flux at
 1024 tokens with the first list, Wan-1.3B at 4096: ``ModelSpec.tight``). On a peer's row: its per-round
 ratio to ext is above 1. The summary calls a peer tied with ext, not faster, when that ratio's median is
-within 2 % below 1 and ext was at least as fast in one of the rounds (``model_rows.peer_verdict``). Every offloaded output is
-compared with the resident one bit for bit. ext's peak GPU memory is its
-own (the peak during its forwards less what was allocated before its copy existed), against (k+1) x
-its largest block + the modules it leaves resident + activations.
+within 2 % below 1 and ext was at least as fast in one of the rounds (``model_rows.peer_verdict``).
+Every offloaded output is compared with the resident one bit for bit. ext's peak GPU memory is its own
+(the peak during its forwards less what was allocated before its copy existed), against (k+1) x its
+largest block + the modules it leaves resident + activations.
 
-``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: all; ``--quick``: wan-1.3b).
-Without a GPU the same models run at tiny configs on the host (device="cpu"), resident and ext only.
+``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: those three; ``--quick``:
+wan-1.3b). ``W1``..``W4`` (``STACK_MODELS``) put the forward section's synthetic workloads through the
+same sessions, so that the installed peers run on them too (the forward section measures FastVideo's
+algorithm, diffusers and accelerate there); they run only when named. Without a GPU the same models
+run at tiny configs on the host (device="cpu"), resident and ext only.
 """
 from __future__ import annotations
 
@@ -93,6 +96,7 @@ from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
                               module_bytes, reset_device_peak, try_import)
+from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, build_stack
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.planning import OffloadPlan
 from fastoffload_ext.planning.memory import probe_host
@@ -162,6 +166,8 @@ class ModelSpec:
     peers: tuple[str, ...] | None = None  # None: every peer
     # Token counts (labels) where ext with default settings is held to TIGHT_TARGET x floor, not EXT_TARGET.
     tight: tuple[str, ...] = ()
+    # Builds the model on a device from ``config``; None: the diffusers class ``cls_name``.
+    build: Callable[[dict[str, Any], torch.device], nn.Module] | None = field(default=None, repr=False)
 
 
 def _wan_grid(tokens: int, full_size: bool) -> tuple[int, int, int]:
@@ -242,14 +248,46 @@ MODELS = {
 }
 
 
+class KeywordStack(BlockStack):
+    """A forward-section workload called the way this section calls a diffusers model: the input by keyword,
+    a tuple out with ``return_dict=False``. Same parameters, same names, same weights as ``BlockStack``."""
+
+    def forward(self, hidden_states: torch.Tensor, return_dict: bool = True) -> Any:  # type: ignore[override]
+        out = super().forward(hidden_states)
+        return (out,) if not return_dict else out
+
+
+def _build_stack(config: dict[str, Any], device: torch.device) -> nn.Module:
+    spec = (CPU_WORKLOADS if config["cpu"] else WORKLOADS)[config["workload"]]
+    return build_stack(spec, device, seed=1, cls=KeywordStack).requires_grad_(False)
+
+
+def _stack_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    spec = (CPU_WORKLOADS if config["cpu"] else WORKLOADS)[config["workload"]]
+    generator = torch.Generator("cpu").manual_seed(1000 + int(config["workload"][1:]))
+    return _place(dict(hidden_states=torch.randn(1, tokens, spec.d, generator=generator, device="cpu")), device)
+
+
+def _stack_spec(key: str) -> ModelSpec:
+    gpu, cpu = WORKLOADS[key], CPU_WORKLOADS[key]
+    return ModelSpec(key, "BlockStack", {"workload": key, "cpu": False}, {"workload": key, "cpu": True},
+                     {gpu.character: gpu.tokens}, {cpu.character.split(" (")[0]: cpu.tokens}, None, _stack_inputs,
+                     build=_build_stack)
+
+
+# The forward section's workloads, run here only when BENCHMARK_MODELS names them.
+STACK_MODELS = {key: _stack_spec(key) for key in ("W1", "W2", "W3", "W4")}
+
+
 def selected_models(ctx: Context) -> list[ModelSpec]:
     wanted = os.environ.get(ENV_MODELS)
     if wanted:
+        known = {**MODELS, **STACK_MODELS}
         names = [name.strip() for name in wanted.split(",") if name.strip()]
-        unknown = [name for name in names if name not in MODELS]
+        unknown = [name for name in names if name not in known]
         if unknown:
-            ctx.note(f"{ENV_MODELS}: unknown model(s) {', '.join(unknown)} ignored; known: {', '.join(MODELS)}")
-        return [MODELS[name] for name in names if name in MODELS]
+            ctx.note(f"{ENV_MODELS}: unknown model(s) {', '.join(unknown)} ignored; known: {', '.join(known)}")
+        return [known[name] for name in names if name in known]
     if ctx.cuda and ctx.quick:
         return [MODELS["wan-1.3b"]]
     if not ctx.cuda:
@@ -261,9 +299,11 @@ def build_master(spec: ModelSpec, ctx: Context) -> nn.Module:
     """Random bf16 weights, built and kept on the device (the resident model, and the source every offloaded
     copy is made from): initialising on the GPU takes seconds, and no host copy exists beyond the ones the
     offloaders themselves hold."""
+    config = spec.config if ctx.cuda else spec.cpu_config
+    if spec.build is not None:
+        return spec.build(config, ctx.device).eval().requires_grad_(False)
     import diffusers
 
-    config = spec.config if ctx.cuda else spec.cpu_config
     previous = torch.get_default_dtype()
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

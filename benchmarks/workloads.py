@@ -133,10 +133,11 @@ def init_weights_(model: nn.Module, seed: int) -> nn.Module:
 
 
 def build_stack(spec: StackSpec, device: torch.device | str, *, seed: int = 0,
-                dtype: torch.dtype = DTYPE) -> BlockStack:
-    """Allocate without CPU init (meta, then to_empty) and fill deterministically on ``device``."""
+                dtype: torch.dtype = DTYPE, cls: type[BlockStack] = BlockStack) -> BlockStack:
+    """Allocate without CPU init (meta, then to_empty) and fill deterministically on ``device``; ``cls``: a
+    subclass of :class:`BlockStack` with the same parameters (the models section calls it by keyword)."""
     with torch.device("meta"):
-        model = BlockStack(spec.d, spec.blocks, spec.n_norms).to(dtype)  # free on meta: no fp32 copy is ever made
+        model = cls(spec.d, spec.blocks, spec.n_norms).to(dtype)  # free on meta: no fp32 copy is ever made
     model = model.to_empty(device=device)
     init_weights_(model, seed)
     return model.eval()

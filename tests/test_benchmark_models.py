@@ -64,6 +64,33 @@ def _summary_rows() -> list[dict[str, Any]]:
     ]
 
 
+def test_the_forward_workloads_run_here_when_named_with_the_forward_sections_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.workloads import CPU_WORKLOADS, build_stack
+
+    ctx = Context("models", Options(device="cpu", progress=False), str(tmp_path / "journal.jsonl"))
+    try:
+        monkeypatch.delenv(models.ENV_MODELS, raising=False)
+        assert all(spec.name in models.MODELS for spec in models.selected_models(ctx))  # not run unless named
+        monkeypatch.setenv(models.ENV_MODELS, "W3,W1")
+        assert [spec.name for spec in models.selected_models(ctx)] == ["W3", "W1"]
+        monkeypatch.setenv(models.ENV_MODELS, "W3")  # the smallest on the host
+        models.run(ctx)
+    finally:
+        ctx.close()
+    rows = [record["row"] for record in read_journal(str(tmp_path / "journal.jsonl")) if record["type"] == "row"]
+    ext = [row for row in rows if row["backend"] == "ext"]
+    assert [(row["model"], row["tokens"]) for row in ext] == [("W3", "32 (many-small-params)")]
+    assert all(row["bit_equal"] is True and row["note"].startswith("1 list(s) offloaded: blocks") for row in ext)
+    # The same weights as the forward section's W3 (seed 1), called by keyword with a tuple out.
+    master = models.build_master(models.STACK_MODELS["W3"], ctx)
+    reference = build_stack(CPU_WORKLOADS["W3"], "cpu", seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(master.state_dict().values(), reference.state_dict().values()))
+    x = torch.randn(1, 4, CPU_WORKLOADS["W3"].d, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(master(hidden_states=x, return_dict=False)[0], reference(x))
+
+
 def test_summary_compares_each_peer_with_the_ext_that_offloads_the_same_lists() -> None:
     assert models.summarize(_summary_rows()) == [
         "flux 9216 (balanced): ext 440.00 ms = 1.023x floor [1.010, 1.040] (meets <=1.05x)",
@@ -312,6 +339,25 @@ def _fake_peers() -> tuple[peers.Peer, ...]:
             peers.Peer("mmgp", absent, "absent"), peers.Peer("diffusers", exact, "exact after"))
 
 
+def _run_peer_sessions(tmp_path: Path, spec: models.ModelSpec, log: PhaseLog) -> list[dict[str, Any]]:
+    """The section's rows for ``spec`` with ``peers.PEERS``, the GPU-only peer path taken on the host."""
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
+    before = peer_diff.numerics_settings()
+    try:
+        run = models._prepare(ctx, spec, models.enable_layerwise_offload, log)
+        ctx.cuda = True  # the peers' path from here on; the device stays the host
+        pending = [row for peer in peers.PEERS for row in models._peer_rows(ctx, run, peer, 1e9)]
+        ctx.cuda = False
+        models._write(ctx, pending)
+        del run
+        assert peer_diff.numerics_settings() == before  # the section put back what a peer's set-up changed
+    finally:
+        ctx.close()
+        peer_diff.restore_settings(before)
+    return [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+
+
 def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU-only peer path, run on the host: the device timers and memory counters are swapped for
@@ -340,21 +386,8 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
         return model
 
     monkeypatch.setattr(models, "host_copy", tracked_copy)
-    journal = tmp_path / "journal.jsonl"
-    ctx = Context("models", Options(device="cpu", progress=False), str(journal))
-    before = peer_diff.numerics_settings()
     log = PhaseLog("models", echo=False)
-    try:
-        run = models._prepare(ctx, models.MODELS["wan-1.3b"], models.enable_layerwise_offload, log)
-        ctx.cuda = True  # the peers' path from here on; the device stays the host
-        pending = [row for peer in peers.PEERS for row in models._peer_rows(ctx, run, peer, 1e9)]
-        ctx.cuda = False
-        models._write(ctx, pending)
-        del run
-    finally:
-        ctx.close()
-        peer_diff.restore_settings(before)
-    rows = [record["row"] for record in read_journal(str(journal)) if record["type"] == "row"]
+    rows = _run_peer_sessions(tmp_path, models.MODELS["wan-1.3b"], log)
     by_backend = {(row["backend"], row.get("tokens")): row for row in rows}
     assert ("all", None) not in by_backend, by_backend
     exact, nudged = by_backend[("fastvideo", "16 (small)")], by_backend[("sglang", "16 (small)")]
@@ -366,7 +399,6 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     assert "not bit-equal: op " in nudged["note"]
     assert "a weight holds other values than the resident's" in nudged["note"]
     assert by_backend[("mmgp", "64 (large)")]["skipped"] == "absent: not installed"
-    assert peer_diff.numerics_settings() == before
     assert "it wrote into the host copy of the weights it was given; the next peer gets a fresh one" in nudged["note"]
     assert by_backend[("diffusers", "16 (small)")]["bit_equal"] is True  # not the nudged copy
     assert len(copies) == 4 and all(ref() is None for ref in copies)  # every peer's model was freed
@@ -379,6 +411,20 @@ class _TwoLists(torch.nn.Module):
         self.head = torch.nn.Linear(4, 4)
         self.doubles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
         self.singles = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+
+def test_a_peer_session_runs_on_a_forward_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peers, "PEERS", _fake_peers()[:1])  # the exact one (a difference's trace is tested above)
+    monkeypatch.setattr(models, "_peers_in_run_order", lambda: list(peers.PEERS))
+
+    def host_timer(ctx: Context, fn: Any, iters: int) -> Any:
+        return lambda: [0.0 if fn() is None else 1.0 for _ in range(iters)]
+
+    monkeypatch.setattr(models, "_timer", host_timer)  # CUDA events would need a device
+    rows = {row["backend"]: row for row in _run_peer_sessions(tmp_path, models.STACK_MODELS["W3"],
+                                                              PhaseLog("models", echo=False))}
+    assert rows["fastvideo"]["bit_equal"] is True and rows["fastvideo"]["vs_ext"] == "ext"
+    assert rows["fastvideo"]["tokens"] == "32 (many-small-params)" and "x_ext_max" in rows["fastvideo"]
 
 
 def test_what_a_peer_offloads_is_read_from_where_its_weights_are_after_set_up() -> None:
