@@ -96,7 +96,7 @@ from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
                               module_bytes, reset_device_peak, try_import)
-from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, build_stack
+from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, StackSpec, build_stack
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.planning import OffloadPlan
 from fastoffload_ext.planning.memory import probe_host
@@ -257,13 +257,16 @@ class KeywordStack(BlockStack):
         return (out,) if not return_dict else out
 
 
+def _stack_of(config: dict[str, Any]) -> StackSpec:
+    return (CPU_WORKLOADS if config["cpu"] else WORKLOADS)[config["workload"]]
+
+
 def _build_stack(config: dict[str, Any], device: torch.device) -> nn.Module:
-    spec = (CPU_WORKLOADS if config["cpu"] else WORKLOADS)[config["workload"]]
-    return build_stack(spec, device, seed=1, cls=KeywordStack).requires_grad_(False)
+    return build_stack(_stack_of(config), device, seed=1, cls=KeywordStack).requires_grad_(False)
 
 
 def _stack_inputs(config: dict[str, Any], tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    spec = (CPU_WORKLOADS if config["cpu"] else WORKLOADS)[config["workload"]]
+    spec = _stack_of(config)
     generator = torch.Generator("cpu").manual_seed(1000 + int(config["workload"][1:]))
     return _place(dict(hidden_states=torch.randn(1, tokens, spec.d, generator=generator, device="cpu")), device)
 
