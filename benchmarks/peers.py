@@ -9,8 +9,8 @@ FastVideo and SGLang are imported *module only*: their top-level ``__init__`` pu
 runtime (FastVideo: video I/O, FSDP loaders; SGLang: the LLM server, its kernels), which the offload
 module itself never calls and which the GPU machine cannot install offline. :func:`import_module_only`
 loads the offload module with its package's ``__init__`` skipped; a few third-party modules that
-SGLang's import chain names but its offload path never calls are replaced by stubs when absent
-(listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip installed them, or
+SGLang's import chain names but its offload path never calls are replaced by stubs when absent, only
+while the import runs (listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip installed them, or
 inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a zip). Two
 dependencies are real, not stubbed: SGLang's import chain serializes a class with ``dill`` at import
 time, and mmgp imports ``optimum.quanto`` (``optimum-quanto``) whether or not it quantizes; an offline
@@ -57,6 +57,8 @@ SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compre
 SGLANG_OFFLOAD = ("sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload",
                   "sglang.multimodal_gen.runtime.utils.layerwise_offload")
 FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
+# What SGLang's diffusion runtime imports and this suite needs real: imported before SGLang's chain is stubbed.
+SGLANG_REAL_FIRST = ("transformers", "diffusers", "diffusers.models")
 
 Teardown = Callable[[], None]
 MAX_STUBS = 60
@@ -161,6 +163,11 @@ def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *
         for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
             del sys.modules[name]
         raise
+    finally:
+        # The stubs stand in while the chain imports, and no longer: a library imported later (transformers
+        # and what it checks for, say) would take a stub for the real module. The peer's modules keep theirs.
+        for name in [name for name in sys.modules if isinstance(sys.modules[name], _StubModule)]:
+            del sys.modules[name]
 
 
 def _import_with_stubs(package: str, module: str, root: str, wanted: list[str],
@@ -180,7 +187,7 @@ def _import_with_stubs(package: str, module: str, root: str, wanted: list[str],
                 del sys.modules[name]  # a half-imported chain would be reused as it is
             continue
         except Exception as error:
-            raise PeerUnavailable(f"importing {module} failed: {type(error).__name__}: {error}"[:300]) from error
+            raise PeerUnavailable(f"importing {module} failed: {why(error)}"[:400]) from error
         STUBBED[package] = list(wanted)
         return loaded
     raise PeerUnavailable(f"importing {module} needs more than {MAX_STUBS} modules this machine lacks")
@@ -198,6 +205,16 @@ def _bare_parents(package: str, module: str, root: str) -> None:
             bare.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
             bare.__spec__.submodule_search_locations = list(bare.__path__)
             sys.modules[name] = bare
+
+
+def why(error: BaseException) -> str:
+    """``Type: message`` of ``error``, and of the error it came from where there is one (a lazy import's
+    "could not import X" says little without the reason underneath)."""
+    root = error
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = f"{type(error).__name__}: {error}"
+    return text if root is error else f"{text} (from {type(root).__name__}: {root})"
 
 
 class _StubMeta(type):
@@ -229,8 +246,12 @@ class _Stub(metaclass=_StubMeta):
         return core_schema.any_schema()
 
 
+class _StubModule(types.ModuleType):
+    """A module this machine lacks, stood in for while a peer's offload module imports."""
+
+
 def _stub_module(name: str) -> types.ModuleType:
-    stub = types.ModuleType(name)
+    stub = _StubModule(name)
     stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     stub.__path__ = []  # type: ignore[attr-defined]  # a package, so "stub.sub" resolves too
 
@@ -266,13 +287,27 @@ def fastvideo(model: nn.Module, device: torch.device, lists: list[str]) -> Teard
 
 
 def _sglang_module() -> types.ModuleType:
+    # SGLang's diffusion runtime is built on diffusers and transformers: import the real ones first, so that
+    # their checks for optional modules run before any stub exists (a model built with diffusers has
+    # done this already; a plain stack has not).
+    for library in SGLANG_REAL_FIRST:
+        if _importable(library):
+            importlib.import_module(library)
+    return first_layout("sglang", SGLANG_OFFLOAD, SGLANG_STUBS)
+
+
+def first_layout(package: str, layouts: tuple[str, ...], stubs: tuple[str, ...]) -> types.ModuleType:
+    """The first of ``layouts`` (where releases of ``package`` keep one module) that imports; the error
+    names a layout this release lacks as such, so the reason a layout that exists failed stays readable."""
     errors = []
-    for name in SGLANG_OFFLOAD:
+    for name in layouts:
         try:
-            return import_module_only("sglang", name, SGLANG_STUBS, stub_missing=True)
+            return import_module_only(package, name, stubs, stub_missing=True)
         except PeerUnavailable as error:
-            errors.append(str(error))
-    raise PeerUnavailable("; ".join(errors)[:300])
+            cause = error.__cause__
+            absent = isinstance(cause, ModuleNotFoundError) and cause.name and name.startswith(cause.name)
+            errors.append(f"{name}: not in this release" if absent else str(error))
+    raise PeerUnavailable("; ".join(errors)[:400])
 
 
 def sglang(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
@@ -314,7 +349,7 @@ def mmgp(model: nn.Module, device: torch.device, lists: list[str]) -> Teardown:
     try:
         from mmgp import offload, profile_type
     except Exception as error:
-        raise PeerUnavailable(f"mmgp: {type(error).__name__}: {error}"[:300]) from error
+        raise PeerUnavailable(f"mmgp: {why(error)}"[:400]) from error
     # Its pinned-RAM, low-VRAM profile; no quantization, no dtype change: the same weights as the others.
     with contextlib.redirect_stdout(io.StringIO()):
         handle = offload.profile({"transformer": model}, profile_type.HighRAM_LowVRAM, quantizeTransformer=False,
@@ -327,7 +362,7 @@ def _diffusers_group(offload_type: str) -> Callable[[nn.Module, torch.device, li
         try:
             from diffusers.hooks import apply_group_offloading
         except Exception as error:
-            raise PeerUnavailable(f"diffusers: {type(error).__name__}: {error}"[:300]) from error
+            raise PeerUnavailable(f"diffusers: {why(error)}"[:400]) from error
         grouping = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
         apply_group_offloading(model, onload_device=device, offload_type=offload_type, use_stream=True, **grouping)
         return lambda: None
@@ -339,7 +374,7 @@ def accelerate(model: nn.Module, device: torch.device, lists: list[str]) -> Tear
     try:
         from accelerate import cpu_offload
     except Exception as error:
-        raise PeerUnavailable(f"accelerate: {type(error).__name__}: {error}"[:300]) from error
+        raise PeerUnavailable(f"accelerate: {why(error)}"[:400]) from error
     cpu_offload(model, execution_device=device)
     return lambda: None
 

@@ -3,6 +3,7 @@ ext bit-equal, every GPU-only peer row saying why it did not run; and its summar
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import re
@@ -546,3 +547,68 @@ def test_the_peers_models_share_one_host_copy_and_a_write_into_it_shows() -> Non
     bound = copy.deepcopy(tied)
     bind(bound, tied_source)
     assert bound[0].weight is bound[1].weight and bound[0].weight.data_ptr() == tied_source["0.weight"].data_ptr()
+
+
+def _peer_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offload_source: str) -> None:
+    root = tmp_path / "stubbed_peer"
+    (root / "runtime").mkdir(parents=True)
+    (root / "__init__.py").write_text("raise ImportError('the whole runtime')\n")
+    (root / "runtime" / "__init__.py").write_text("raise ImportError('the whole runtime')\n")
+    (root / "runtime" / "offload.py").write_text(offload_source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def _forget(prefix: str) -> None:
+    for name in [name for name in sys.modules if name.startswith(prefix)]:
+        del sys.modules[name]
+
+
+def test_a_stub_stands_in_only_while_the_peer_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library imported after the peer (transformers checking for an optional module) must find the
+    machine's truth, not the stub the peer's chain was given."""
+    _peer_package(tmp_path, monkeypatch, "import absent_dependency_of_a_peer as dep\nHANDLE = dep.Handle\n")
+    try:
+        module = peers.import_module_only("stubbed_peer", "stubbed_peer.runtime.offload", stub_missing=True)
+        assert peers.STUBBED["stubbed_peer"] == ["absent_dependency_of_a_peer"]
+        assert isinstance(module.HANDLE, type)
+        assert "absent_dependency_of_a_peer" not in sys.modules
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("absent_dependency_of_a_peer")
+    finally:
+        _forget("stubbed_peer")
+        peers.STUBBED.pop("stubbed_peer", None)
+
+
+def test_a_failed_peer_import_leaves_no_stub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _peer_package(tmp_path, monkeypatch, "import absent_dependency_of_a_peer\nimport stubbed_peer.runtime.gone\n")
+    try:
+        with pytest.raises(peers.PeerUnavailable, match="stubbed_peer.runtime.gone"):
+            peers.import_module_only("stubbed_peer", "stubbed_peer.runtime.offload", stub_missing=True)
+        assert "absent_dependency_of_a_peer" not in sys.modules
+        assert not [name for name in sys.modules if name.startswith("stubbed_peer")]
+    finally:
+        _forget("stubbed_peer")
+
+
+def test_the_layout_a_release_lacks_is_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _peer_package(tmp_path, monkeypatch, "import stubbed_peer.runtime.gone\n")
+    try:
+        with pytest.raises(peers.PeerUnavailable) as raised:
+            peers.first_layout("stubbed_peer", ("stubbed_peer.runtime.managers.offload", "stubbed_peer.runtime.offload"), ())
+        first, second = str(raised.value).split("; ")
+        assert first == "stubbed_peer.runtime.managers.offload: not in this release"
+        assert second.startswith("importing stubbed_peer.runtime.offload failed") and "stubbed_peer.runtime.gone" in second
+    finally:
+        _forget("stubbed_peer")
+
+
+def test_a_peer_that_cannot_import_says_the_reason_underneath() -> None:
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+        except ModuleNotFoundError as inner:
+            raise ModuleNotFoundError("Could not import module 'AutoModel'") from inner
+    except ModuleNotFoundError as outer:
+        assert peers.why(outer) == ("ModuleNotFoundError: Could not import module 'AutoModel' "
+                                    "(from ModuleNotFoundError: No module named 'torchvision')")
+    assert peers.why(ValueError("plain")) == "ValueError: plain"
