@@ -156,6 +156,7 @@ def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *
         raise PeerUnavailable(f"{package} is not installed and no {package}-*.whl is in {WHEEL_DIR}")
     root = list(spec.submodule_search_locations)[0]
     wanted = [stub for stub in stubs if not _importable(stub)]
+    before = set(sys.modules)
     try:
         return _import_with_stubs(package, module, root, wanted, stub_missing)
     except PeerUnavailable:
@@ -164,10 +165,34 @@ def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *
             del sys.modules[name]
         raise
     finally:
-        # The stubs stand in while the chain imports, and no longer: a library imported later (transformers
-        # and what it checks for, say) would take a stub for the real module. The peer's modules keep theirs.
-        for name in [name for name in sys.modules if isinstance(sys.modules[name], _StubModule)]:
+        _forget_side_effects(before)
+
+
+def _forget_side_effects(before: set[str]) -> None:
+    """Drops what a peer's import left in ``sys.modules`` that would change later imports elsewhere.
+
+    - The stubs: they stand in while the chain imports, and no longer. A library imported later
+      (transformers, and what it checks for) would take a stub for the real module.
+    - A namespace package found only by a failed probe, with nothing imported beneath it. FastVideo and
+      SGLang probe ``from sphinx.ext.autodoc.mock import _MockModule``; where a ``sphinx`` directory
+      without ``__init__.py`` is on the path, the probe fails but leaves ``sphinx`` in ``sys.modules``,
+      and SciPy's docstring code (imported by transformers) then takes Sphinx for loaded and fails.
+
+    The peer's own modules keep the references they took.
+    """
+    added = set(sys.modules) - before
+    for name in added:
+        module = sys.modules.get(name)
+        if isinstance(module, _StubModule) or (_bare_namespace(module)
+                                               and not any(other.startswith(name + ".") for other in sys.modules)):
             del sys.modules[name]
+
+
+def _bare_namespace(module: types.ModuleType | None) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return (module is not None and getattr(module, "__file__", None) is None and spec is not None
+            and spec.origin in (None, "namespace") and spec.submodule_search_locations is not None
+            and type(spec.loader).__name__ == "NamespaceLoader")
 
 
 def _import_with_stubs(package: str, module: str, root: str, wanted: list[str],

@@ -612,3 +612,18 @@ def test_a_peer_that_cannot_import_says_the_reason_underneath() -> None:
         assert peers.why(outer) == ("ModuleNotFoundError: Could not import module 'AutoModel' "
                                     "(from ModuleNotFoundError: No module named 'torchvision')")
     assert peers.why(ValueError("plain")) == "ValueError: plain"
+
+
+def test_a_namespace_package_a_failed_probe_found_is_forgotten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FastVideo probes for Sphinx; a ``sphinx`` directory without ``__init__.py`` on the path made the probe
+    leave ``sphinx`` in sys.modules, and SciPy (under transformers) then failed on ``sphinx.ext``."""
+    (tmp_path / "probed_namespace" / "templates").mkdir(parents=True)
+    _peer_package(tmp_path, monkeypatch, "try:\n    from probed_namespace.ext.mock import Mock\n"
+                                         "except ModuleNotFoundError:\n    Mock = None\n")
+    try:
+        module = peers.import_module_only("stubbed_peer", "stubbed_peer.runtime.offload")
+        assert module.Mock is None
+        assert "probed_namespace" not in sys.modules
+    finally:
+        _forget("stubbed_peer")
+        _forget("probed_namespace")
