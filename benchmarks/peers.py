@@ -57,8 +57,11 @@ SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compre
 SGLANG_OFFLOAD = ("sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload",
                   "sglang.multimodal_gen.runtime.utils.layerwise_offload")
 FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
-# What SGLang's diffusion runtime imports and this suite needs real: imported before SGLang's chain is stubbed.
-SGLANG_REAL_FIRST = ("transformers", "diffusers", "diffusers.models")
+# Imported, where installed, before a peer's module-only import: what SGLang's diffusion runtime is built on,
+# so that their checks for optional modules run before any stub exists, and SciPy's statistics, whose
+# docstring code, run once at its import, takes a ``sphinx`` in sys.modules for Sphinx (see
+# _forget_side_effects). A model built with diffusers has imported them already; a plain stack has not.
+REAL_FIRST = ("transformers", "diffusers", "diffusers.models", "scipy.stats")
 
 Teardown = Callable[[], None]
 MAX_STUBS = 60
@@ -155,6 +158,10 @@ def import_module_only(package: str, module: str, stubs: tuple[str, ...] = (), *
     if spec is None or not spec.submodule_search_locations:
         raise PeerUnavailable(f"{package} is not installed and no {package}-*.whl is in {WHEEL_DIR}")
     root = list(spec.submodule_search_locations)[0]
+    for library in REAL_FIRST:
+        if _importable(library):
+            with contextlib.suppress(Exception):  # a broken install: the peer's own import says so
+                importlib.import_module(library)
     wanted = [stub for stub in stubs if not _importable(stub)]
     before = set(sys.modules)
     try:
@@ -206,7 +213,7 @@ def _import_with_stubs(package: str, module: str, root: str, wanted: list[str],
         except ModuleNotFoundError as error:
             missing = error.name or ""
             if not stub_missing or not missing or missing.split(".")[0] == package or missing in wanted:
-                raise PeerUnavailable(f"importing {module} failed: {error}"[:300]) from error
+                raise PeerUnavailable(f"importing {module} failed: {why(error)}"[:400]) from error
             wanted.append(missing)
             for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
                 del sys.modules[name]  # a half-imported chain would be reused as it is
@@ -312,12 +319,6 @@ def fastvideo(model: nn.Module, device: torch.device, lists: list[str]) -> Teard
 
 
 def _sglang_module() -> types.ModuleType:
-    # SGLang's diffusion runtime is built on diffusers and transformers: import the real ones first, so that
-    # their checks for optional modules run before any stub exists (a model built with diffusers has
-    # done this already; a plain stack has not).
-    for library in SGLANG_REAL_FIRST:
-        if _importable(library):
-            importlib.import_module(library)
     return first_layout("sglang", SGLANG_OFFLOAD, SGLANG_STUBS)
 
 
