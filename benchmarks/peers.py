@@ -10,11 +10,11 @@ runtime (FastVideo: video I/O, FSDP loaders; SGLang: the LLM server, its kernels
 module itself never calls and which the GPU machine cannot install offline. :func:`import_module_only`
 loads the offload module with its package's ``__init__`` skipped; a few third-party modules that
 SGLang's import chain names but its offload path never calls are replaced by stubs when absent, only
-while the import runs (listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip installed them, or
-inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a zip). Two
-dependencies are real, not stubbed: SGLang's import chain serializes a class with ``dill`` at import
-time, and mmgp imports ``optimum.quanto`` (``optimum-quanto``) whether or not it quantizes; an offline
-machine needs their wheels too.
+while the import runs (listed in ``SGLANG_STUBS``, and in the row's note). Packages are found where pip
+installed them, or inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a
+zip). Two dependencies are real, not stubbed: SGLang's import chain serializes a class with ``dill`` at
+import time, and mmgp imports ``optimum.quanto`` (``optimum-quanto``) whether or not it quantizes; an
+offline machine needs their wheels too.
 
 Each setup takes the model (on the host), the device and the names of the model's block lists, and
 returns a teardown; a peer that cannot run raises :class:`PeerUnavailable` with the reason.
@@ -242,9 +242,10 @@ def _bare_parents(package: str, module: str, root: str) -> None:
 def why(error: BaseException) -> str:
     """``Type: message`` of ``error``, and of the error it came from where there is one (a lazy import's
     "could not import X" says little without the reason underneath)."""
-    root = error
-    while root.__cause__ is not None and root.__cause__ is not root:
+    root, seen = error, {id(error)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
         root = root.__cause__
+        seen.add(id(root))
     text = f"{type(error).__name__}: {error}"
     return text if root is error else f"{text} (from {type(root).__name__}: {root})"
 
