@@ -299,6 +299,26 @@ def test_state_dict_holds_the_real_values(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_dict_taken_while_a_block_runs_keeps_its_values(backend: str) -> None:
+    """From a hook inside block 1's forward: block 1's values are its device slot, which the cyclic prefetch
+    of block 0 overwrites after block 1 releases; the saved values must not follow it."""
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    saved: dict[str, torch.Tensor] = {}
+
+    def save(module: nn.Module, args: object) -> None:
+        if not saved:
+            saved.update(model.state_dict())
+
+    model.blocks[1].o.register_forward_pre_hook(save)
+    with torch.no_grad():
+        model(_x())
+    want = reference.state_dict()
+    assert saved.keys() == want.keys()
+    assert [k for k in want if not torch.equal(saved[k], want[k])] == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_load_state_dict_updates_the_host_copy(backend: str) -> None:
     model, _ = _frozen_pair()
     other, _ = make_pair(3, seed=9)

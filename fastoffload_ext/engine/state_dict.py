@@ -55,6 +55,7 @@ class StateDictHooks:
         # the block with a trailing dot, '' for the block). The submodules it reaches leave their part to it.
         self._saving_at: tuple[str, str] | None = None
         self._loading_at: tuple[str, str] | None = None
+        self._saving_keeps_vars = False  # the state_dict() under way was asked for keep_vars
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
@@ -100,6 +101,7 @@ class StateDictHooks:
         within = self._within(module)
         if within is not None and not self._reached(self._saving_at, prefix, within):
             self._saving_at = (prefix, within)
+            self._saving_keeps_vars = keep_vars
 
     def _real_values(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         within = self._within(module)
@@ -112,6 +114,7 @@ class StateDictHooks:
         # A parameter tied inside the block (``b.weight = a.weight``) is offloaded under its first name but
         # saved under every one: each gets the same real value, as the resident model's state dict has it.
         aliases = {group[0]: group for group in parameter_names(self._block).values()}
+        running = not getattr(self.state, "mutating", False)
         for name, host in host_values.items():
             value = None
             for alias in aliases.get(name, [name]):
@@ -119,8 +122,15 @@ class StateDictHooks:
                     continue  # outside the submodule saved
                 key = prefix + alias[len(within):]
                 entry = state_dict.get(key)
-                if entry is None or tuple(entry.shape) == tuple(host.shape):
-                    continue  # not saved, or a live value (running, or inside mutate_params_scope)
+                if entry is None:
+                    continue  # not saved
+                if tuple(entry.shape) == tuple(host.shape):
+                    # A live value. Inside mutate_params_scope it is the parameter's own tensor, saved as a resident
+                    # model saves it. In a running block (a state_dict() from a hook inside the forward) it is a
+                    # view of a device slot that the next block's copy overwrites: saved as a copy.
+                    if running and not self._saving_keeps_vars:
+                        state_dict[key] = entry.clone()
+                    continue
                 if value is None:
                     value = host.detach().clone()
                     value = value if value.dtype == entry.dtype else value.to(entry.dtype)
