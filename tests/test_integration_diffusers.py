@@ -4,6 +4,7 @@ enable_sequential_cpu_offload."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,32 @@ def test_sequential_cpu_offload_is_refused() -> None:
                                                 r"per-parameter hooks on the layerwise-offloaded pipe\.transformer"):
         pipe.enable_sequential_cpu_offload(device="cpu")
     assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("call", ["model", "attention module"])
+def test_projection_fusion_is_refused_while_offloaded_and_nothing_is_fused(backend: str, call: str,
+                                                                           expected: torch.Tensor) -> None:
+    """diffusers fuses q/k/v by concatenating their weights through ``.data``: for an offloaded block those are
+    empty placeholders, and the fused layer would be empty. Refused up front; after a disable it works."""
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu", backend=backend)
+    model = pipe.transformer
+    attention = model.blocks[1].attn1
+    before = {name for name, _ in model.named_modules()}
+    fuse = model.fuse_qkv_projections if call == "model" else attention.fuse_projections
+    what = "WanTransformer3DModel.fuse_qkv_projections()" if call == "model" else "WanAttention.fuse_projections()"
+    with pytest.raises(OffloadStateError, match=rf"^fastoffload: {re.escape(what)} on the layerwise-offloaded "
+                                                r"WanTransformer3DModel would build fused projections .* nothing was "
+                                                r"fused\. .*disable_layerwise_offload"):
+        fuse()
+    assert {name for name, _ in model.named_modules()} == before and not attention.fused_projections
+    assert torch.equal(_video(pipe), expected)
+    disable_layerwise_offload(model, device="cpu")
+    reference = tiny_pipeline().transformer
+    model.fuse_qkv_projections()
+    reference.fuse_qkv_projections()
+    assert params_equal(model, reference)
 
 
 def test_bound_restores_the_slot_after_an_error() -> None:

@@ -220,6 +220,23 @@ def test_builtin_self_returning_method_hands_back_the_proxy() -> None:
     assert torch.equal(proxy.add(1), torch.full((3,), 3.0))  # a new tensor, passed through
 
 
+def test_a_function_set_on_the_instance_that_returns_the_component_hands_back_the_proxy() -> None:
+    """A wrapper on the instance (offload_transformer guards ``to`` that way) is a plain function, not a bound
+    method: ``x = x.to(device)`` must still keep the proxy, or the pipeline could never free the component."""
+
+    def guard(model: nn.Module) -> nn.Module:
+        unbound = type(model).to
+        object.__setattr__(model, "to", lambda *args, **kwargs: unbound(model, *args, **kwargs))
+        return model
+
+    proxy, loader = make()
+    proxy.set_materialize_transform(guard)
+    assert proxy.to("cpu") is proxy
+    assert proxy.release() is True
+    gc.collect()
+    assert loader.built[0]() is None
+
+
 def test_reassignment_pattern_keeps_the_proxy_releasable() -> None:
     """`self.vae = self.vae.to(device)` must keep the proxy, so the pipeline can still free the module."""
 

@@ -56,7 +56,7 @@ from fastoffload_ext.pipeline.lazy import is_lazy_module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DENOISER_NAMES", "bound", "guard_device_moves", "offload_transformer"]
+__all__ = ["DENOISER_NAMES", "bound", "guard_device_moves", "guard_fusions", "offload_transformer"]
 
 DENOISER_NAMES = ("transformer", "transformer_2")
 _GUARDED_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", "type")
@@ -75,6 +75,12 @@ CAST_ERROR = ("fastoffload: {what} would cast the layerwise-offloaded {model} to
               "first: fastoffload_ext.disable_layerwise_offload(model, device=...), cast, and offload it again")
 FROM_PIPE_HINT = (". A pipeline that DiffusionPipeline.from_pipe builds is cast to its dtype= (torch_dtype=) "
                   "argument, torch.float32 when none is given: pass the offloaded model's dtype there")
+FUSE_ERROR = ("fastoffload: {what} on the layerwise-offloaded {model} would build fused projections from the "
+              "offloaded blocks' placeholders (their weights live in the offload engine's host copy, which it does "
+              "not read); nothing was fused. Fuse before offloading the model, or undo the offload first: "
+              "fastoffload_ext.disable_layerwise_offload(model, device=...), fuse, and offload it again")
+# diffusers' projection fusion: the model's method runs each attention module's; both refuse while offloaded.
+_FUSING_METHODS = ("fuse_qkv_projections", "fuse_projections")
 SEQUENTIAL_ERROR = ("fastoffload: enable_sequential_cpu_offload would put accelerate's per-parameter hooks on "
                     "the layerwise-offloaded {names}, whose blocks this engine already streams. Use "
                     "enable_model_cpu_offload() (it keeps the layerwise offload) or undo the offload first with "
@@ -209,6 +215,35 @@ def guard_device_moves(model: nn.Module) -> None:
         # The guard wraps whatever ``to`` the model's class defines.
         object.__setattr__(model, method, _guarded(model, method, getattr(model, method)))
     object.__setattr__(model, _GUARD_ATTRIBUTE, True)
+
+
+def _refusing_fusion(model: nn.Module, owner: nn.Module, method: str) -> Callable[..., Any]:
+    # Weak references, as in _guarded: the function sits on ``owner``, inside ``model``.
+    model_ref, owner_ref = weakref.ref(model), weakref.ref(owner)
+    unbound = getattr(type(owner), method)
+
+    def fuse(*args: Any, **kwargs: Any) -> Any:
+        model, owner = model_ref(), owner_ref()
+        if model is None or owner is None:
+            raise OffloadStateError(DEAD_MODULE_ERROR)
+        if get_offload_group(model) is not None:
+            raise OffloadStateError(FUSE_ERROR.format(what=f"{type(owner).__name__}.{method}()",
+                                                      model=type(model).__name__))
+        return unbound(owner, *args, **kwargs)
+
+    return fuse
+
+
+def guard_fusions(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
+    """Make diffusers' projection fusion (``fuse_qkv_projections`` on the model, ``fuse_projections`` on
+    each attention module of the offloaded block lists) refuse while ``model`` is offloaded, before anything
+    is fused: it concatenates ``to_q``/``to_k``/``to_v`` weights through ``.data``, which for an offloaded
+    block are empty placeholders, and the next forward would fail on the empty fused layer."""
+    owners = [model, *(module for name in group.list_names for module in getattr(model, name).modules())]
+    for owner in owners:
+        for method in _FUSING_METHODS:
+            if callable(getattr(type(owner), method, None)) and method not in owner.__dict__:
+                object.__setattr__(owner, method, _refusing_fusion(model, owner, method))
 
 
 def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
@@ -411,6 +446,7 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
         model = getattr(pipe, name)
         _place_rest(model, group)
         guard_device_moves(model)
+        guard_fusions(model, group)
     if groups:
         setattr(pipe, _NAMES_ATTRIBUTE, (*getattr(pipe, _NAMES_ATTRIBUTE, ()), *groups))
     if groups:

@@ -421,7 +421,9 @@ class LazyModule:
         if item in _STATE_SLOTS:
             raise AttributeError(item)
         value = getattr(self.materialize(), item)
-        if inspect.ismethod(value) or inspect.isbuiltin(value):
+        # A plain function too: a wrapper set on the instance (offload_transformer's guarded ``to``) returns
+        # the component as the method it wraps does.
+        if inspect.ismethod(value) or inspect.isbuiltin(value) or inspect.isfunction(value):
             return self._keep_proxy_identity(value)
         return value
 
