@@ -609,6 +609,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("block"))
       .def(
+          "check_offloaded_bindings",
+          [](const OffloadEngine& e, int64_t block) { e.check_offloaded_bindings(checked_block(e, block)); },
+          py::arg("block"))
+      .def(
           "is_removed", [](const OffloadEngine& e, int64_t block) { return e.is_removed(checked_block(e, block)); },
           py::arg("block"))
       .def(

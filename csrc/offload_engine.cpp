@@ -943,6 +943,14 @@ std::string OffloadEngine::edited_in_place(size_t block) const {
   return store_.block(block).layout[written].name;
 }
 
+void OffloadEngine::check_offloaded_bindings(size_t block) const {
+  auto lock = gate_.enter_read();
+  check_block(block);
+  const int64_t slot = ring_.slot_of(block);
+  if (materialized_[block] || (slot >= 0 && ring_.slot(slot).state == SlotState::kInUse)) return;
+  check_bindings(block);
+}
+
 bool OffloadEngine::is_removed(size_t block) const {
   auto lock = gate_.enter_read();
   TORCH_CHECK(block < store_.size(), "fastoffload: block handle ", std::to_string(block), " is out of range");

@@ -191,6 +191,10 @@ class OffloadEngine {
   // The name of a parameter written in place while the block was offloaded (its placeholder or a slot
   // it no longer holds), whose change restore() cannot keep; "" when there is none or the block is live.
   std::string edited_in_place(size_t block) const;
+  // Raises what the next acquire or materialize would raise for an edit, cast or rebind made while the block
+  // was offloaded (nothing when the block is running or materialized, whose parameters hold live values).
+  // Changes nothing: a load_state_dict refuses with it before any module has loaded.
+  void check_offloaded_bindings(size_t block) const;
   bool is_removed(size_t block) const;
   bool is_shared(size_t block) const;
   // Tensor `j` of the block's host copy (host_views: every tensor, one decode when compressed): views

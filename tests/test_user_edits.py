@@ -337,6 +337,35 @@ def test_load_state_dict_updates_the_host_copy(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("edit", ["in place", "cast", "rebound"])
+def test_a_load_that_a_block_refuses_changes_nothing(backend: str, edit: str) -> None:
+    """Block 2 refuses the load (an edit made while it was offloaded would be overwritten): the load must
+    refuse before the modules ahead of it (the rest of the model, blocks 0 and 1) have loaded anything."""
+    model, _ = _frozen_pair()
+    other, _ = make_pair(3, seed=9)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    weight = model.blocks[2].o.weight
+    with torch.no_grad():
+        if edit == "in place":
+            weight.mul_(2)
+        elif edit == "cast":
+            model.blocks[2].o.double()
+        else:
+            weight.data = torch.ones(16, 16)
+    message = {"in place": "was changed in place while it was offloaded", "cast": "was cast or moved to Double",
+               "rebound": "was replaced while it was offloaded"}[edit]
+    with pytest.raises(RuntimeError, match=message):
+        model.load_state_dict(other.state_dict())
+    after = model.state_dict()
+    changed = [name for name in before if not name.startswith("blocks.2.")
+               and not torch.equal(after[name], before[name])]
+    assert changed == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("keep_vars", [False, True])
 def test_a_submodules_state_dict_holds_the_real_values(backend: str, keep_vars: bool) -> None:
     # torch runs only the hooks of the module state_dict() is called on and below: a submodule of a block

@@ -177,6 +177,17 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         name = self.engine.edited_in_place(self.handle) if self._attached() else None
         return None if name is None else LOST_EDIT_WARNING.format(name=name, index=self.handle)
 
+    def binding_refusal(self) -> Exception | None:
+        """What materializing the block now would raise for an edit, cast or rebind made while it was offloaded
+        (None: nothing, or the block is live); checks without changing anything."""
+        if not self._attached():
+            return None
+        try:
+            self.engine.check_offloaded_bindings(self.handle)
+        except RuntimeError as error:
+            return error
+        return None
+
     def restore(self, module: nn.Module, device: torch.device) -> None:
         if self._attached():
             self.engine.restore(self.handle, device)

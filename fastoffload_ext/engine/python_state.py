@@ -232,6 +232,18 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self._depth = 0
             self.gate.end(id(self))
 
+    def binding_refusal(self) -> Exception | None:
+        """What the next acquire or materialize would raise for an edit, cast or rebind made while the block was
+        offloaded (None: nothing, or the block is loaded); checks without changing anything."""
+        if self._depth > 0 or self._detached or self.module_ref is None or getattr(self, "mutating", False):
+            return None
+        try:
+            for name, param in self._own_parameters():
+                self._check_binding(name, param, self.cpu_named_parameters[name])
+        except OffloadStateError as error:
+            return error
+        return None
+
     def lost_edit(self) -> str | None:
         """What a restore now would lose: an in-place write to an offloaded parameter (LOST_EDIT_WARNING)."""
         if self._depth > 0 or self._detached or self.module_ref is None:

@@ -136,13 +136,18 @@ class StateDictHooks:
                     value = value if value.dtype == entry.dtype else value.to(entry.dtype)
                 state_dict[key] = value
 
-    def refusal(self) -> OffloadStateError | None:
+    def refusal(self) -> Exception | None:
         """The error a load into this block raises before it changes anything (None: it loads)."""
         if getattr(self.state, "shared_segment", None) is not None:
             index = getattr(self.state, "handle", None)
             return OffloadStateError(SHARED_LOAD_ERROR.format(index=index, n=getattr(self.state, "shared_by", 0)))
         own = getattr(self.state, "load_refusal", None)  # a state's own (a disk-tier block has no host copy)
-        return own() if callable(own) else None
+        refused = own() if callable(own) else None
+        if refused is None:
+            # An edit, cast or rebind made while the block was offloaded, which the load's materialize refuses.
+            binding = getattr(self.state, "binding_refusal", None)
+            refused = binding() if callable(binding) else None
+        return refused
 
     def finish_interrupted_load(self) -> None:
         """Ends a load into this block that raised (Ctrl-C, a failing hook of a module loaded after this
