@@ -26,9 +26,9 @@ CAST = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {
         "(its host copy holds {was} for cpu); .half(), .to(dtype) and .to(device) do not reach an offloaded block's "
         "host copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable it "
         "again.")
-LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its placeholder "
-             "or device slot held no lasting copy), so offload was disabled with its value from before that change. Apply "
-             "the change again now, or next time inside mutate_params_scope().")
+LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, while it "
+             "was offloaded (its placeholder or device slot held no lasting copy), so offload was disabled with its value "
+             "from before that change. Apply the change again now, or next time inside mutate_params_scope().")
 
 
 def _x(seed: int = 1) -> torch.Tensor:
@@ -57,7 +57,8 @@ def test_in_place_edit_of_an_offloaded_parameter_is_never_lost_silently(backend:
             model(_x())
     assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
     # The refused edit is still on the placeholder: disable says it keeps the value from before it.
-    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place while it was "
+    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place, or cast and cast "
+                                            r"back, while it was "
                                             r"offloaded .* disabled with its value from before that change"):
         fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)  # the host copy was never touched
@@ -84,7 +85,8 @@ def test_in_place_edit_during_a_forward_is_never_lost_silently(backend: str, mod
             model(_x())
     assert writes == [False]
     assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
-    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place while it was "
+    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place, or cast and cast "
+                                            r"back, while it was "
                                             r"offloaded .* disabled with its value from before that change"):
         fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)  # the host copy was never touched
@@ -274,6 +276,32 @@ def test_cast_after_enable_is_refused_and_disable_follows_it(backend: str, cast:
     assert params_equal(model, reference)
     with torch.no_grad():
         assert torch.equal(model(_x().to(dtype)), reference(_x().to(dtype)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cast_and_a_cast_back_is_refused_and_disable_says_what_was_lost(backend: str) -> None:
+    """``half().float()`` swaps each placeholder for another of the same dtype: the rounding the resident model
+    takes never reached the host copy. The next forward refuses on both backends (the python backend ran the
+    unrounded weights), and a disable restores the values from before the cast and says so."""
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+    model.half().float()
+    replaced = ("fastoffload: parameter 'qkv.weight' of block 0 was replaced while it was offloaded, so its new value "
+                "would be silently overwritten.")
+    with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+        model(_x())
+    assert str(raised.value).startswith(replaced)
+    with pytest.warns(RuntimeWarning) as caught:
+        fo.disable_layerwise_offload(model)
+    assert [str(w.message) for w in caught] == [LOST_EDIT.format(name="qkv.weight", index=i) for i in range(3)]
+    # The blocks hold their values from before the cast, as the warning says; the rest of the model, which
+    # was resident, took the rounding as the resident model does.
+    assert params_equal(model.blocks, reference.blocks)
+    reference.half().float()
+    rest = [(name, p) for name, p in model.named_parameters() if not name.startswith("blocks.")]
+    assert rest and all(torch.equal(p, reference.get_parameter(name)) for name, p in rest)
 
 
 # ---- state_dict and load_state_dict -------------------------------------------------------------

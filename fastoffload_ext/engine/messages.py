@@ -39,9 +39,10 @@ REPLACED_ERROR = ("fastoffload: parameter '{name}' of block {index} was replaced
                   "value would be silently overwritten. Change a block's parameters inside mutate_params_scope(), which "
                   "rebuilds the host copy, or disable offload first.")
 # Disable is the way out of an IN_PLACE_ERROR, so it must not raise it: it restores and says what was lost.
-LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place while it was offloaded (its "
-                     "placeholder or device slot held no lasting copy), so offload was disabled with its value from "
-                     "before that change. Apply the change again now, or next time inside mutate_params_scope().")
+LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, "
+                     "while it was offloaded (its placeholder or device slot held no lasting copy), so offload was "
+                     "disabled with its value from before that change. Apply the change again now, or next time inside "
+                     "mutate_params_scope().")
 
 CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
               "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "

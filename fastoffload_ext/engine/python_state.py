@@ -82,6 +82,8 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.block_index: int | None = None
         self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
         self._offloaded: dict[str, nn.Parameter] = {}  # the parameter objects on_init offloaded
+        # param name -> the placeholder release bound (held, so that its storage's identity is never reused)
+        self._placeholders: dict[str, torch.Tensor] = {}
         self._depth = 0  # acquires not yet released: they nest (a re-entrant block, a forward inside a mutation)
         self._detached = False
 
@@ -103,8 +105,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
         host = {name: self._host_copy(param.data) for name, param in named}
         self.module_ref = module
         self.cpu_named_parameters.update(host)
-        for _, param in named:
+        self._placeholders.clear()
+        for name, param in named:
             param.data = tensor_placeholder(param.data, self.device)
+            self._placeholders[name] = param.data
         self._versions = {name: param._version for name, param in named}
         self._offloaded = dict(named)
         self._detached = False
@@ -125,8 +129,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
             raise OffloadStateError(CAST_ERROR.format(name=name, index=self._where(), now=scalar_type_name(param.dtype),
                                                       now_device=param.device, was=scalar_type_name(host.dtype),
                                                       device=self.device))
-        if param.numel() != 0 and host.numel() != 0:  # not the empty placeholder release bound
-            # ``param.data = value`` between steps: binding the host copy would silently drop that value.
+        if self._replaced(name, param, host):  # not the empty placeholder release bound
+            # ``param.data = value`` between steps, or a cast and a cast back (whose rounding the host copy never
+            # got): binding the host copy would silently drop that value.
             raise OffloadStateError(REPLACED_ERROR.format(name=name, index=self._where()))
         if param._version != self._versions.get(name, param._version):
             raise OffloadStateError(IN_PLACE_ERROR.format(name=name, index=self._where()))
@@ -214,6 +219,15 @@ class LayerwiseOffloadState(SeedEntryPoints):
         for name, param in self._own_parameters():
             if name in self.cpu_named_parameters:
                 param.data = tensor_placeholder(param.data, self.device)
+                self._placeholders[name] = param.data
+
+    def _replaced(self, name: str, param: nn.Parameter, host: torch.Tensor) -> bool:
+        """Whether ``param`` holds something other than the placeholder release bound: a value given by
+        ``param.data = t``, or another empty tensor, which a cast and a cast back (``half().float()``) leave."""
+        if param.numel() != 0 and host.numel() != 0:
+            return True
+        placeholder = self._placeholders.get(name)
+        return placeholder is not None and param.untyped_storage()._cdata != placeholder.untyped_storage()._cdata
 
     def begin_mutation(self) -> None:
         # Another thread's running forward finishes first, as for restore: its acquire would refuse at once.
@@ -250,8 +264,12 @@ class LayerwiseOffloadState(SeedEntryPoints):
             return None  # a loaded block holds its current values, which restore keeps
         for name, param in self._own_parameters():
             host = self.cpu_named_parameters.get(name)
-            if host is not None and tuple(param.shape) != tuple(host.shape) and \
-                    param._version != self._versions.get(name, param._version):
+            if host is None or tuple(param.shape) == tuple(host.shape):
+                continue  # a full value given by the caller: restore keeps it
+            # Written in place, or cast and cast back (another placeholder of the host's dtype; a cast to another
+            # dtype is followed by restore).
+            cast_back = param.dtype == host.dtype and self._replaced(name, param, host)
+            if param._version != self._versions.get(name, param._version) or cast_back:
                 return LOST_EDIT_WARNING.format(name=name, index=self._where())
         return None
 
@@ -269,6 +287,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
             self._offloaded = {}
+            self._placeholders.clear()
             self._depth = 0
             self._detached = True
             self.gate.forget(id(self))
