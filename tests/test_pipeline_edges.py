@@ -286,6 +286,11 @@ CHANGES = {
     "to(dtype)": (lambda proxy: proxy.to(torch.float64), r"its parameter 'weight' was cast from torch\.float32 to "
                                                          r"torch\.float64"),
     "half()": (lambda proxy: proxy.half(), r"its parameter 'weight' was cast from torch\.float32 to torch\.float16"),
+    # The rounding stays: a reload would bring back the unrounded weights.
+    "half().float()": (lambda proxy: proxy.half().float(), r"its parameter 'weight' was cast from torch\.float32 to "
+                                                           r"torch\.float16 and back, which kept the rounding"),
+    "to(bf16).to(fp32)": (lambda proxy: proxy.to(torch.bfloat16).to(torch.float32),
+                          r"its parameter 'weight' was cast from torch\.float32 to torch\.bfloat16 and back"),
     "load_state_dict": (_load_tuned, r"its parameter 'weight' was written in place, by load_state_dict or an "
                                      r"in-place update"),
     "in-place": (_add_in_place, r"its parameter 'weight' was written in place"),

@@ -42,7 +42,9 @@ in-place edit, an added adapter) would be gone after a release, and the next use
 the component as the loader built it. :meth:`LazyModule.release` therefore compares an ``nn.Module``
 component with what it was when it loaded (its submodules and parameters, each the same object; each
 parameter's and persistent buffer's dtype, shape and version counter) and keeps a changed component
-loaded, with a ``RuntimeWarning`` naming the change, instead of dropping the change.
+loaded, with a ``RuntimeWarning`` naming the change, instead of dropping the change. A cast made through
+the proxy (``proxy.half()``, ``proxy.to(dtype)``) counts even when a later call casts back
+(``half().float()`` keeps the rounding, which a reload would not bring back).
 ``release(discard_changes=True)`` drops it anyway. Not compared, so not kept: the device (a move
 keeps every value, and a pipeline moves the component again at its next use), the training flag
 (``eval()``/``train()``, which pipelines also set again at each use), and what the comparison cannot
@@ -76,7 +78,10 @@ __all__ = ["LazyModule", "is_lazy_module"]
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
 _STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_transforms", "_lazy_module", "_lazy_release_callbacks",
-                "_lazy_lock", "_lazy_loaded_as")
+                "_lazy_lock", "_lazy_loaded_as", "_lazy_cast_seen")
+# nn.Module's casting methods: after one is called through the proxy, a cast it made is remembered even when a
+# later call casts back (half().float() keeps the rounding, which a reload would not).
+_CASTING_METHODS = frozenset({"to", "half", "float", "double", "bfloat16", "type", "_apply"})
 
 # The materialize transforms, in the order they run: (key, transform); the key is None for an unkeyed one.
 Transforms = tuple[tuple[str | None, Callable[[Any], Any]], ...]
@@ -166,6 +171,14 @@ def _loaded_as(component: Any) -> list[tuple[Any, ...]] | None:
     return entries
 
 
+def _first_cast(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | None:
+    """A parameter or buffer of ``before`` whose dtype is another now, in words; None when there is none."""
+    for old, new in zip(before, now):
+        if old[0] != "submodule" and (old[0], old[1]) == (new[0], new[1]) and old[3] != new[3]:
+            return f"its {old[0]} {old[1]!r} was cast from {old[3]} to {new[3]}"
+    return None
+
+
 def _change(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | None:
     """The first difference between two ``_loaded_as`` results, in words; None when there is none."""
     for old, new in zip(before, now):
@@ -221,6 +234,7 @@ class LazyModule:
         _set_state(self, "_lazy_module", None)
         _set_state(self, "_lazy_release_callbacks", [])
         _set_state(self, "_lazy_loaded_as", None)
+        _set_state(self, "_lazy_cast_seen", None)  # a cast seen through the proxy since the load (then undone)
         # Reentrant: a loader or transform may read the proxy's own state (lazy_name, is_materialized).
         _set_state(self, "_lazy_lock", threading.RLock())
 
@@ -270,6 +284,7 @@ class LazyModule:
             for _, transform in _state(self, "_lazy_transforms"):
                 component = _apply_transform(transform, component, name)
         _set_state(self, "_lazy_loaded_as", _loaded_as(component))
+        _set_state(self, "_lazy_cast_seen", None)
         _set_state(self, "_lazy_module", component)
 
         allocated = _cuda_allocated_gib()
@@ -331,7 +346,19 @@ class LazyModule:
         if loaded_as is None or component is None:
             return None
         now = _loaded_as(component)
-        return _change(loaded_as, now) if now is not None else "it is no longer an nn.Module"
+        change = _change(loaded_as, now) if now is not None else "it is no longer an nn.Module"
+        seen = _state(self, "_lazy_cast_seen")
+        return change if change is not None or seen is None else f"{seen} and back, which kept the rounding"
+
+    def _note_cast(self) -> None:
+        """After a casting method ran through the proxy: remembers the first cast it made since the load."""
+        loaded_as = _state(self, "_lazy_loaded_as")
+        component = _state(self, "_lazy_module")
+        if _state(self, "_lazy_cast_seen") is not None or loaded_as is None or component is None:
+            return
+        now = _loaded_as(component)
+        if now is not None:
+            _set_state(self, "_lazy_cast_seen", _first_cast(loaded_as, now))
 
     def add_release_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` every time the real component is dropped (after the drop, in order)."""
@@ -365,6 +392,7 @@ class LazyModule:
             before = _cuda_allocated_gib()
             _set_state(self, "_lazy_module", None)
             _set_state(self, "_lazy_loaded_as", None)
+            _set_state(self, "_lazy_cast_seen", None)
             del component
 
         name = _state(self, "_lazy_name")
@@ -424,10 +452,10 @@ class LazyModule:
         # A plain function too: a wrapper set on the instance (offload_transformer's guarded ``to``) returns
         # the component as the method it wraps does.
         if inspect.ismethod(value) or inspect.isbuiltin(value) or inspect.isfunction(value):
-            return self._keep_proxy_identity(value)
+            return self._keep_proxy_identity(value, casts=item in _CASTING_METHODS)
         return value
 
-    def _keep_proxy_identity(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _keep_proxy_identity(self, method: Callable[..., Any], casts: bool = False) -> Callable[..., Any]:
         """Wrap ``method`` so that when it returns the component itself, the proxy is returned.
 
         ``nn.Module.to``, ``.cuda``, ``.eval``, ``.half``, ``.requires_grad_`` return ``self``, and
@@ -439,6 +467,9 @@ class LazyModule:
         @functools.wraps(method)
         def forwarding(*args: Any, **kwargs: Any) -> Any:
             result = method(*args, **kwargs)
+            if casts:
+                with _state(self, "_lazy_lock"):
+                    self._note_cast()
             if result is _state(self, "_lazy_module"):
                 return self
             return result
