@@ -30,6 +30,11 @@ LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed in pl
              "was offloaded (its placeholder or device slot held no lasting copy), so offload was disabled with its value "
              "from before that change. Apply the change again now, or next time inside mutate_params_scope().")
 
+STALE_SAVE = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, while it "
+              "was offloaded (its placeholder or device slot held no lasting copy), so state_dict() holds its value "
+              "from before that change, and the next forward refuses the block. Apply the change inside "
+              "mutate_params_scope(), or disable offload first.")
+
 
 def _x(seed: int = 1) -> torch.Tensor:
     return torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(seed))
@@ -293,6 +298,10 @@ def test_a_cast_and_a_cast_back_is_refused_and_disable_says_what_was_lost(backen
     with torch.no_grad(), pytest.raises(RuntimeError) as raised:
         model(_x())
     assert str(raised.value).startswith(replaced)
+    with pytest.warns(RuntimeWarning) as saved:
+        state = model.state_dict()
+    assert [str(w.message) for w in saved] == [STALE_SAVE.format(name="qkv.weight", index=i) for i in range(3)]
+    assert torch.equal(state["blocks.0.qkv.weight"], reference.blocks[0].qkv.weight)  # as the warning says
     with pytest.warns(RuntimeWarning) as caught:
         fo.disable_layerwise_offload(model)
     assert [str(w.message) for w in caught] == [LOST_EDIT.format(name="qkv.weight", index=i) for i in range(3)]
@@ -387,7 +396,12 @@ def test_a_load_that_a_block_refuses_changes_nothing(backend: str, edit: str) ->
                "rebound": "was replaced while it was offloaded"}[edit]
     with pytest.raises(RuntimeError, match=message):
         model.load_state_dict(other.state_dict())
-    after = model.state_dict()
+    # An in-place edit of a placeholder is still there to lose: state_dict() says it saves the value from before it.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after = model.state_dict()
+    assert [str(w.message)[:60] for w in caught] == ([STALE_SAVE.format(name="o.weight", index=2)[:60]]
+                                                     if edit == "in place" else [])
     changed = [name for name in before if not name.startswith("blocks.2.")
                and not torch.equal(after[name], before[name])]
     assert changed == []

@@ -172,10 +172,11 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.param_names = [name for name, _ in named]
         self.engine.repack(self.handle, self.param_names, [p for _, p in named])
 
-    def lost_edit(self) -> str | None:
-        """What a restore now would lose: an in-place write to an offloaded parameter (LOST_EDIT_WARNING)."""
+    def lost_edit(self, template: str = LOST_EDIT_WARNING) -> str | None:
+        """What a restore now would lose: an in-place write to an offloaded parameter, or a cast and a cast back
+        (``template``: LOST_EDIT_WARNING, or STALE_SAVE_WARNING for a state_dict())."""
         name = self.engine.edited_in_place(self.handle) if self._attached() else None
-        return None if name is None else LOST_EDIT_WARNING.format(name=name, index=self.handle)
+        return None if name is None else template.format(name=name, index=self.handle)
 
     def binding_refusal(self) -> Exception | None:
         """What materializing the block now would raise for an edit, cast or rebind made while it was offloaded

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REPLACED_ERROR", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
+__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
            "STALE_GROUP_ERROR", "scalar_type_name",
            "warn_caller"]
 
@@ -43,6 +43,12 @@ LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was chang
                      "while it was offloaded (its placeholder or device slot held no lasting copy), so offload was "
                      "disabled with its value from before that change. Apply the change again now, or next time inside "
                      "mutate_params_scope().")
+
+# state_dict() of a block whose placeholder took such a change: the values saved are the host copy's.
+STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, "
+                      "while it was offloaded (its placeholder or device slot held no lasting copy), so state_dict() "
+                      "holds its value from before that change, and the next forward refuses the block. Apply the "
+                      "change inside mutate_params_scope(), or disable offload first.")
 
 CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
               "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "

@@ -258,8 +258,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
             return error
         return None
 
-    def lost_edit(self) -> str | None:
-        """What a restore now would lose: an in-place write to an offloaded parameter (LOST_EDIT_WARNING)."""
+    def lost_edit(self, template: str = LOST_EDIT_WARNING) -> str | None:
+        """What a restore now would lose: an in-place write to an offloaded parameter, or a cast and a cast back
+        (``template``: LOST_EDIT_WARNING, or STALE_SAVE_WARNING for a state_dict())."""
         if self._depth > 0 or self._detached or self.module_ref is None:
             return None  # a loaded block holds its current values, which restore keeps
         for name, param in self._own_parameters():
@@ -270,7 +271,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             # dtype is followed by restore).
             cast_back = param.dtype == host.dtype and self._replaced(name, param, host)
             if param._version != self._versions.get(name, param._version) or cast_back:
-                return LOST_EDIT_WARNING.format(name=name, index=self._where())
+                return template.format(name=name, index=self._where())
         return None
 
     def restore(self, module: nn.Module, device: torch.device) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR
+from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR, STALE_SAVE_WARNING, warn_caller
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
@@ -115,6 +115,7 @@ class StateDictHooks:
         # saved under every one: each gets the same real value, as the resident model's state dict has it.
         aliases = {group[0]: group for group in parameter_names(self._block).values()}
         running = not getattr(self.state, "mutating", False)
+        checked = False
         for name, host in host_values.items():
             value = None
             for alias in aliases.get(name, [name]):
@@ -131,6 +132,12 @@ class StateDictHooks:
                     if running and not self._saving_keeps_vars:
                         state_dict[key] = entry.clone()
                     continue
+                if not checked:
+                    checked = True  # what the host copy lacks, said once per state_dict() of the block
+                    lost_edit = getattr(self.state, "lost_edit", None)
+                    lost = lost_edit(STALE_SAVE_WARNING) if callable(lost_edit) else None
+                    if lost is not None:
+                        warn_caller(lost)
                 if value is None:
                     value = host.detach().clone()
                     value = value if value.dtype == entry.dtype else value.to(entry.dtype)
