@@ -301,6 +301,7 @@ def test_a_cast_and_a_cast_back_is_refused_and_disable_says_what_was_lost(backen
     with pytest.warns(RuntimeWarning) as saved:
         state = model.state_dict()
     assert [str(w.message) for w in saved] == [STALE_SAVE.format(name="qkv.weight", index=i) for i in range(3)]
+    assert {w.filename for w in saved} == {__file__}  # the caller's line, not torch's hook machinery
     assert torch.equal(state["blocks.0.qkv.weight"], reference.blocks[0].qkv.weight)  # as the warning says
     with pytest.warns(RuntimeWarning) as caught:
         fo.disable_layerwise_offload(model)

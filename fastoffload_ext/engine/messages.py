@@ -80,12 +80,15 @@ COPY_ERROR = ("fastoffload: a model with layerwise offload enabled cannot be cop
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# torch's module machinery, which runs this package's hooks (state_dict(), load_state_dict(), a forward).
+_TORCH_MODULES_DIR = os.path.dirname(os.path.abspath(torch.nn.modules.module.__file__)) + os.sep
 
 
 def warn_caller(message: str) -> None:
-    """A RuntimeWarning attributed to the first frame outside this package (the user's call)."""
+    """A RuntimeWarning attributed to the first frame outside this package and outside torch's module
+    machinery that ran its hooks (the user's call)."""
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_MODULES_DIR)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, RuntimeWarning, stacklevel=level)
 
