@@ -941,9 +941,9 @@ std::string OffloadEngine::edited_in_place(size_t block) const {
   const StoredBlock& stored = store_.block(block);
   const int64_t written = binder_.first_written(block);
   if (written >= 0 && !binder_.rebound_by_caller(block, static_cast<size_t>(written))) return stored.layout[written].name;
-  // A placeholder swapped for another one of its dtype (a cast and a cast back, half().float()): restore can
-  // keep neither the rounding nor a value, and hands back the host copy. A full value given by the caller,
-  // or a cast it follows (another dtype), is kept.
+  // A placeholder swapped for another tensor of its dtype that is not the parameter's shape (a cast and a cast
+  // back, half().float(), or a value of another shape): restore keeps neither and hands back the host copy. A
+  // full value given by the caller, or a cast it follows (another dtype), is kept.
   for (size_t j = 0; j < stored.layout.size(); ++j) {
     const at::Tensor& param = stored.tensors[j];
     if (binder_.rebound_by_caller(block, j) && param.scalar_type() == stored.layout[j].dtype &&

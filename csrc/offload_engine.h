@@ -189,8 +189,8 @@ class OffloadEngine {
   uint64_t slot_address(size_t slot) const;
   bool is_materialized(size_t block) const;
   // The name of a parameter written in place while the block was offloaded (its placeholder or a slot
-  // it no longer holds), or cast and cast back, whose change restore() cannot keep; "" when there is none
-  // or the block is live.
+  // it no longer holds), cast and cast back, or rebound to a value of another shape, whose change restore()
+  // cannot keep; "" when there is none or the block is live.
   std::string edited_in_place(size_t block) const;
   // Raises what the next acquire or materialize would raise for an edit, cast or rebind made while the block
   // was offloaded (nothing when the block is running or materialized, whose parameters hold live values).

@@ -182,8 +182,7 @@ def test_on_the_device_parameters_stay_ordinary_and_an_inference_mode_write_is_c
         with pytest.raises(RuntimeError, match=r"^fastoffload: parameter 'o\.weight' of block 1 was changed in place "
                                                r"while it was offloaded"):
             model(x)
-    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place, or cast and cast "
-                                            r"back, while it was "
-                                            r"offloaded .* disabled with its value from before that change"):
+    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed while it was offloaded "
+                                            r".* disabled with its value from before that change"):
         fo.disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference.cpu())

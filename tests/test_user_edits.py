@@ -26,14 +26,15 @@ CAST = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {
         "(its host copy holds {was} for cpu); .half(), .to(dtype) and .to(device) do not reach an offloaded block's "
         "host copy. Cast or move the model before enable_layerwise_offload, or disable offload, cast, and enable it "
         "again.")
-LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, while it "
-             "was offloaded (its placeholder or device slot held no lasting copy), so offload was disabled with its value "
-             "from before that change. Apply the change again now, or next time inside mutate_params_scope().")
+LOST_EDIT = ("fastoffload: parameter '{name}' of block {index} was changed while it was offloaded (in place, by a cast "
+             "and a cast back, or rebound to a value of another shape), and its placeholder or device slot held no "
+             "lasting copy, so offload was disabled with its value from before that change. Apply the change again now, "
+             "or next time inside mutate_params_scope().")
 
-STALE_SAVE = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, while it "
-              "was offloaded (its placeholder or device slot held no lasting copy), so state_dict() holds its value "
-              "from before that change, and the next forward refuses the block. Apply the change inside "
-              "mutate_params_scope(), or disable offload first.")
+STALE_SAVE = ("fastoffload: parameter '{name}' of block {index} was changed while it was offloaded (in place, by a "
+              "cast and a cast back, or rebound to a value of another shape), and its placeholder or device slot held "
+              "no lasting copy, so state_dict() holds its value from before that change, and the next forward refuses "
+              "the block. Apply the change inside mutate_params_scope(), or disable offload first.")
 
 
 def _x(seed: int = 1) -> torch.Tensor:
@@ -62,9 +63,8 @@ def test_in_place_edit_of_an_offloaded_parameter_is_never_lost_silently(backend:
             model(_x())
     assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
     # The refused edit is still on the placeholder: disable says it keeps the value from before it.
-    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place, or cast and cast "
-                                            r"back, while it was "
-                                            r"offloaded .* disabled with its value from before that change"):
+    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed while it was offloaded "
+                                            r".* disabled with its value from before that change"):
         fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)  # the host copy was never touched
 
@@ -90,9 +90,8 @@ def test_in_place_edit_during_a_forward_is_never_lost_silently(backend: str, mod
             model(_x())
     assert writes == [False]
     assert str(raised.value) == IN_PLACE.format(name="o.weight", index=1)
-    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed in place, or cast and cast "
-                                            r"back, while it was "
-                                            r"offloaded .* disabled with its value from before that change"):
+    with pytest.warns(RuntimeWarning, match=r"parameter 'o\.weight' of block 1 was changed while it was offloaded "
+                                            r".* disabled with its value from before that change"):
         fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)  # the host copy was never touched
 

@@ -39,16 +39,17 @@ REPLACED_ERROR = ("fastoffload: parameter '{name}' of block {index} was replaced
                   "value would be silently overwritten. Change a block's parameters inside mutate_params_scope(), which "
                   "rebuilds the host copy, or disable offload first.")
 # Disable is the way out of an IN_PLACE_ERROR, so it must not raise it: it restores and says what was lost.
-LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, "
-                     "while it was offloaded (its placeholder or device slot held no lasting copy), so offload was "
-                     "disabled with its value from before that change. Apply the change again now, or next time inside "
-                     "mutate_params_scope().")
+LOST_EDIT_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed while it was offloaded (in place, by a "
+                     "cast and a cast back, or rebound to a value of another shape), and its placeholder or device "
+                     "slot held no lasting copy, so offload was disabled with its value from before that change. Apply "
+                     "the change again now, or next time inside mutate_params_scope().")
 
 # state_dict() of a block whose placeholder took such a change: the values saved are the host copy's.
-STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed in place, or cast and cast back, "
-                      "while it was offloaded (its placeholder or device slot held no lasting copy), so state_dict() "
-                      "holds its value from before that change, and the next forward refuses the block. Apply the "
-                      "change inside mutate_params_scope(), or disable offload first.")
+STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was changed while it was offloaded (in place, by "
+                      "a cast and a cast back, or rebound to a value of another shape), and its placeholder or device "
+                      "slot held no lasting copy, so state_dict() holds its value from before that change, and the next "
+                      "forward refuses the block. Apply the change inside mutate_params_scope(), or disable offload "
+                      "first.")
 
 CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
               "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "

@@ -267,8 +267,8 @@ class LayerwiseOffloadState(SeedEntryPoints):
             host = self.cpu_named_parameters.get(name)
             if host is None or tuple(param.shape) == tuple(host.shape):
                 continue  # a full value given by the caller: restore keeps it
-            # Written in place, or cast and cast back (another placeholder of the host's dtype; a cast to another
-            # dtype is followed by restore).
+            # Written in place, cast and cast back, or rebound to a value of another shape (another tensor of the
+            # host's dtype than the placeholder; a cast to another dtype is followed by restore).
             cast_back = param.dtype == host.dtype and self._replaced(name, param, host)
             if param._version != self._versions.get(name, param._version) or cast_back:
                 return template.format(name=name, index=self._where())
