@@ -82,8 +82,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.block_index: int | None = None
         self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
         self._offloaded: dict[str, nn.Parameter] = {}  # the parameter objects on_init offloaded
-        # param name -> the placeholder release bound (held, so that its storage's identity is never reused)
-        self._placeholders: dict[str, torch.Tensor] = {}
+        # param name -> the placeholder release bound and its storage's identity (held, so that the identity is
+        # never reused)
+        self._placeholders: dict[str, tuple[torch.Tensor, int]] = {}
         self._depth = 0  # acquires not yet released: they nest (a re-entrant block, a forward inside a mutation)
         self._detached = False
 
@@ -107,8 +108,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.cpu_named_parameters.update(host)
         self._placeholders.clear()
         for name, param in named:
-            param.data = tensor_placeholder(param.data, self.device)
-            self._placeholders[name] = param.data
+            self._bind_placeholder(name, param)
         self._versions = {name: param._version for name, param in named}
         self._offloaded = dict(named)
         self._detached = False
@@ -136,6 +136,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if param._version != self._versions.get(name, param._version):
             raise OffloadStateError(IN_PLACE_ERROR.format(name=name, index=self._where()))
 
+    def _check_bindings(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        for name, param in named:
+            self._check_binding(name, param, self.cpu_named_parameters[name])
+
     def _check_grad(self) -> None:
         for name, param in self.module_ref.named_parameters():
             if param.requires_grad:
@@ -156,8 +160,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             if self._detached:
                 raise OffloadStateError(DETACHED_ERROR.format(index=self._where()))
             named = self._own_parameters()
-            for name, param in named:
-                self._check_binding(name, param, self.cpu_named_parameters[name])
+            self._check_bindings(named)
         except BaseException:
             # Refused before anything was bound: a release would bind placeholders over the caller's values.
             self.gate.end(id(self))
@@ -218,8 +221,12 @@ class LayerwiseOffloadState(SeedEntryPoints):
     def _bind_placeholders(self) -> None:
         for name, param in self._own_parameters():
             if name in self.cpu_named_parameters:
-                param.data = tensor_placeholder(param.data, self.device)
-                self._placeholders[name] = param.data
+                self._bind_placeholder(name, param)
+
+    def _bind_placeholder(self, name: str, param: nn.Parameter) -> None:
+        placeholder = tensor_placeholder(param.data, self.device)
+        param.data = placeholder
+        self._placeholders[name] = (placeholder, placeholder.untyped_storage()._cdata)
 
     def _replaced(self, name: str, param: nn.Parameter, host: torch.Tensor) -> bool:
         """Whether ``param`` holds something other than the placeholder release bound: a value given by
@@ -227,7 +234,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if param.numel() != 0 and host.numel() != 0:
             return True
         placeholder = self._placeholders.get(name)
-        return placeholder is not None and param.untyped_storage()._cdata != placeholder.untyped_storage()._cdata
+        return placeholder is not None and param.untyped_storage()._cdata != placeholder[1]
 
     def begin_mutation(self) -> None:
         # Another thread's running forward finishes first, as for restore: its acquire would refuse at once.
@@ -252,8 +259,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if self._depth > 0 or self._detached or self.module_ref is None or getattr(self, "mutating", False):
             return None
         try:
-            for name, param in self._own_parameters():
-                self._check_binding(name, param, self.cpu_named_parameters[name])
+            self._check_bindings(self._own_parameters())
         except OffloadStateError as error:
             return error
         return None
