@@ -38,6 +38,10 @@ if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
     pip_install "${wheels[@]}" diffusers transformers accelerate sentencepiece \
       || echo "setup: could not install diffusers/transformers (offline?); their tests skip" >&2
   fi
+  # LoRA adapters on an offloaded model (fastoffload_ext.integrations.peft) are tested against peft itself.
+  if ! have peft; then
+    pip_install "${wheels[@]}" peft || echo "setup: could not install peft (offline?); the LoRA tests skip" >&2
+  fi
   # Installed or not, by its files: importing it needs the modules below, which may be what is missing.
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fastvideo') is None)" 2>/dev/null; then
     tv_minor=$(( $("$PY" -c "import torch; print(torch.__version__.split('.')[1])") + 15 ))

@@ -164,6 +164,43 @@ def test_a_block_that_calls_itself_is_bit_exact(backend: str) -> None:
     assert params_equal(model, reference)
 
 
+# ---- a submodule wrapped after enable ------------------------------------------------------------
+
+class _Wrapper(torch.nn.Module):
+    """What an adapter library does to a Linear: the Linear becomes ``base_layer``, so its parameters are renamed
+    (``qkv.weight`` to ``qkv.base_layer.weight``) while staying the same objects."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_submodule_wrapped_after_enable_runs_saves_loads_and_disables_bit_exact(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.no_grad():
+        model(_x())
+    for m in (model, reference):
+        for block in m.blocks:
+            block.qkv = _Wrapper(block.qkv)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+    saved, expected = model.state_dict(), reference.state_dict()
+    assert list(saved) == list(expected) and all(torch.equal(saved[k], expected[k]) for k in saved)
+    torch.manual_seed(5)
+    values = {k: torch.randn_like(v) for k, v in expected.items()}
+    model.load_state_dict(values)
+    reference.load_state_dict(values)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 # ---- disable_layerwise_offload ------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -45,7 +45,10 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.next_state = next_state
         self.prefetch_targets: list[BlockOffloadState] = [] if next_state is None else [next_state]
         self.handle: int | None = None
+        # The block's offloaded parameters, by their names when offloaded: a submodule wrapped since (a LoRA
+        # layer around a Linear) renames them, and everything that maps a host copy to a parameter goes by object.
         self.param_names: list[str] = []
+        self.params: list[nn.Parameter] = []
         # Set by enable_layerwise_offload when the ranks of this host share one host copy (sharing.py):
         # the segment of this block, whether this process owns (packs) it, how many ranks map it.
         self.shared_segment: str | None = None
@@ -67,13 +70,17 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self.module_ref = module
         named = list(module.named_parameters())
         self.param_names = [name for name, _ in named]
-        params = [p for _, p in named]
+        self.params = params = [p for _, p in named]
         if self.shared_segment is not None:
             packed_bytes, checksum = (0, 0) if self.shared_owner else self.shared_encoded
             self.handle = self.engine.add_block_shared(self.param_names, params, self.shared_segment, self.shared_owner,
                                                        packed_bytes, checksum)
         else:
             self.handle = self.engine.add_block(self.param_names, params)
+
+    def offloaded_parameters(self) -> dict[str, nn.Parameter]:
+        """Each offloaded parameter object by its name when offloaded (empty once restored)."""
+        return dict(zip(self.param_names, self.params)) if self._attached() else {}
 
     # The seed exposes these dicts; here they are computed on demand (never on the hot path). A shared
     # block's are copies: its pages are other ranks' weights too, and read-only on a non-owner.
@@ -93,8 +100,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         slot = self.engine.slot_of(self.handle)
         if not self.mutating and (slot < 0 or self.engine.slot_state(slot) != "in_use"):
             return {}
-        params = dict(self.module_ref.named_parameters())
-        return {name: params[name].data for name in self.param_names if name in params}
+        return {name: param.data for name, param in zip(self.param_names, self.params)}
 
     def acquire(self) -> None:
         self.engine.acquire(self.handle)
@@ -158,10 +164,17 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
                 if str(error) != CONCURRENT_FORWARD_ERROR:
                     raise
 
-    def begin_mutation(self) -> None:
+    def mutation_refusal(self) -> Exception | None:
+        """What ``begin_mutation`` would raise now (None: the block can be materialized and rebuilt); checks
+        without changing anything."""
         if self.shared_segment is not None:
             # One rank's LoRA merge would change every rank's weights under them (or, repacked
             # privately, silently diverge from them): refused, see sharing.py.
+            return OffloadStateError(SHARED_MUTATION_ERROR.format(n=self.shared_by))
+        return self.binding_refusal()
+
+    def begin_mutation(self) -> None:
+        if self.shared_segment is not None:
             raise OffloadStateError(SHARED_MUTATION_ERROR.format(n=self.shared_by))
         self.engine.materialize(self.handle)
 
@@ -170,7 +183,8 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
             return  # disabled inside the scope: the parameters hold the scope's values as ordinary tensors
         named = list(self.module_ref.named_parameters())
         self.param_names = [name for name, _ in named]
-        self.engine.repack(self.handle, self.param_names, [p for _, p in named])
+        self.params = [p for _, p in named]
+        self.engine.repack(self.handle, self.param_names, self.params)
 
     def lost_edit(self, template: str = LOST_EDIT_WARNING) -> str | None:
         """What a restore now would lose: an in-place write to an offloaded parameter, or a cast and a cast back
@@ -192,6 +206,7 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
     def restore(self, module: nn.Module, device: torch.device) -> None:
         if self._attached():
             self.engine.restore(self.handle, device)
+        self.params = []
         ExtLayerwiseOffloadState._detaches += 1  # the blocks that prefetch this one resolve their targets again
 
     def host_bytes(self) -> int:

@@ -85,6 +85,7 @@ from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.engine.state_dict import LoadGuard
 from fastoffload_ext.engine.threads import ModelForwards, layout_change
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
+from fastoffload_ext.integrations.peft import guard_adapters
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
@@ -578,6 +579,7 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     _resident_to_device(group, options)
     setattr(model, GROUP_ATTRIBUTE, group)
+    guard_adapters(model, group)  # a LoRA merge runs on the blocks' real weights
     group.free_with(model)  # a model dropped without a disable frees its host copy and slots at once
     ModelForwards.attach(model)  # what a later layout change waits for (threads.py)
     if was_on_cuda and options.device.type == "cuda":

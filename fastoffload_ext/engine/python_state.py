@@ -113,12 +113,23 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self._offloaded = dict(named)
         self._detached = False
 
-    def _own_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The module's parameters that are still the objects on_init offloaded (a state built by hand
-        without on_init: all of them)."""
-        named = list(self.module_ref.named_parameters())
+    def _own_parameters(self, module: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
+        """The parameter objects on_init offloaded that the block (or ``module``) still holds, by their names then (a
+        state built by hand without on_init: all the module's). By object, not by name: a submodule wrapped since (a
+        LoRA layer around a Linear) renames them, and a parameter the caller replaced is no longer this state's."""
+        module = self.module_ref if module is None else module
         own = self._offloaded
-        return [(name, param) for name, param in named if own.get(name) is param] if own else named
+        if not own:
+            return list(module.named_parameters())
+        held = {id(param) for param in module.parameters()}
+        return [(name, param) for name, param in own.items() if id(param) in held]
+
+    def offloaded_parameters(self) -> dict[str, nn.Parameter]:
+        """Each offloaded parameter object by its name when offloaded (empty once restored; a state built by hand
+        without on_init: the module's parameters)."""
+        if self._detached or self.module_ref is None:
+            return {}
+        return dict(self._offloaded) if self._offloaded else dict(self.module_ref.named_parameters())
 
     def _where(self) -> str:
         return str(self.block_index) if self.block_index is not None else type(self.module_ref).__name__
@@ -264,6 +275,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
             return error
         return None
 
+    def mutation_refusal(self) -> Exception | None:
+        """What ``begin_mutation`` would raise now for an edit, cast or rebind made while the block was offloaded
+        (None: it materializes); checks without changing anything."""
+        return self.binding_refusal()
+
     def lost_edit(self, template: str = LOST_EDIT_WARNING) -> str | None:
         """What a restore now would lose: an in-place write to an offloaded parameter, or a cast and a cast back
         (``template``: LOST_EDIT_WARNING, or STALE_SAVE_WARNING for a state_dict())."""
@@ -282,10 +298,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         with self.gate.exclusive():  # another thread's running block finishes first
-            own = self._offloaded
-            for name, param in module.named_parameters():
-                if own and own.get(name) is not param:
-                    continue  # replaced by the caller: not this state's to restore
+            for name, param in self._own_parameters(module):
                 host = self.cpu_named_parameters.get(name)
                 if host is None:
                     logger.warning("Parameter %s not found in the offload state during detachment.", name)

@@ -35,6 +35,10 @@ class BlockOffloadState(Protocol):
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
         """The host copy of each offloaded parameter, by name (the seed's attribute)."""
 
+    def offloaded_parameters(self) -> dict[str, nn.Parameter]:
+        """Each offloaded parameter object by its name when offloaded: the keys of ``cpu_named_parameters``. A
+        submodule wrapped since (a LoRA layer around a Linear) renames a parameter but keeps the object."""
+
     def on_init(self, module: nn.Module) -> None:
         """Takes ``module``'s parameters into host memory; each becomes a placeholder."""
 

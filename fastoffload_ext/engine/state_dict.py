@@ -111,14 +111,18 @@ class StateDictHooks:
         host_values = self.state.cpu_named_parameters
         if not host_values:
             return
-        # A parameter tied inside the block (``b.weight = a.weight``) is offloaded under its first name but
-        # saved under every one: each gets the same real value, as the resident model's state dict has it.
-        aliases = {group[0]: group for group in parameter_names(self._block).values()}
+        # Each host copy goes to every name its parameter object has in the block now: a parameter tied inside
+        # the block (``b.weight = a.weight``) is offloaded under its first name but saved under every one, and a
+        # submodule wrapped since enable (a LoRA layer around a Linear) renamed it. One the caller replaced has
+        # no name left: its entry is the caller's value.
+        names_now = parameter_names(self._block)
+        objects = self.state.offloaded_parameters()
         running = not getattr(self.state, "mutating", False)
         checked = False
         for name, host in host_values.items():
             value = None
-            for alias in aliases.get(name, [name]):
+            param = objects.get(name)
+            for alias in names_now.get(id(param), []) if param is not None else [name]:
                 if not alias.startswith(within):
                     continue  # outside the submodule saved
                 key = prefix + alias[len(within):]

@@ -91,7 +91,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
     def on_init(self, module: nn.Module) -> None:
         self.module_ref = module
         self.param_names = list(self.block.names)
-        params = self._replace_meta_parameters(module)
+        self.params = params = self._replace_meta_parameters(module)
         add = self.engine.add_block_on_disk if self.block.on_disk else self.engine.add_block_from_file
         try:
             # The engine names tensors by their checkpoint keys, which is what its read errors must say.
@@ -105,6 +105,9 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
     def load_refusal(self) -> OffloadStateError | None:
         """What a load_state_dict into this block raises before anything changes (state_dict.LoadGuard)."""
         return OffloadStateError(DISK_LOAD_ERROR) if self.block.on_disk else None
+
+    def mutation_refusal(self) -> Exception | None:
+        return OffloadStateError(DISK_MUTATION_ERROR) if self.block.on_disk else super().mutation_refusal()
 
     def begin_mutation(self) -> None:
         if self.block.on_disk:

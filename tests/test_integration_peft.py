@@ -1,0 +1,211 @@
+"""LoRA adapters (peft, through diffusers' adapter methods) on an offloaded diffusers transformer, on both
+backends: every forward, merge, unmerge, save and load gives bit for bit what the resident model gives."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("peft", reason="peft is not installed (scripts/setup_env.sh installs it)")
+pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
+
+from peft import LoraConfig  # noqa: E402
+from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
+
+from fastoffload_ext import LayerwiseOffloadHook, disable_layerwise_offload, enable_layerwise_offload  # noqa: E402
+from fastoffload_ext.errors import OffloadStateError  # noqa: E402
+from fastoffload_ext.integrations.diffusers import offload_transformer  # noqa: E402
+from tests._models import OFFLOAD_DEVICES, params_equal  # noqa: E402
+from tests._pipelines import call_arguments, tiny_pipeline, wan  # noqa: E402
+
+BACKENDS = ["ext", "python"]
+ORDERS = ["adapter-then-offload", "offload-then-adapter"]
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2", "proj_out"]  # proj_out sits outside the block list
+
+
+def _transformer(device: str) -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(**wan.TINY.transformer).to(device)
+
+
+def _add(model: nn.Module, name: str = "a", seed: int = 1) -> None:
+    torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so the adapter changes the output
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS, init_lora_weights=False),
+                      adapter_name=name)
+
+
+def _forward(model: nn.Module, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    x, text = torch.randn(1, 16, 3, 8, 8, generator=g), torch.randn(1, 16, 32, generator=g)
+    with torch.inference_mode():
+        return model(x.to(device), torch.tensor([500], device=device), text.to(device), return_dict=False)[0].cpu()
+
+
+def _pair(device: str, backend: str, order: str) -> tuple[nn.Module, nn.Module]:
+    """An offloaded transformer with adapter "a" (added before or after the offload) and its resident twin."""
+    reference, model = _transformer(device), _transformer(device)
+    _add(reference)
+    if order == "adapter-then-offload":
+        _add(model)
+    assert enable_layerwise_offload(model, device=device, backend=backend) is not None
+    if order == "offload-then-adapter":
+        _add(model)
+    _forward(model, device)  # a step first: the cyclic prefetch has a block loaded when the merge comes
+    return model, reference
+
+
+def _merge_each_layer(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_adapter_runs_bit_exact_and_saves_its_real_weights(device: str, backend: str, order: str) -> None:
+    model, reference = _pair(device, backend, order)
+    assert not torch.equal(_forward(reference, device), _forward(_transformer(device), device))  # it changes things
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    assert _same_state(model, reference)  # the wrapped layers renamed the offloaded weights (to_q.base_layer.weight)
+    saved, expected = get_peft_model_state_dict(model, adapter_name="a"), get_peft_model_state_dict(reference, adapter_name="a")
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k].cpu(), expected[k].cpu()) for k in saved)
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+MERGES: dict[str, Callable[[nn.Module], Any]] = {
+    "fuse_lora": lambda m: m.fuse_lora(lora_scale=0.5),
+    "fuse_lora, safe": lambda m: m.fuse_lora(safe_fusing=True),
+    "peft layer merge": _merge_each_layer,
+}
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("merge", list(MERGES))
+def test_a_merge_and_unmerge_give_what_the_resident_model_gives(device: str, backend: str, order: str,
+                                                                merge: str) -> None:
+    model, reference = _pair(device, backend, order)
+    MERGES[merge](reference)
+    MERGES[merge](model)
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and all(layer.merged for layer in layers)
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    assert _same_state(model, reference)
+    reference.unfuse_lora()
+    model.unfuse_lora()
+    assert not any(layer.merged for layer in layers)
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_fuse_lora_materializes_each_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, reference = _pair("cpu", "ext", "adapter-then-offload")
+    scopes: list[nn.Module] = []
+    original = LayerwiseOffloadHook.mutate_params_scope
+
+    def counted(hook: LayerwiseOffloadHook) -> Any:
+        scopes.append(hook.state.module_ref)
+        return original(hook)
+
+    monkeypatch.setattr(LayerwiseOffloadHook, "mutate_params_scope", counted)
+    model.fuse_lora()
+    assert scopes == list(model.blocks)  # one scope per block, in order, however many layers each holds
+    reference.fuse_lora()
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_adapter_loaded_from_a_state_dict_into_the_offloaded_model(backend: str) -> None:
+    reference = _transformer("cpu")
+    _add(reference)
+    lora = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(reference, adapter_name="a").items()}
+    model = _transformer("cpu")
+    enable_layerwise_offload(model, device="cpu", backend=backend)
+    _forward(model, "cpu")
+    model.load_lora_adapter(lora, adapter_name="a", prefix="transformer")
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    model.fuse_lora()  # the loaded layers are guarded too
+    reference.fuse_lora()
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+ADAPTER_STEPS: list[tuple[str, Callable[[nn.Module], Any]]] = [
+    ("set_adapters", lambda m: m.set_adapters(["a", "b"], weights=[0.7, 0.3])),
+    ("disable_lora", lambda m: m.disable_lora()),
+    ("enable_lora", lambda m: m.enable_lora()),
+    ("fuse both", lambda m: m.fuse_lora(adapter_names=["a", "b"])),
+    ("unfuse", lambda m: m.unfuse_lora()),
+    ("delete_adapters", lambda m: m.delete_adapters("b")),
+    ("unload_lora", lambda m: m.unload_lora()),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sequence_of_adapter_operations_stays_bit_exact(backend: str) -> None:
+    model, reference = _pair("cpu", backend, "adapter-then-offload")
+    _add(reference, "b", seed=2)
+    _add(model, "b", seed=2)
+    for step, apply in ADAPTER_STEPS:
+        apply(reference)
+        apply(model)
+        assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu")), step
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("merge", ["fuse_lora", "peft layer merge"])
+def test_a_merge_into_a_block_that_refuses_changes_nothing(backend: str, merge: str) -> None:
+    model, _ = _pair("cpu", backend, "adapter-then-offload")
+    with torch.no_grad():
+        model.blocks[1].norm2.weight.add_(1.0)  # an in-place write to an offloaded placeholder: the block refuses
+    scales = [dict(m.scaling) for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    with pytest.raises(OffloadStateError, match=r"would merge adapter weights into the offloaded block blocks\.1, "
+                                                r"which refuses: .*Nothing was merged"):
+        if merge == "fuse_lora":
+            model.fuse_lora(lora_scale=0.5)
+        else:
+            model.blocks[1].attn1.to_q.merge()
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert not any(layer.merged for layer in layers)
+    assert [dict(m.scaling) for m in layers] == scales
+
+
+def test_merges_go_straight_to_peft_after_disable() -> None:
+    model, reference = _pair("cpu", "ext", "adapter-then-offload")
+    disable_layerwise_offload(model)
+    model.fuse_lora()
+    reference.fuse_lora()
+    assert params_equal(model, reference)
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_fuse_lora_on_the_offloaded_transformer(device: str, backend: str) -> None:
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    _add(reference.transformer)
+    offload_transformer(pipe, device=device, backend=backend)
+    _add(pipe.transformer)
+    for p in (reference, pipe):
+        p.fuse_lora(components=["transformer"], lora_scale=0.7)
+    with torch.inference_mode():
+        expected = reference(**call_arguments()).frames.cpu()
+        assert torch.equal(pipe(**call_arguments()).frames.cpu(), expected)
