@@ -3,10 +3,12 @@ pipeline-level operations on it: pipe.to, model.to/cuda/cpu, enable_model_cpu_of
 enable_sequential_cpu_offload."""
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,23 @@ def test_a_move_away_from_the_offload_device_is_refused_and_nothing_moves(move: 
         calls[move]()
     assert all(p.device.type == "cpu" for p in pipe.text_encoder.parameters())
     assert all(p.device.type == "cpu" for p in model.parameters())
+    assert torch.equal(_video(pipe), expected)
+
+
+def test_a_disabled_transformer_copies_and_pickles_as_before(expected: torch.Tensor) -> None:
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu")
+    model = pipe.transformer
+    disable_layerwise_offload(model, device="cpu")
+    left = [k for m in model.modules() for k, v in vars(m).items() if callable(v) and k != "processor"]
+    assert not left  # no guard stays on an instance (an attention module's processor is diffusers' own)
+    torch.save(model, io.BytesIO())
+    copy = deepcopy(model)
+    copy.to(torch.float64)  # casts the copy alone
+    assert next(copy.parameters()).dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
+    offload_transformer(pipe, device="cpu")  # guarded again
+    with pytest.raises(OffloadStateError):
+        pipe.transformer.half()
     assert torch.equal(_video(pipe), expected)
 
 

@@ -209,3 +209,68 @@ def test_pipeline_fuse_lora_on_the_offloaded_transformer(device: str, backend: s
     with torch.inference_mode():
         expected = reference(**call_arguments()).frames.cpu()
         assert torch.equal(pipe(**call_arguments()).frames.cpu(), expected)
+
+
+def test_peft_injected_after_enable_loads_and_merges_bit_exact() -> None:
+    """peft's own functions (get_peft_model, set_peft_model_state_dict, merge_and_unload) rather than the
+    model's adapter methods: the load rebuilds the blocks' host copies with the adapter inside."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    def config() -> LoraConfig:
+        return LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+
+    torch.manual_seed(1)
+    lora = get_peft_model_state_dict(get_peft_model(_transformer("cpu"), config()))
+    reference = get_peft_model(_transformer("cpu"), config())
+    set_peft_model_state_dict(reference, lora)
+    base = _transformer("cpu")
+    enable_layerwise_offload(base, device="cpu")
+    model = get_peft_model(base, config())
+    set_peft_model_state_dict(model, lora)
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    merged, expected = model.merge_and_unload(), reference.merge_and_unload()
+    assert torch.equal(_forward(merged, "cpu"), _forward(expected, "cpu"))
+    disable_layerwise_offload(base)
+    assert params_equal(merged, expected)
+
+
+REFUSED_ADDS: dict[str, Callable[[nn.Module], Any]] = {
+    "DoRA": lambda m: m.add_adapter(LoraConfig(r=4, target_modules=["to_q"], use_dora=True), adapter_name="b"),
+    "PiSSA": lambda m: m.add_adapter(LoraConfig(r=4, target_modules=["to_q"], init_lora_weights="pissa"),
+                                     adapter_name="b"),
+    "OLoRA": lambda m: m.add_adapter(LoraConfig(r=4, target_modules=["to_q"], init_lora_weights="olora"),
+                                     adapter_name="b"),
+    "modules_to_save": lambda m: m.add_adapter(LoraConfig(r=4, target_modules=["to_q"], modules_to_save=["norm2"]),
+                                               adapter_name="b"),
+    "hotswap": lambda m: m.load_lora_adapter({f"transformer.{k}": v for k, v in get_peft_model_state_dict(
+        m, adapter_name="a").items()}, adapter_name="a", prefix="transformer", hotswap=True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("add", list(REFUSED_ADDS))
+def test_an_adapter_that_reads_offloaded_base_weights_is_refused_before_anything_changes(backend: str,
+                                                                                         add: str) -> None:
+    model, reference = _pair("cpu", backend, "adapter-then-offload")
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    with pytest.raises(OffloadStateError, match=r"Nothing was added\. Add the adapter before enable_layerwise_offload"):
+        REFUSED_ADDS[add](model)
+    assert list(model.peft_config) == ["a"]
+    assert [m for m in model.modules() if isinstance(m, BaseTunerLayer)] == layers
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_a_disabled_model_with_an_adapter_copies_and_pickles_on_its_own() -> None:
+    import copy
+    import io
+
+    model, reference = _pair("cpu", "ext", "adapter-then-offload")
+    disable_layerwise_offload(model)
+    torch.save(model, io.BytesIO())
+    twin = copy.deepcopy(model)
+    twin.fuse_lora()
+    assert all(m.merged for m in twin.modules() if isinstance(m, BaseTunerLayer))
+    assert not any(m.merged for m in model.modules() if isinstance(m, BaseTunerLayer))
+    assert params_equal(model, reference)

@@ -195,3 +195,27 @@ def _empty(tmp_path: Path) -> Path:
     folder = tmp_path / "empty"
     folder.mkdir()
     return folder
+
+
+def test_disable_to_meta_after_a_submodule_was_wrapped(tmp_path: Path) -> None:
+    """The checkpoint names the parameters as they were at enable; a wrapper (a LoRA layer around a Linear) renames
+    them since, and the disable to meta goes by object."""
+    class Wrap(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x)
+
+    path = write_single(reference_stack(3), tmp_path / "model.safetensors")
+    model, reference = meta_stack(3), reference_stack(3)
+    enable_layerwise_offload(model, device="cpu", weights=path)
+    for m in (model, reference):
+        for block in m.blocks:
+            block.qkv = Wrap(block.qkv)
+    _run_equal(model, reference, "cpu")
+    disable_layerwise_offload(model, device="meta")
+    got, want = dict(model.blocks.named_parameters()), dict(reference.blocks.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(got[k].is_meta and got[k].shape == want[k].shape and got[k].dtype == want[k].dtype for k in want)

@@ -201,6 +201,17 @@ def test_a_submodule_wrapped_after_enable_runs_saves_loads_and_disables_bit_exac
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_moved_out_of_its_block_gets_its_values_back_at_disable(backend: str) -> None:
+    model, reference = _frozen_pair()
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    for m in (model, reference):
+        m.extra = m.blocks[0].up  # moved out: the model holds it elsewhere, the block no more
+        m.blocks[0].up = torch.nn.Identity()
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 # ---- disable_layerwise_offload ------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)

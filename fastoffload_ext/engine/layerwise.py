@@ -73,6 +73,7 @@ from fastoffload_ext import _backend
 from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.ext_state import ExtLayerwiseOffloadState
+from fastoffload_ext.engine.guards import remove_guards
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.model_checks import (check_devices, check_repeated_blocks, check_tied_parameters,
@@ -579,7 +580,7 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     _resident_to_device(group, options)
     setattr(model, GROUP_ATTRIBUTE, group)
-    guard_adapters(model, group)  # a LoRA merge runs on the blocks' real weights
+    guard_adapters(model)  # a LoRA merge runs on the blocks' real weights
     group.free_with(model)  # a model dropped without a disable frees its host copy and slots at once
     ModelForwards.attach(model)  # what a later layout change waits for (threads.py)
     if was_on_cuda and options.device.type == "cuda":
@@ -691,6 +692,7 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
     if group.engine is not None:
         group.engine.close()
     delattr(model, GROUP_ATTRIBUTE)
+    remove_guards(model)  # the integrations' wrappers on its instances (engine/guards.py)
     forwards = ModelForwards.of(model)
     if forwards is not None:
         forwards.detach(model)

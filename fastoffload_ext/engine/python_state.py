@@ -113,11 +113,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self._offloaded = dict(named)
         self._detached = False
 
-    def _own_parameters(self, module: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
-        """The parameter objects on_init offloaded that the block (or ``module``) still holds, by their names then (a
-        state built by hand without on_init: all the module's). By object, not by name: a submodule wrapped since (a
-        LoRA layer around a Linear) renames them, and a parameter the caller replaced is no longer this state's."""
-        module = self.module_ref if module is None else module
+    def _own_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameter objects on_init offloaded that the block still holds, by their names then (a state built
+        by hand without on_init: all the module's). By object, not by name: a submodule wrapped since (a LoRA layer
+        around a Linear) renames them, and a parameter the caller replaced is no longer this state's."""
+        module = self.module_ref
         own = self._offloaded
         if not own:
             return list(module.named_parameters())
@@ -298,7 +298,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def restore(self, module: nn.Module, device: torch.device) -> None:
         with self.gate.exclusive():  # another thread's running block finishes first
-            for name, param in self._own_parameters(module):
+            # Every object offloaded gets its value back, wherever it is now: moved out of the block
+            # (``model.extra = block.up``) it is still the caller's parameter. One the caller replaced is
+            # referenced by nothing, and restoring it costs a copy.
+            named = list(self._offloaded.items()) if self._offloaded else list(module.named_parameters())
+            for name, param in named:
                 host = self.cpu_named_parameters.get(name)
                 if host is None:
                     logger.warning("Parameter %s not found in the offload state during detachment.", name)

@@ -119,6 +119,11 @@ def leave_mutation(state: BlockOffloadState) -> None:
     if depth == 0:
         state.mutating = False  # type: ignore[attr-defined]
         state.end_mutation()
+        # The rebuilt host copy may now hold adapter weights that peft added since enable, perhaps with a peft
+        # imported only since: its merges must go through the block's scope from here on.
+        from fastoffload_ext.integrations.peft import patch_peft
+
+        patch_peft()
 
 
 class SeedEntryPoints:

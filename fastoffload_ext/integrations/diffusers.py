@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.guards import is_guard, mark
 from fastoffload_ext.engine.hooks import DEAD_MODULE_ERROR
 from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
                                               get_offload_group)
@@ -62,7 +63,6 @@ DENOISER_NAMES = ("transformer", "transformer_2")
 _GUARDED_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", "type")
 # The dtype each of nn.Module's casting methods gives a floating-point parameter (the others stay as they are).
 _FLOAT_CASTS = {"half": torch.float16, "float": torch.float32, "bfloat16": torch.bfloat16, "double": torch.float64}
-_GUARD_ATTRIBUTE = "_fastoffload_device_guard"
 _NAMES_ATTRIBUTE = "_fastoffload_denoisers"  # on the pipeline: every attribute offload_transformer offloaded
 _WRAPPED = "_fastoffload_wrapped"  # on a pipeline method this module defined
 
@@ -198,7 +198,7 @@ def _guarded(model: nn.Module, method: str, original: Callable[..., Any]) -> Cal
 
     if own is None:
         del move.__wrapped__  # functools.wraps kept the bound method there, a reference back to the model
-    return move
+    return mark(move, own)  # taken off at disable
 
 
 def guard_device_moves(model: nn.Module) -> None:
@@ -206,15 +206,14 @@ def guard_device_moves(model: nn.Module) -> None:
     (``to(dtype)``, ``half``, ``float``, ``bfloat16``, ``double``, ``type``) refuse a dtype change of an
     offloaded parameter, before anything changes (see the module doc).
 
-    The guard is per instance and checks the offload at call time, so it is harmless after
-    ``disable_layerwise_offload``: moves then go through unchecked.
+    The guard is per instance and checks the offload at call time; ``disable_layerwise_offload`` takes it off
+    (engine/guards.py), so a disabled model moves, copies and pickles as before.
     """
-    if getattr(model, _GUARD_ATTRIBUTE, False):
+    if is_guard(model.__dict__.get("to")):
         return
     for method in _GUARDED_METHODS:
         # The guard wraps whatever ``to`` the model's class defines.
         object.__setattr__(model, method, _guarded(model, method, getattr(model, method)))
-    object.__setattr__(model, _GUARD_ATTRIBUTE, True)
 
 
 def _refusing_fusion(model: nn.Module, owner: nn.Module, method: str) -> Callable[..., Any]:
@@ -231,7 +230,7 @@ def _refusing_fusion(model: nn.Module, owner: nn.Module, method: str) -> Callabl
                                                       model=type(model).__name__))
         return unbound(owner, *args, **kwargs)
 
-    return fuse
+    return mark(fuse)  # taken off at disable
 
 
 def guard_fusions(model: nn.Module, group: LayerwiseOffloadGroup) -> None:

@@ -2,30 +2,33 @@
 
 A peft LoRA layer merges by writing into its base weight (``base_layer.weight.data += delta``). In an
 offloaded block that weight is an empty placeholder between forwards, and so are the adapter's own
-weights when the adapter was added before the offload. Left alone, a merge there adds an empty delta
-to an empty tensor, marks the adapter merged, and every later forward silently runs without it (or,
-with the adapter added after the offload, fails on the shapes).
+weights once the block's host copy holds them (the adapter was added before the offload, or loaded
+since). Left alone, a merge there adds an empty delta to an empty tensor, marks the adapter merged,
+and every later forward silently runs without it.
 
-``guard_adapters(model, group)``, which ``enable_layerwise_offload`` calls, makes both work:
+``patch_peft()`` (run by ``enable_layerwise_offload`` and whenever a block's host copy is rebuilt, so
+a peft imported after the enable is covered by then) wraps ``merge()`` and ``unmerge()`` of peft's
+layer classes: a layer that holds an offload placeholder merges inside its block's
+``mutate_params_scope()``, where the block's weights are real device tensors, and the block's host
+copy is rebuilt from them afterwards. peft's ``merge_and_unload()`` and ``merge_adapter()`` go through
+these. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
+class:
 
-- ``merge()``/``unmerge()`` of each peft layer inside an offloaded block run inside that block's
-  ``mutate_params_scope()``: the block's weights are real device tensors for the call, and its host
-  copy is rebuilt from them afterwards (with the adapter's weights too, when they were added after
-  the offload). peft's ``merge_and_unload()`` and ``merge_adapter()`` go through these.
-- diffusers' ``fuse_lora()``/``unfuse_lora()`` on the model run with one block materialized at a time:
-  each block's layers are merged inside one scope, so the host copy of a block is rebuilt once.
-- ``add_adapter()``/``load_lora_adapter()`` guard the layers they add.
+- ``fuse_lora()``/``unfuse_lora()`` keep one block's scope open at a time, so each block is materialized
+  and rebuilt once, however many layers it holds.
+- ``add_adapter()`` and ``load_lora_adapter()`` refuse what would read or copy the offloaded base weights
+  (DoRA, initializations computed from the base weight such as PiSSA or OLoRA, ``modules_to_save``
+  inside the block list, a hotswap into offloaded adapter weights) before anything changes.
 
 The results are bit for bit the resident model's. A block whose host copy cannot be rebuilt (shared
-between ranks, or read from disk) refuses the merge with the engine's message, before anything
-changes. The guards check the offload at call time: after ``disable_layerwise_offload`` every call goes
-straight to peft.
+between ranks, read from disk, edited while offloaded) refuses a merge before any layer changes. The
+wrappers sit on the classes, never on a model or layer, and pass every call on a model that is not
+offloaded straight through: a disabled model copies and pickles as before.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import threading
 import weakref
@@ -35,28 +38,73 @@ from typing import Any
 from torch import nn
 
 from fastoffload_ext.engine.group import LayerwiseOffloadGroup, get_offload_group
-from fastoffload_ext.engine.hooks import DEAD_MODULE_ERROR, ModuleHookManager
+from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
 
-__all__ = ["guard_adapters"]
+__all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft"]
 
 _LAYER_METHODS = ("merge", "unmerge")
-_BLOCKWISE_METHODS = ("fuse_lora", "unfuse_lora")
+_MERGING_METHODS = ("fuse_lora", "unfuse_lora")
 _ADDING_METHODS = ("add_adapter", "load_lora_adapter")
-_GUARDED = "_fastoffload_adapter_guard"  # on a model or a peft layer: its methods are guarded
+_PATCHED = "_fastoffload_patched"  # on a function this module put on a class
+_SAFE_INITS = (True, False, "gaussian")  # LoRA initializations that never read the base weight
+_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every model guard_adapters saw
 _session = threading.local()  # .blockwise: the _Blockwise of a fuse_lora() running in this thread
 
 MERGE_REFUSED = ("fastoffload: {what} would merge adapter weights into the offloaded block {block}, which refuses: "
                  "{reason}. Nothing was merged")
+ADD_REFUSED = ("fastoffload: {what} on the layerwise-offloaded {model} would {why}; an offloaded block's weights are "
+               "empty placeholders between forwards. Nothing was added. Add the adapter before enable_layerwise_offload, "
+               "or disable the offload (disable_layerwise_offload), add it, and enable again")
 
 
-def _tuner_layers(module: nn.Module) -> list[nn.Module]:
-    """peft's LoRA (and other tuner) layers inside ``module``; none while peft was never imported."""
+def _peft_base_layer() -> type | None:
     tuners = sys.modules.get("peft.tuners.tuners_utils")
-    base = getattr(tuners, "BaseTunerLayer", None)
-    return [] if base is None else [m for m in module.modules() if isinstance(m, base)]
+    return getattr(tuners, "BaseTunerLayer", None)
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(current.__subclasses__())
+    return found
+
+
+def patch_peft() -> None:
+    """Wraps ``merge``/``unmerge`` of every peft layer class defined so far (each once); a no-op until peft is
+    imported."""
+    base = _peft_base_layer()
+    if base is None:
+        return
+    for cls in _subclasses(base):
+        for method in _LAYER_METHODS:
+            function = cls.__dict__.get(method)
+            if callable(function) and not getattr(function, _PATCHED, False):
+                setattr(cls, method, _in_block_scope(function))
+
+
+def _holds_placeholder(layer: nn.Module) -> bool:
+    # An offloaded block's parameters are empty between forwards; a real model has no empty parameter.
+    return any(param.numel() == 0 for param in layer.parameters())
+
+
+def _owners(group: LayerwiseOffloadGroup) -> dict[int, BlockOffloadState]:
+    """id of each module inside an offloaded block -> that block's state."""
+    return {id(module): state for state in group.states for module in state.module_ref.modules()}
+
+
+def _find(layer: nn.Module) -> tuple[nn.Module, BlockOffloadState] | None:
+    """The offloaded model and block state that ``layer`` belongs to (None: no offloaded model holds it)."""
+    for model in list(_models):
+        group = get_offload_group(model)
+        state = _owners(group).get(id(layer)) if group is not None else None
+        if state is not None:
+            return model, state
+    return None
 
 
 def _hook(state: BlockOffloadState) -> LayerwiseOffloadHook:
@@ -66,11 +114,6 @@ def _hook(state: BlockOffloadState) -> LayerwiseOffloadHook:
         raise OffloadStateError("fastoffload: an offloaded block lost its offload hook; disable the offload "
                                 "(disable_layerwise_offload) and enable it again before merging an adapter")
     return hook
-
-
-def _owners(group: LayerwiseOffloadGroup) -> dict[int, BlockOffloadState]:
-    """id of each module inside an offloaded block -> that block's state."""
-    return {id(module): state for state in group.states for module in state.module_ref.modules()}
 
 
 def _check_mergeable(model: nn.Module, states: list[BlockOffloadState], what: str) -> None:
@@ -88,8 +131,7 @@ class _Blockwise:
     """One block's mutation scope open at a time, for the layers of a whole-model merge: the model's
     ``apply()`` reaches the layers of one block one after another, so each block is materialized once."""
 
-    def __init__(self, group: LayerwiseOffloadGroup, owners: dict[int, BlockOffloadState]) -> None:
-        self.group = group
+    def __init__(self, owners: dict[int, BlockOffloadState]) -> None:
         self.owners = owners
         self.open: BlockOffloadState | None = None
         self.scope = contextlib.ExitStack()
@@ -106,61 +148,12 @@ class _Blockwise:
         self.scope.close()  # the host copy of the block is rebuilt, also after an exception
 
 
-def _model_of(model_ref: weakref.ref[nn.Module]) -> nn.Module:
-    model = model_ref()
-    if model is None:
-        raise OffloadStateError(DEAD_MODULE_ERROR)
-    return model
-
-
-def _guard_layer(model: nn.Module, layer: nn.Module) -> None:
-    if layer.__dict__.get(_GUARDED):
-        return
-    # Weak references, and the class's functions rather than bound methods: a function on the layer that held the
-    # layer or the model strongly would keep a dropped model, and its host copy, until the cycle collector ran.
-    model_ref, layer_ref = weakref.ref(model), weakref.ref(layer)
-    for method in _LAYER_METHODS:
-        unbound = getattr(type(layer), method, None)
-        if callable(unbound) and method not in layer.__dict__:
-            wrapper = _in_block_scope(model_ref, layer_ref, unbound)
-            wrapper.__signature__ = inspect.signature(getattr(layer, method))  # type: ignore[attr-defined]
-            object.__setattr__(layer, method, wrapper)
-    object.__setattr__(layer, _GUARDED, True)
-
-
-def _in_block_scope(model_ref: weakref.ref[nn.Module], layer_ref: weakref.ref[nn.Module],
-                    unbound: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(unbound)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        model, layer = _model_of(model_ref), layer_ref()
-        if layer is None:
-            raise OffloadStateError(DEAD_MODULE_ERROR)
-        group = get_offload_group(model)
-        blockwise: _Blockwise | None = getattr(_session, "blockwise", None)
-        if group is None:
-            return unbound(layer, *args, **kwargs)
-        if blockwise is not None and blockwise.group is group:
-            state = blockwise.owners.get(id(layer))
-            if state is not None:
-                blockwise.enter(state)
-            return unbound(layer, *args, **kwargs)
-        state = _owners(group).get(id(layer))
-        if state is None:  # in a resident block, or outside the block lists: real weights already
-            return unbound(layer, *args, **kwargs)
-        _check_mergeable(model, [state], f"{type(layer).__name__}.{unbound.__name__}()")
-        with _hook(state).mutate_params_scope():
-            return unbound(layer, *args, **kwargs)
-
-    del call.__wrapped__  # functools.wraps kept the function there; the signature is set by the caller
-    return call
-
-
 @contextlib.contextmanager
-def _blockwise(group: LayerwiseOffloadGroup, owners: dict[int, BlockOffloadState]) -> Iterator[None]:
+def _blockwise(owners: dict[int, BlockOffloadState]) -> Iterator[None]:
     if getattr(_session, "blockwise", None) is not None:  # a fuse_lora inside another: the outer one's blocks
         yield
         return
-    session = _session.blockwise = _Blockwise(group, owners)
+    session = _session.blockwise = _Blockwise(owners)
     try:
         yield
     finally:
@@ -168,49 +161,106 @@ def _blockwise(group: LayerwiseOffloadGroup, owners: dict[int, BlockOffloadState
         session.close()
 
 
-def _guard_model_method(model: nn.Module, method: str) -> None:
-    unbound = getattr(type(model), method, None)
-    if not callable(unbound) or method in model.__dict__:
-        return
-    model_ref = weakref.ref(model)
+def _in_block_scope(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _holds_placeholder(layer):  # real weights: not offloaded, a resident block, or inside a scope
+            return function(layer, *args, **kwargs)
+        session: _Blockwise | None = getattr(_session, "blockwise", None)
+        state = session.owners.get(id(layer)) if session is not None else None
+        if session is not None and state is not None:
+            session.enter(state)
+            return function(layer, *args, **kwargs)
+        found = _find(layer)
+        if found is None:  # empty parameters of its own, in no offloaded model
+            return function(layer, *args, **kwargs)
+        model, state = found
+        _check_mergeable(model, [state], f"{type(layer).__name__}.{function.__name__}()")
+        with _hook(state).mutate_params_scope():
+            return function(layer, *args, **kwargs)
 
-    @functools.wraps(unbound)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        model = _model_of(model_ref)
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _merging(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         group = get_offload_group(model)
         if group is None:
-            return unbound(model, *args, **kwargs)
-        if method in _ADDING_METHODS:
-            try:
-                return unbound(model, *args, **kwargs)
-            finally:
-                _guard_layers(model, group)
-        _guard_layers(model, group)  # layers added since enable, by a call that was not guarded
+            return function(model, *args, **kwargs)
+        patch_peft()
         owners = _owners(group)
-        merged = (owners.get(id(layer)) for layer in _layers_in_lists(model, group))
+        base = _peft_base_layer()
+        layers = [m for m in model.modules() if isinstance(m, base)] if base is not None else []
+        merged = (owners.get(id(layer)) for layer in layers)
         _check_mergeable(model, list({id(s): s for s in merged if s is not None}.values()),
-                         f"{type(model).__name__}.{method}()")
-        with _blockwise(group, owners):
-            return unbound(model, *args, **kwargs)
+                         f"{type(model).__name__}.{function.__name__}()")
+        with _blockwise(owners):
+            return function(model, *args, **kwargs)
 
-    del call.__wrapped__  # the class's function, whose signature names self
-    call.__signature__ = inspect.signature(getattr(model, method))  # type: ignore[attr-defined]
-    object.__setattr__(model, method, call)
-
-
-def _layers_in_lists(model: nn.Module, group: LayerwiseOffloadGroup) -> list[nn.Module]:
-    return [layer for name in group.list_names for layer in _tuner_layers(getattr(model, name))]
+    setattr(call, _PATCHED, True)
+    return call
 
 
-def _guard_layers(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
-    for layer in _layers_in_lists(model, group):
-        _guard_layer(model, layer)
+def _in_lists(model: nn.Module, group: LayerwiseOffloadGroup, targets: Any) -> str | None:
+    """The first module of the offloaded lists that ``targets`` (peft's ``modules_to_save``) names, if any."""
+    names = [targets] if isinstance(targets, str) else list(targets or ())
+    for list_name in group.list_names:
+        for name, _ in getattr(model, list_name).named_modules(prefix=list_name):
+            if any(name == target or name.endswith("." + target) for target in names):
+                return name
+    return None
 
 
-def guard_adapters(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
+def _adding_refusal(model: nn.Module, group: LayerwiseOffloadGroup, method: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> str | None:
+    """Why ``method`` would read or copy offloaded base weights (None: it does not)."""
+    if method == "add_adapter":
+        config = args[0] if args else kwargs.get("adapter_config")
+        if getattr(config, "use_dora", False):
+            return "add a DoRA adapter (use_dora=True), whose magnitude is computed from the base weights"
+        init = getattr(config, "init_lora_weights", True)
+        if init not in _SAFE_INITS:
+            return f"initialize the adapter from the base weights (init_lora_weights={init!r})"
+        saved = _in_lists(model, group, getattr(config, "modules_to_save", None))
+        if saved is not None:
+            return f"copy the offloaded module {saved} (modules_to_save)"
+        return None
+    if kwargs.get("hotswap"):
+        return "swap new values into the adapter's weights in place (hotswap=True); load it under a new adapter_name"
+    weights = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
+    if isinstance(weights, dict) and any("lora_magnitude_vector" in key for key in weights):
+        return "load a DoRA adapter, whose magnitude is computed from the base weights"
+    return None
+
+
+def _adding(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        group = get_offload_group(model)
+        if group is not None:
+            why = _adding_refusal(model, group, function.__name__, args, kwargs)
+            if why is not None:
+                raise OffloadStateError(ADD_REFUSED.format(what=f"{type(model).__name__}.{function.__name__}()",
+                                                           model=type(model).__name__, why=why))
+        try:
+            return function(model, *args, **kwargs)
+        finally:
+            if group is not None:
+                patch_peft()  # the call may have imported peft's layer classes
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def guard_adapters(model: nn.Module) -> None:
     """Make LoRA merges on ``model`` run on its blocks' real weights while it is offloaded (see the module doc)."""
-    if not model.__dict__.get(_GUARDED):
-        for method in (*_BLOCKWISE_METHODS, *_ADDING_METHODS):
-            _guard_model_method(model, method)
-        object.__setattr__(model, _GUARDED, True)
-    _guard_layers(model, group)
+    _models.add(model)
+    patch_peft()
+    wrappers = {**dict.fromkeys(_MERGING_METHODS, _merging), **dict.fromkeys(_ADDING_METHODS, _adding)}
+    for method, wrap in wrappers.items():
+        owner = next((cls for cls in type(model).__mro__ if method in cls.__dict__), None)
+        function = owner.__dict__[method] if owner is not None else None
+        if callable(function) and not getattr(function, _PATCHED, False):
+            setattr(owner, method, wrap(function))

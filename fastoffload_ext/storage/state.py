@@ -129,16 +129,16 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
             self.engine.drop(self.handle)
         ExtLayerwiseOffloadState._detaches += 1  # as super().restore counts it
         self._put_back_originals()
+        # By object: a submodule wrapped since enable renamed the parameters, which the checkpoint names no more.
         places = self._aliases(module)
-        for name, entry in zip(self.block.names, self.block.entries):
-            prefix, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(prefix)
-            param = owner._parameters[leaf]
-            if param is not None and not param.is_meta:
-                meta = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
-                                    requires_grad=param.requires_grad)
-                for place, key in places.get(id(param), [(owner, leaf)]):  # a tie stays a tie
-                    place._parameters[key] = meta
+        for entry, param in zip(self.block.entries, self.params):
+            spots = places.get(id(param))
+            if param.is_meta or not spots:
+                continue  # its meta original is back in its place, or the caller replaced it
+            meta = nn.Parameter(torch.empty(entry.shape, dtype=param.dtype, device="meta"),
+                                requires_grad=param.requires_grad)
+            for place, key in spots:  # a tie stays a tie
+                place._parameters[key] = meta
 
     def _restore_mutated_to_meta(self, module: nn.Module) -> None:
         """To the meta device after a mutation: the scope may have added parameters, replaced submodules or
