@@ -744,7 +744,12 @@ void OffloadEngine::restore(size_t block, at::Device target) {
     // place), otherwise the host copy.
     const at::Tensor source = live ? param.variable_data()
                                    : view_of(host.storage(), at::TensorOptions().device(at::kCPU), 0, entry);
-    at::Tensor value = clone_with_layout(source, entry, target);
+    // A live tensor whose dtype, shape or strides differ from the stored layout's (`param.data = t` inside a
+    // scope whose rebuild then failed) is copied as it is: read with the old layout, its bytes would be garbage.
+    const bool as_stored = !live || (source.scalar_type() == entry.dtype && source.sizes().vec() == entry.sizes &&
+                                     source.strides().vec() == entry.strides);
+    at::Tensor value = as_stored ? clone_with_layout(source, entry, target)
+                                 : source.to(target, /*non_blocking=*/false, /*copy=*/true);
     // A cast after enable (model.half()) left a placeholder of the new dtype: the restored model
     // follows the cast, as the resident model would have, rather than silently keeping the old dtype.
     const at::ScalarType now = stored.tensors[j].scalar_type();

@@ -6,12 +6,14 @@ intact afterwards.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import fastoffload_ext as fo
 
-from ._models import make_pair, offload_hook, params_equal
+from ._models import OFFLOAD_DEVICES, make_pair, offload_hook, params_equal, place_outside_blocks
 
 BACKENDS = ["ext", "python"]
 
@@ -211,6 +213,125 @@ def test_a_parameter_moved_out_of_its_block_gets_its_values_back_at_disable(back
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
 
+
+
+def _move_out(model: torch.nn.Module, where: str, device: str) -> None:
+    """Moves an offloaded submodule or parameter out of its block, the same way on either twin. The block gets a
+    seeded stand-in of the same shape, so the forward is unchanged between the twins."""
+    torch.manual_seed(11)
+    if where == "param":  # rebound into a module outside the blocks
+        model.proj_out.weight = model.blocks[1].o.weight
+        model.blocks[1].o.weight = torch.nn.Parameter(torch.randn(16, 16, device=device), requires_grad=False)
+        return
+    moved = model.blocks[0].up
+    if where == "after":
+        model.extra = moved  # registered after the block list
+    elif where == "before":
+        model.proj_in.sub = moved  # inside a module loaded before the block list
+    else:
+        model.blocks[2].extra = moved  # into another block
+    model.blocks[0].up = torch.nn.Linear(16, 64).to(device).requires_grad_(False)
+
+
+def _moved(model: torch.nn.Module, where: str) -> torch.nn.Module:
+    return {"param": lambda: model.proj_out, "after": lambda: model.extra, "before": lambda: model.proj_in.sub,
+            "block": lambda: model.blocks[2].extra}[where]()
+
+
+def _same_state(model: torch.nn.Module, reference: torch.nn.Module, skip: tuple[str, ...] = ()) -> bool:
+    got, want = model.state_dict(), reference.state_dict()
+    return list(got) == list(want) and all(
+        got[k].shape == want[k].shape and got[k].dtype == want[k].dtype and torch.equal(got[k].cpu(), want[k].cpu())
+        for k in want if k not in skip)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["after", "before", "param", "block"])
+def test_a_parameter_moved_out_of_its_block_is_saved_and_loaded_by_object(backend: str, device: str,
+                                                                           where: str) -> None:
+    model, reference = _frozen_pair()
+    reference.to(device)
+    place_outside_blocks(model, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    for m in (model, reference):
+        _move_out(m, where, device)
+    # Saved by object while it is still offloaded, whichever module state_dict() is called on: its host copy,
+    # never the empty placeholder.
+    for pick in (lambda m: m, lambda m: m.blocks, lambda m: m.blocks[2], lambda m: _moved(m, where)):
+        assert _same_state(pick(model), pick(reference))
+    x = _x().to(device)
+    if where != "param":  # the output projection would read the placeholder: it runs once the load settled it
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+    # A load into the moved submodule alone rebuilds its old block first.
+    torch.manual_seed(4)
+    part = {k: torch.randn_like(v) for k, v in _moved(reference, where).state_dict().items()}
+    _moved(model, where).load_state_dict(part)
+    _moved(reference, where).load_state_dict(part)
+    assert _same_state(model, reference)
+    torch.manual_seed(5)
+    values = {k: torch.randn_like(v) for k, v in reference.state_dict().items()}
+    model.load_state_dict(values)  # wherever the moved module sits in the load order
+    reference.load_state_dict(values)
+    # A rebuild of its old block left the moved parameter an ordinary device tensor with storage of its own; a
+    # rebuild of the block it sits in now takes it over with its value.
+    param = _moved(model, where).weight
+    assert param.device.type == device
+    assert param.untyped_storage().nbytes() == param.numel() * param.element_size() or where == "block"
+    with offload_hook(model.blocks[2]).mutate_params_scope():
+        pass
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert _same_state(model, reference)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+def test_a_failed_rebuild_keeps_the_block_materialized_until_a_scope_ends_cleanly(backend: str, device: str,
+                                                                                  kind: str) -> None:
+    model, reference = _frozen_pair()
+    for m in (model, reference):  # a parameter the forward does not read, so its shape and dtype may change
+        m.blocks[1].register_parameter("scale", torch.nn.Parameter(torch.ones(4), requires_grad=False))
+    reference.to(device)
+    place_outside_blocks(model, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend)
+    bad = torch.eye(3).to_sparse() if kind == "sparse" else torch.empty(3, device="meta")
+    with pytest.raises((RuntimeError, fo.OffloadStateError), match="sparse|Sparse|meta device") as raised:
+        with offload_hook(model.blocks[1]).mutate_params_scope():
+            for m in (model, reference):
+                with torch.no_grad():
+                    m.blocks[1].up.weight.mul_(2)
+                m.blocks[1].scale.data = torch.arange(6, dtype=torch.float64, device=device)  # new shape and dtype
+                m.blocks[1].register_parameter("bad", torch.nn.Parameter(bad, requires_grad=False))
+    if sys.version_info >= (3, 11):
+        assert any("open and close mutate_params_scope() on the block again" in n for n in raised.value.__notes__)
+    # The block holds the scope's values, whatever their shape or dtype: the forward, state_dict() and a disable
+    # all use them.
+    assert model.blocks[1].up.weight.shape == (64, 16)
+    x = _x().to(device)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    assert _same_state(model, reference, skip=("blocks.1.bad",))
+    # A load would stop at the rebuild of that block, with the modules after it not loaded: refused before any loads.
+    values = {k: torch.zeros_like(v) for k, v in reference.state_dict().items() if k != "blocks.1.bad"}
+    with pytest.raises(fo.OffloadStateError, match="load_state_dict.. is refused on block"):
+        model.load_state_dict(values, strict=False)
+    assert _same_state(model, reference, skip=("blocks.1.bad",))
+    # Fixed, and closed cleanly: offloaded again, with the scope's values.
+    with offload_hook(model.blocks[1]).mutate_params_scope():
+        del model.blocks[1].bad
+    del reference.blocks[1].bad
+    assert model.blocks[1].up.weight.numel() == 0
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert _same_state(model, reference)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
 
 # ---- disable_layerwise_offload ------------------------------------------------------------------
 

@@ -102,6 +102,14 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
             return {}
         return {name: param.data for name, param in zip(self.param_names, self.params)}
 
+    def is_live(self) -> bool:
+        """Whether the parameters hold the block's current values now: running, inside mutate_params_scope(), or
+        kept materialized by a rebuild that failed."""
+        if not self._attached():
+            return False
+        slot = self.engine.slot_of(self.handle)
+        return bool(self.engine.is_materialized(self.handle)) or (slot >= 0 and self.engine.slot_state(slot) == "in_use")
+
     def acquire(self) -> None:
         self.engine.acquire(self.handle)
 
@@ -182,9 +190,18 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         if not self._attached():
             return  # disabled inside the scope: the parameters hold the scope's values as ordinary tensors
         named = list(self.module_ref.named_parameters())
-        self.param_names = [name for name, _ in named]
-        self.params = [p for _, p in named]
-        self.engine.repack(self.handle, self.param_names, self.params)
+        names, params = [name for name, _ in named], [p for _, p in named]
+        # A repack that raises (a sparse or meta parameter added in the scope) changes nothing: the block stays
+        # materialized, and its names and objects must still match the host copy it keeps.
+        self.engine.repack(self.handle, names, params)
+        kept = {id(param) for param in params}
+        for param in self.params:
+            if id(param) not in kept:
+                # Moved out of the block since enable (``model.extra = block.up``): no longer this block's to offload,
+                # it keeps its value as an ordinary device tensor, copied out of the buffer that materialize bound
+                # the whole block to, so that buffer is freed.
+                param.data = param.data.clone()
+        self.param_names, self.params = names, params
 
     def lost_edit(self, template: str = LOST_EDIT_WARNING) -> str | None:
         """What a restore now would lose: an in-place write to an offloaded parameter, or a cast and a cast back

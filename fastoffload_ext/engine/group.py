@@ -58,7 +58,7 @@ class LayerwiseOffloadGroup:
         self.states: list[BlockOffloadState] = []
         self.original_devices: list[torch.device] = []
         self.checkpoint: Any = None  # storage.source.CheckpointSource when built with weights=
-        self.load_guard: Any = None  # state_dict.LoadGuard: a refused load_state_dict changes nothing
+        self.model_hooks: Any = None  # state_dict.ModelStateDictHooks: a refused load_state_dict changes nothing
 
     def free_with(self, model: nn.Module) -> None:
         """Frees the host copy and the device slots as soon as ``model`` is collected while still offloaded

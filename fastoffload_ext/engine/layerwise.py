@@ -83,7 +83,7 @@ from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_B
                                             OffloadOptions, check_arguments, resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.state import BlockOffloadState
-from fastoffload_ext.engine.state_dict import LoadGuard
+from fastoffload_ext.engine.state_dict import ModelStateDictHooks
 from fastoffload_ext.engine.threads import ModelForwards, layout_change
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.integrations.peft import guard_adapters
@@ -201,7 +201,7 @@ class _Enable:
             raise
         _attach_blocks(group, options)
         _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic, options.offloaded_indices)
-        group.load_guard = _load_guard(model, group)
+        group.model_hooks = _model_hooks(model, group)
         return _finish(model, group, options, was_on_cuda)
 
 
@@ -513,8 +513,8 @@ def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, Lay
         group.engine.close()
 
 
-def _load_guard(model: nn.Module, group: LayerwiseOffloadGroup) -> LoadGuard:
-    """The model's load_state_dict pre-hook that makes a refused load change nothing (state_dict.py)."""
+def _model_hooks(model: nn.Module, group: LayerwiseOffloadGroup) -> ModelStateDictHooks:
+    """The model's state-dict hooks: a refused load changes nothing, a moved parameter is saved and loaded (state_dict.py)."""
     names = {id(module): name for name, module in model.named_modules()}
     blocks = []
     for state in group.states:
@@ -522,7 +522,7 @@ def _load_guard(model: nn.Module, group: LayerwiseOffloadGroup) -> LoadGuard:
         hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
         if isinstance(hook, LayerwiseOffloadHook) and id(state.module_ref) in names:
             blocks.append((names[id(state.module_ref)] + ".", hook.state_dict_hooks))
-    return LoadGuard(blocks).attach(model)
+    return ModelStateDictHooks(blocks).attach(model)
 
 
 def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool,
@@ -563,8 +563,8 @@ def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -
             buffer = module._buffers.get(key)
             if buffer is not None and buffer.device != device and device.type != "meta":
                 module._buffers[key] = buffer.to(device)
-        if group.load_guard is not None:
-            group.load_guard.detach()
+        if group.model_hooks is not None:
+            group.model_hooks.detach()
         hooks = [(s.module_ref, ModuleHookManager.get_from(s.module_ref).get_forward_hook(LayerwiseOffloadHook.name()))
                  for s in group.states if ModuleHookManager.get_from(s.module_ref) is not None]
         attached = [(b, h) for b, h in hooks if h is not None]
@@ -685,8 +685,8 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
                 for key, buffer in module.named_buffers(recurse=False):
                     if buffer is not None:
                         setattr(module, key, buffer.to(target))
-    if group.load_guard is not None:
-        group.load_guard.detach()
+    if group.model_hooks is not None:
+        group.model_hooks.detach()
     if group.finalizer is not None:
         group.finalizer()  # cuts the states' prefetch ring now, once: the states go with this group
     if group.engine is not None:
@@ -713,7 +713,7 @@ def _detach_unhooked(group: LayerwiseOffloadGroup, state: BlockOffloadState, tar
     stand_in = LayerwiseOffloadHook(state)
     stand_in.detach_device = target
     stand_in.on_detach(state.module_ref)
-    for _, hooks in group.load_guard.blocks if group.load_guard is not None else ():
+    for _, hooks in group.model_hooks.blocks if group.model_hooks is not None else ():
         if hooks.state is state:
             hooks.detach()
 

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR", "SHARED_MUTATION_ERROR",
+__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REBUILD_FAILED_NOTE", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR", "UNPACKABLE_LOAD_ERROR", "SHARED_MUTATION_ERROR",
            "STALE_GROUP_ERROR", "scalar_type_name",
            "warn_caller"]
 
@@ -51,6 +51,12 @@ STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was chan
                       "forward refuses the block. Apply the change inside mutate_params_scope(), or disable offload "
                       "first.")
 
+# Added to the error of a mutate_params_scope() or load_state_dict() whose closing rebuild of the host copy failed.
+REBUILD_FAILED_NOTE = ("fastoffload: the block's host copy was not rebuilt, so the block keeps the values of the scope (or "
+                       "load) as ordinary tensors on the device, which its forwards, state_dict() and a disable use. "
+                       "Fix what the error names, then open and close mutate_params_scope() on the block again to "
+                       "offload it.")
+
 CAST_ERROR = ("fastoffload: parameter '{name}' of block {index} was cast or moved to {now} on {now_device} after offload "
               "was enabled (its host copy holds {was} for {device}); .half(), .to(dtype) and .to(device) do not reach "
               "an offloaded block's host copy. Cast or move the model before enable_layerwise_offload, or disable "
@@ -60,6 +66,9 @@ SHARED_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}
                      "of this host, whose weights would change under them. Load the weights before "
                      "enable_layerwise_offload, or enable with share_host_copy=False")
 
+UNPACKABLE_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: its parameter '{name}' {what}, so "
+                         "the block could not be offloaded again after the load. Make it a dense tensor (or remove it) "
+                         "inside mutate_params_scope() on the block first")
 
 # A LayerwiseOffloadGroup that a disable or a re-plan took off its model (engine/group.py, planning/replan.py).
 STALE_GROUP_ERROR = ("fastoffload: this offload group is no longer the one on its model (offload was disabled or "

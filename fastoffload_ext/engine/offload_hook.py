@@ -141,6 +141,8 @@ class LayerwiseOffloadHook(ForwardHook):
         (so does a ``load_state_dict()`` inside one): the outermost exit rebuilds.
         """
         self.state_dict_hooks.finish_interrupted_load()
+        if getattr(self.state, "mutation_depth", 0) == 0:
+            self.state_dict_hooks.settle_foreign()  # a parameter moved here from another block: that block's first
         enter_mutation(self.state)
         try:
             yield

@@ -100,6 +100,10 @@ class LayerwiseOffloadState(SeedEntryPoints):
         # memory) must leave every parameter as it was.
         named = list(module.named_parameters())
         for name, param in named:
+            if param.is_meta:  # the compiled core's text
+                raise OffloadStateError(f"fastoffload: parameter '{name}' is on the meta device and has no values to "
+                                        "offload; materialize the model first (e.g. model.to_empty(device=...) followed "
+                                        "by load_state_dict)")
             if param.layout != torch.strided:
                 raise OffloadStateError(f"fastoffload: parameter '{name}' has layout {param.layout}; only dense "
                                         "(strided) tensors can be offloaded. Convert it with .to_dense() first")
@@ -123,6 +127,16 @@ class LayerwiseOffloadState(SeedEntryPoints):
             return list(module.named_parameters())
         held = {id(param) for param in module.parameters()}
         return [(name, param) for name, param in own.items() if id(param) in held]
+
+    def _checked_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter object this state offloads, held by the block or moved out of it since (an edit to a moved
+        one is refused and warned about as for one in the block, as on the compiled core)."""
+        return list(self._offloaded.items()) if self._offloaded else list(self.module_ref.named_parameters())
+
+    def is_live(self) -> bool:
+        """Whether the parameters the block holds have its current values now: running, inside
+        mutate_params_scope(), or kept materialized by a rebuild that failed."""
+        return self._depth > 0 and not self._detached
 
     def offloaded_parameters(self) -> dict[str, nn.Parameter]:
         """Each offloaded parameter object by its name when offloaded (empty once restored; a state built by hand
@@ -171,7 +185,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             if self._detached:
                 raise OffloadStateError(DETACHED_ERROR.format(index=self._where()))
             named = self._own_parameters()
-            self._check_bindings(named)
+            self._check_bindings(self._checked_parameters())
         except BaseException:
             # Refused before anything was bound: a release would bind placeholders over the caller's values.
             self.gate.end(id(self))
@@ -258,9 +272,25 @@ class LayerwiseOffloadState(SeedEntryPoints):
                 # Disabled inside the scope: the parameters are ordinary tensors holding the scope's values,
                 # and a rebuild would turn them into placeholders on a model with no offload left.
                 return
+            host, loaded = dict(self.cpu_named_parameters), dict(self.gpu_named_parameters)
+            held = {id(param) for param in self.module_ref.parameters()}
+            moved = [(name, param) for name, param in self._offloaded.items() if id(param) not in held]
             self.cpu_named_parameters.clear()
             self.gpu_named_parameters.clear()
-            self.on_init(self.module_ref)
+            try:
+                self.on_init(self.module_ref)
+            except BaseException:
+                # on_init changed nothing (a sparse or meta parameter added in the scope): the block stays
+                # materialized, its parameters the scope's live values, until a scope on it ends cleanly.
+                # Its acquire nests from here on, so the gate is not held in between.
+                self.cpu_named_parameters.update(host)
+                self.gpu_named_parameters.update(loaded)
+                self.gate.end(id(self))
+                raise
+            # A parameter moved out of the block since enable (``model.extra = block.up``) is no longer this block's
+            # to offload: it becomes an ordinary tensor on the device with its value, as on the compiled core.
+            for name, param in moved:
+                param.data = self._current_value(param, host[name], self.device)
             self._depth = 0
             self.gate.end(id(self))
 
@@ -270,7 +300,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if self._depth > 0 or self._detached or self.module_ref is None or getattr(self, "mutating", False):
             return None
         try:
-            self._check_bindings(self._own_parameters())
+            self._check_bindings(self._checked_parameters())
         except OffloadStateError as error:
             return error
         return None
@@ -285,7 +315,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         (``template``: LOST_EDIT_WARNING, or STALE_SAVE_WARNING for a state_dict())."""
         if self._depth > 0 or self._detached or self.module_ref is None:
             return None  # a loaded block holds its current values, which restore keeps
-        for name, param in self._own_parameters():
+        for name, param in self._checked_parameters():
             host = self.cpu_named_parameters.get(name)
             if host is None or tuple(param.shape) == tuple(host.shape):
                 continue  # a full value given by the caller: restore keeps it
@@ -302,12 +332,16 @@ class LayerwiseOffloadState(SeedEntryPoints):
             # (``model.extra = block.up``) it is still the caller's parameter. One the caller replaced is
             # referenced by nothing, and restoring it costs a copy.
             named = list(self._offloaded.items()) if self._offloaded else list(module.named_parameters())
+            # A live block's parameters hold its current values, whatever their shape or dtype (a scope whose
+            # rebuild failed may have changed either); one moved out of it holds its placeholder still.
+            live = {id(param) for param in module.parameters()} if self._depth > 0 else set()
             for name, param in named:
                 host = self.cpu_named_parameters.get(name)
                 if host is None:
                     logger.warning("Parameter %s not found in the offload state during detachment.", name)
                     continue
-                param.data = self._current_value(param, host, device)
+                param.data = real_copy(param.data, device) if id(param) in live else \
+                    self._current_value(param, host, device)
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
             self._offloaded = {}

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.messages import REBUILD_FAILED_NOTE
+
 __all__ = ["BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "parameter_names", "real_copy",
            "tensor_placeholder"]
 
@@ -118,7 +120,12 @@ def leave_mutation(state: BlockOffloadState) -> None:
     state.mutation_depth = depth  # type: ignore[attr-defined]
     if depth == 0:
         state.mutating = False  # type: ignore[attr-defined]
-        state.end_mutation()
+        try:
+            state.end_mutation()
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python 3.11 and newer
+                error.add_note(REBUILD_FAILED_NOTE)
+            raise
         # The rebuilt host copy may now hold adapter weights that peft added since enable, perhaps with a peft
         # imported only since: its merges must go through the block's scope from here on.
         from fastoffload_ext.integrations.peft import patch_peft

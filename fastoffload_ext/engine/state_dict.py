@@ -17,8 +17,14 @@ every submodule's hooks; and on a submodule of a block alone (``block.attn.state
 only the hooks of that submodule and below, so each submodule carries them too. Through the block, the
 submodules' hooks leave the work to the block's (one read of a compressed host copy, one rebuild).
 
+A parameter moved out of its block since enable (``model.extra = block.up``) is still offloaded, by object,
+until its block is next rebuilt (a ``mutate_params_scope()``, a load into the block), which leaves it an
+ordinary tensor on the device with its value. Until then its saved value is its host copy (the moved
+submodule keeps these hooks; a model-level hook covers a parameter rebound into any other module), and a
+load that names it rebuilds its block first.
+
 A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
-pre-hook on the model and on the block list (``LoadGuard``) refuses, before any module has loaded, a
+pre-hook on the model and on the block list (``ModelStateDictHooks``) refuses, before any module has loaded, a
 state dict that names a parameter of a block that would refuse it (disk tier, shared host copy).
 Otherwise the blocks before that one would already hold the new values when the error is raised.
 """
@@ -26,20 +32,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fastoffload_ext.engine.messages import COPY_ERROR, SHARED_LOAD_ERROR, STALE_SAVE_WARNING, warn_caller
+from fastoffload_ext.engine.messages import (COPY_ERROR, SHARED_LOAD_ERROR, STALE_SAVE_WARNING, UNPACKABLE_LOAD_ERROR,
+                                             warn_caller)
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadGuard", "StateDictHooks"]
+__all__ = ["ModelStateDictHooks", "StateDictHooks"]
 
 
 class StateDictHooks:
@@ -56,6 +64,9 @@ class StateDictHooks:
         self._saving_at: tuple[str, str] | None = None
         self._loading_at: tuple[str, str] | None = None
         self._saving_keeps_vars = False  # the state_dict() under way was asked for keep_vars
+        # Every block's hooks of the same offload, held weakly (set by ModelStateDictHooks.attach): a parameter
+        # moved from one block into another, or into a module outside the blocks, is found by its owner.
+        self._peers: list[weakref.ref[StateDictHooks]] = []
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
@@ -103,14 +114,88 @@ class StateDictHooks:
             self._saving_at = (prefix, within)
             self._saving_keeps_vars = keep_vars
 
+    def peers(self) -> list[StateDictHooks]:
+        """The hooks of every block of this offload, this block's first."""
+        found = [peer() for peer in self._peers]
+        return [self] + [peer for peer in found if peer is not None and peer is not self]
+
+    def _owners(self) -> dict[int, tuple[StateDictHooks, str]]:
+        """Each parameter object a block of this offload still offloads: (its block's hooks, its name there)."""
+        owners: dict[int, tuple[StateDictHooks, str]] = {}
+        for peer in self.peers():
+            for name, param in peer.state.offloaded_parameters().items():
+                owners.setdefault(id(param), (peer, name))
+        return owners
+
+    def fill_placeholders(self, state_dict: dict[str, Any], entries: list[tuple[str, nn.Parameter]]) -> None:
+        """For each (key, parameter) of ``entries`` whose saved value is the empty placeholder of a parameter that a
+        block of this offload still offloads, saves that block's host copy instead: a parameter moved out of its
+        block since enable (``model.extra = block.up``) is offloaded still, until that block's next rebuild.
+        The parameter's own block is found by object, whichever block or module it sits in now."""
+        pending = [(key, param) for key, param in entries
+                   if isinstance(state_dict.get(key), torch.Tensor) and state_dict[key].numel() == 0]
+        if not pending:
+            return
+        owners = self._owners()
+        host_values: dict[int, dict[str, torch.Tensor]] = {}
+        for key, param in pending:
+            owner = owners.get(id(param))
+            if owner is None:
+                continue
+            peer, name = owner
+            if id(peer) not in host_values:
+                host_values[id(peer)] = peer.state.cpu_named_parameters  # one decode of a compressed host copy
+            host = host_values[id(peer)].get(name)
+            if host is not None and host.numel() != 0:
+                entry = state_dict[key]
+                value = host.detach().clone()
+                state_dict[key] = value if value.dtype == entry.dtype else value.to(entry.dtype)
+
+    def _live(self) -> bool:
+        """Whether the block holds its values now (running, inside a scope, or kept materialized by a failed
+        rebuild): then every parameter it holds is its current value, whatever its shape."""
+        live = getattr(self.state, "is_live", None)
+        return bool(live()) if callable(live) else bool(getattr(self.state, "mutating", False))
+
+    def settle(self) -> None:
+        """Rebuilds the block, so that a parameter moved out of it since enable becomes an ordinary tensor."""
+        refused = self.state.mutation_refusal()
+        if refused is not None:
+            raise refused
+        with torch.no_grad():
+            enter_mutation(self.state)
+            leave_mutation(self.state)
+
+    def settle_foreign(self) -> None:
+        """Before this block is rebuilt: a parameter it holds that another block still offloads (moved here from
+        there since enable) becomes an ordinary tensor first. Taken as it is, its empty placeholder would be
+        packed as its value."""
+        block = self._block
+        if block is None or not self._peers:
+            return
+        own = {id(param) for param in self.state.offloaded_parameters().values()}
+        foreign = [param for param in block.parameters() if id(param) not in own]
+        if not foreign:
+            return
+        owners = self._owners()
+        settled: set[int] = set()
+        for param in foreign:
+            owner = owners.get(id(param))
+            if owner is not None and owner[0] is not self and id(owner[0]) not in settled:
+                settled.add(id(owner[0]))
+                owner[0].settle()
+
     def _real_values(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         within = self._within(module)
-        if within is None or self._saving_at != (prefix, within):
-            return  # not in the block any more, or reached by a call on a module above it, whose hook fills in
+        if within is None:
+            # A submodule moved out of the block: its own parameters (each submodule of it has these hooks too).
+            self.fill_placeholders(state_dict, [(prefix + name, param) for name, param in module._parameters.items()
+                                                if param is not None])
+            return
+        if self._saving_at != (prefix, within):
+            return  # reached by a call on a module above it, whose hook fills in
         self._saving_at = None
         host_values = self.state.cpu_named_parameters
-        if not host_values:
-            return
         # Each host copy goes to every name its parameter object has in the block now: a parameter tied inside
         # the block (``b.weight = a.weight``) is offloaded under its first name but saved under every one, and a
         # submodule wrapped since enable (a LoRA layer around a Linear) renamed it. One the caller replaced has
@@ -118,6 +203,7 @@ class StateDictHooks:
         names_now = parameter_names(self._block)
         objects = self.state.offloaded_parameters()
         running = not getattr(self.state, "mutating", False)
+        live = self._live()
         checked = False
         for name, host in host_values.items():
             value = None
@@ -129,7 +215,7 @@ class StateDictHooks:
                 entry = state_dict.get(key)
                 if entry is None:
                     continue  # not saved
-                if tuple(entry.shape) == tuple(host.shape):
+                if live or tuple(entry.shape) == tuple(host.shape):
                     # A live value. Inside mutate_params_scope it is the parameter's own tensor, saved as a resident
                     # model saves it. In a running block (a state_dict() from a hook inside the forward) it is a
                     # view of a device slot that the next block's copy overwrites: saved as a copy.
@@ -146,6 +232,17 @@ class StateDictHooks:
                     value = host.detach().clone()
                     value = value if value.dtype == entry.dtype else value.to(entry.dtype)
                 state_dict[key] = value
+        # A parameter moved into this block from another one, still offloaded there.
+        self.fill_placeholders(state_dict, [(prefix + alias[len(within):], param) for alias, param in
+                                            self._block.named_parameters(remove_duplicate=False) if alias.startswith(within)])
+
+    def moved_out(self) -> list[nn.Parameter]:
+        """The parameters this block offloaded that it no longer holds: moved elsewhere since enable, or replaced."""
+        objects = self.state.offloaded_parameters()
+        if self._block is None or not objects:
+            return []
+        held = {id(param) for param in self._block.parameters()}
+        return [param for param in objects.values() if id(param) not in held]
 
     def refusal(self) -> Exception | None:
         """The error a load into this block raises before it changes anything (None: it loads)."""
@@ -158,6 +255,14 @@ class StateDictHooks:
             # An edit, cast or rebind made while the block was offloaded, which the load's materialize refuses.
             binding = getattr(self.state, "binding_refusal", None)
             refused = binding() if callable(binding) else None
+        if refused is None and self._block is not None:
+            # A parameter the load's closing rebuild could not pack (added by a scope whose rebuild failed): refused
+            # now, or the load would stop at this block's end with the modules after it not loaded.
+            for name, param in self._block.named_parameters():
+                if param.is_meta or param.layout != torch.strided:
+                    index = getattr(self.state, "handle", None)
+                    what = "is on the meta device" if param.is_meta else f"has layout {param.layout}"
+                    return OffloadStateError(UNPACKABLE_LOAD_ERROR.format(index=index, name=name, what=what))
         return refused
 
     def finish_interrupted_load(self) -> None:
@@ -174,14 +279,22 @@ class StateDictHooks:
 
     def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         within = self._within(module)
-        if within is None or (self._loading and self._reached(self._loading_at, prefix, within)):
-            return  # not in the block any more, or a submodule the load under way has made real already
+        if within is None:
+            # A submodule moved out of the block: a load that names one of its parameters this block still offloads
+            # rebuilds the block first, which leaves that parameter an ordinary tensor for the load to fill.
+            moved = {id(param) for param in self.moved_out()}
+            if any(id(param) in moved and prefix + name in state_dict for name, param in module._parameters.items()):
+                self.settle()
+            return
+        if self._loading and self._reached(self._loading_at, prefix, within):
+            return  # a submodule the load under way has made real already
         self.finish_interrupted_load()
         if not any(key.startswith(prefix) for key in state_dict):
             return  # nothing for this block (a partial load): its host copy stays as it is
         refused = self.refusal()
         if refused is not None:
             raise refused
+        self.settle_foreign()
         enter_mutation(self.state)  # inside mutate_params_scope() the load goes into the scope's live values
         self._loading = True
         self._loading_at = (prefix, within)
@@ -195,16 +308,22 @@ class StateDictHooks:
             leave_mutation(self.state)
 
 
-class LoadGuard:
-    """The load_state_dict pre-hook of the model and of every module between it and its offloaded blocks
-    (the block list): refuses a load that one of those blocks would refuse, before any module has
-    loaded anything, whichever of them the load is called on."""
+class ModelStateDictHooks:
+    """The state-dict hooks of the model and of every module between it and its offloaded blocks (the block
+    list), whichever of them the call is made on:
+
+    - before a load, a refusal of what one of the blocks would refuse, before any module has loaded anything;
+      and a parameter moved out of its block since enable, which the state dict names, becomes an ordinary
+      tensor first (its block is rebuilt without it), so the load reaches it wherever it now sits;
+    - after a ``state_dict()`` of the model, the host copy for a parameter moved out of its block into a module
+      that no block's hooks reach (``model.head.weight = block.up.weight``).
+    """
 
     def __init__(self, blocks: list[tuple[str, StateDictHooks]]) -> None:
         self.blocks = blocks  # (the block's name in the model, with a trailing dot; its hooks)
         self._handles: list[RemovableHandle] = []
 
-    def attach(self, model: nn.Module) -> LoadGuard:
+    def attach(self, model: nn.Module) -> ModelStateDictHooks:
         modules = dict(model.named_modules())
         below: dict[str, list[tuple[str, StateDictHooks]]] = {}
         for name, hooks in self.blocks:
@@ -212,10 +331,25 @@ class LoadGuard:
             for depth in range(len(parts)):  # every module above the block: the model, the block list
                 above = ".".join(parts[:depth])
                 below.setdefault(above, []).append((".".join(parts[depth:]) + ".", hooks))
-        for above, blocks in below.items():
-            if above in modules:
-                check = functools.partial(LoadGuard._check, blocks)
-                self._handles.append(modules[above].register_load_state_dict_pre_hook(check))
+        every = [hooks for _, hooks in self.blocks]
+        for hooks in every:
+            hooks._peers = [weakref.ref(peer) for peer in every]
+        if not every:
+            return self
+        # On the model and on every module outside the blocks, whichever of them the call is made on: a parameter
+        # moved into one of them is saved from its host copy, and settled before a load that names it. The blocks'
+        # hooks are held weakly: a module outside the blocks may be held by a state (a checkpoint's reader).
+        first = weakref.ref(every[0])
+        inside = {id(sub) for hooks in every if hooks._block is not None for sub in hooks._block.modules()}
+        for name, module in model.named_modules():
+            if id(module) in inside:
+                continue
+            # The model and the modules above the blocks look through their whole subtree (a module added since
+            # enable has no hooks of its own); the others at their own parameters.
+            check = functools.partial(ModelStateDictHooks._check, below.get(name, []), first, name in below)
+            self._handles.append(module.register_load_state_dict_pre_hook(check))
+            moved = functools.partial(ModelStateDictHooks._moved, first, name == "")
+            self._handles.append(module.register_state_dict_post_hook(moved))
         return self
 
     def detach(self) -> None:
@@ -224,9 +358,26 @@ class LoadGuard:
         self._handles = []
 
     @staticmethod
-    def _check(blocks: list[tuple[str, StateDictHooks]], module: nn.Module, state_dict: dict[str, Any], prefix: str,
-               *args: Any) -> None:
+    def _check(blocks: list[tuple[str, StateDictHooks]], first: weakref.ref[StateDictHooks], recurse: bool,
+               module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         for name, hooks in blocks:
             refused = hooks.refusal()
             if refused is not None and any(key.startswith(prefix + name) for key in state_dict):
                 raise refused
+        named = module.named_parameters(remove_duplicate=False) if recurse else module._parameters.items()
+        # Only an empty tensor can be a placeholder: a module without one is done at once.
+        empty = {id(param) for key, param in named
+                 if param is not None and param.numel() == 0 and prefix + key in state_dict}
+        owner = first() if empty else None
+        for hooks in owner.peers() if owner is not None else ():
+            if any(id(param) in empty for param in hooks.moved_out()):
+                hooks.settle()  # the rebuild leaves the moved parameters as ordinary tensors
+
+    @staticmethod
+    def _moved(first: weakref.ref[StateDictHooks], recurse: bool, module: nn.Module, state_dict: dict[str, Any],
+               prefix: str, local_metadata: Any) -> None:
+        hooks = first()
+        if hooks is None:
+            return
+        named = module.named_parameters(remove_duplicate=False) if recurse else module._parameters.items()
+        hooks.fill_placeholders(state_dict, [(prefix + key, param) for key, param in named if param is not None])

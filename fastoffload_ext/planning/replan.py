@@ -93,7 +93,7 @@ def _check_current(group: Any) -> None:
 
     if get_offload_group(group.model_ref) is not group:
         raise OffloadStateError(STALE_GROUP_ERROR)
-    for _, hooks in group.load_guard.blocks if group.load_guard is not None else ():
+    for _, hooks in group.model_hooks.blocks if group.model_hooks is not None else ():
         hooks.finish_interrupted_load()  # a load that raised part-way is no scope
     inside = {id(state.module_ref) for state in group.states if getattr(state, "mutating", False)}
     mutating = [index for index, block in enumerate(group.blocks) if id(block) in inside]

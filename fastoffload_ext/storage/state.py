@@ -103,7 +103,7 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
             raise
 
     def load_refusal(self) -> OffloadStateError | None:
-        """What a load_state_dict into this block raises before anything changes (state_dict.LoadGuard)."""
+        """What a load_state_dict into this block raises before anything changes (state_dict.ModelStateDictHooks)."""
         return OffloadStateError(DISK_LOAD_ERROR) if self.block.on_disk else None
 
     def mutation_refusal(self) -> Exception | None:
