@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -21,29 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import models  # noqa: E402  (the repository's benchmark package, by path)
-
-BLOCK_BYTES = 86 * 2**20  # one Wan-1.3B block in bf16
-
-
-def _forward(model: torch.nn.Module, inputs: dict, copies: int, side: torch.cuda.Stream, src: torch.Tensor,
-             dst: list[torch.Tensor]) -> tuple[float, float]:
-    """(device ms, host ms) of one forward, with ``copies`` block-sized copies queued on ``side`` first."""
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        for i in range(copies):
-            dst[i % len(dst)].copy_(src, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    began = time.perf_counter()
-    start.record()
-    with torch.no_grad():
-        model(**inputs, return_dict=False)
-    end.record()
-    host_ms = (time.perf_counter() - began) * 1e3
-    end.synchronize()
-    device_ms = start.elapsed_time(end)
-    torch.cuda.synchronize()  # the copies left over finish outside the timed window
-    return device_ms, host_ms
+from benchmarks import models
+from benchmarks.copy_load import CHUNK_BYTES, CopyLoad
 
 
 def main() -> int:
@@ -58,26 +36,25 @@ def main() -> int:
     device = torch.device("cuda")
     spec = models.MODELS[args.model]
     model = models.build_master(spec, types.SimpleNamespace(cuda=True, device=device, quick=True))
-    src = torch.empty(BLOCK_BYTES, dtype=torch.uint8).pin_memory()
-    dst = [torch.empty(BLOCK_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
-    side = torch.cuda.Stream()
+    load = CopyLoad(device)
     for tokens in (int(t) for t in args.tokens.split(",")):
         inputs = spec.inputs(spec.config, tokens, device)
+
+        def forward(inputs: dict = inputs) -> None:
+            with torch.inference_mode():
+                model(**inputs, return_dict=False)
         for _ in range(3):
-            _forward(model, inputs, 0, side, src, dst)
-        alone_ms = _forward(model, inputs, 0, side, src, dst)[0]
-        copies = int(alone_ms * 1e-3 * 60e9 / BLOCK_BYTES) + 8  # more than the forward lasts at the PCIe peak
+            load.time(forward, 0)
+        copies = load.copies_for(load.time(forward, 0)[0])
         alone, streaming, ratios = [], [], []
         for r in range(args.rounds):
-            got = {}
-            for n in ((0, copies) if r % 2 == 0 else (copies, 0)):
-                got[n] = _forward(model, inputs, n, side, src, dst)
+            got = {n: load.time(forward, n) for n in ((0, copies) if r % 2 == 0 else (copies, 0))}
             alone.append(got[0])
             streaming.append(got[copies])
             ratios.append(got[copies][0] / got[0][0])
         deciles = statistics.quantiles(ratios, n=10)
         print(f"{args.model} {tokens} tokens, resident: alone {statistics.median(a[0] for a in alone):.2f} ms "
-              f"(host {statistics.median(a[1] for a in alone):.2f} ms); with {copies} x {BLOCK_BYTES >> 20} MiB H2D "
+              f"(host {statistics.median(a[1] for a in alone):.2f} ms); with {copies} x {CHUNK_BYTES >> 20} MiB H2D "
               f"copies streaming {statistics.median(b[0] for b in streaming):.2f} ms "
               f"(host {statistics.median(b[1] for b in streaming):.2f} ms); ratio {statistics.median(ratios):.3f} "
               f"[p10 {deciles[0]:.3f}, p90 {deciles[-1]:.3f}], {args.rounds} interleaved rounds")

@@ -134,6 +134,42 @@ def test_a_peer_within_the_rounds_noise_is_tied_and_one_faster_in_every_round_is
         "slower", "tied", "faster", "faster"]
 
 
+
+def test_ext_rows_are_set_against_the_resident_model_with_copies_streaming_too(tmp_path: Path) -> None:
+    ctx, run = _host_run(tmp_path, models.MODELS["wan-1.3b"])
+    try:
+        result = models._first_session(ctx, run)
+    finally:
+        ctx.close()
+    label = next(iter(run.inputs))
+    # What the copy interference would read on a GPU: the resident forward 1.25x slower in every round.
+    result.rounds[f"{models.LOADED}|{label}"] = [1.25 * ms for ms in result.rounds[f"resident|{label}"]]
+    rows = models._own_rows(ctx, run, result, peak_gbps=1e6)  # a fast link: the resident model sets the floor
+    by_backend = {labels["backend"]: values for labels, values, _, _ in rows if labels["tokens"].startswith(
+        str(run.token_counts[label]))}
+    assert list(by_backend)[:3] == ["resident", "resident, copies streaming", "floor"]
+    assert by_backend["resident, copies streaming"]["x_resident"] == pytest.approx(1.25)
+    ext = by_backend["ext"]
+    assert ext["x_loaded_floor"] == pytest.approx(ext["x_floor"] / 1.25, rel=1e-6)
+    line = models.summarize([{"model": "wan-1.3b", "tokens": "1560", "backend": "ext", **ext}])[0]
+    assert f"{ext['x_loaded_floor']:.3f}x the floor with copies streaming" in line
+
+
+@pytest.mark.cuda
+def test_the_copy_load_outlasts_the_forward_it_is_timed_with() -> None:
+    from benchmarks.copy_load import CHUNK_BYTES, CopyLoad
+    load = CopyLoad(torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+
+    def forward() -> None:
+        for _ in range(20):
+            x @ x
+    alone_ms = load.time(forward, 0)[0]
+    copies = load.copies_for(alone_ms)
+    assert copies * CHUNK_BYTES / 55e9 * 1e3 > alone_ms  # more bytes than the peak moves in that time
+    times = load.timer(forward, 3)()
+    assert len(times) == 3 and all(ms > 0 for ms in times)
+
 def test_summary_flags_a_row_that_is_not_bit_equal_and_holds_the_host_bound_rows_to_their_target() -> None:
     rows = [{"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
              "range": "[1.06, 1.10]", "bit_equal": False},

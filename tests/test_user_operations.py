@@ -300,13 +300,13 @@ def test_a_failed_rebuild_keeps_the_block_materialized_until_a_scope_ends_cleanl
     place_outside_blocks(model, device)
     fo.enable_layerwise_offload(model, device=device, backend=backend)
     bad = torch.eye(3).to_sparse() if kind == "sparse" else torch.empty(3, device="meta")
-    with pytest.raises((RuntimeError, fo.OffloadStateError), match="sparse|Sparse|meta device") as raised:
-        with offload_hook(model.blocks[1]).mutate_params_scope():
-            for m in (model, reference):
-                with torch.no_grad():
-                    m.blocks[1].up.weight.mul_(2)
-                m.blocks[1].scale.data = torch.arange(6, dtype=torch.float64, device=device)  # new shape and dtype
-                m.blocks[1].register_parameter("bad", torch.nn.Parameter(bad, requires_grad=False))
+    with pytest.raises((RuntimeError, fo.OffloadStateError), match="sparse|Sparse|meta device") as raised, \
+            offload_hook(model.blocks[1]).mutate_params_scope():
+        for m in (model, reference):
+            with torch.no_grad():
+                m.blocks[1].up.weight.mul_(2)
+            m.blocks[1].scale.data = torch.arange(6, dtype=torch.float64, device=device)  # new shape and dtype
+            m.blocks[1].register_parameter("bad", torch.nn.Parameter(bad, requires_grad=False))
     if sys.version_info >= (3, 11):
         assert any("open and close mutate_params_scope() on the block again" in n for n in raised.value.__notes__)
     # The block holds the scope's values, whatever their shape or dtype: the forward, state_dict() and a disable

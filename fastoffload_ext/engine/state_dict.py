@@ -39,8 +39,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fastoffload_ext.engine.messages import (COPY_ERROR, SHARED_LOAD_ERROR, STALE_SAVE_WARNING, UNPACKABLE_LOAD_ERROR,
-                                             warn_caller)
+from fastoffload_ext.engine.messages import (
+    COPY_ERROR,
+    SHARED_LOAD_ERROR,
+    STALE_SAVE_WARNING,
+    UNPACKABLE_LOAD_ERROR,
+    warn_caller,
+)
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
@@ -324,7 +329,6 @@ class ModelStateDictHooks:
         self._handles: list[RemovableHandle] = []
 
     def attach(self, model: nn.Module) -> ModelStateDictHooks:
-        modules = dict(model.named_modules())
         below: dict[str, list[tuple[str, StateDictHooks]]] = {}
         for name, hooks in self.blocks:
             parts = name.rstrip(".").split(".")
