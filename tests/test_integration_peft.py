@@ -244,7 +244,29 @@ REFUSED_ADDS: dict[str, Callable[[nn.Module], Any]] = {
                                                adapter_name="b"),
     "hotswap": lambda m: m.load_lora_adapter({f"transformer.{k}": v for k, v in get_peft_model_state_dict(
         m, adapter_name="a").items()}, adapter_name="a", prefix="transformer", hotswap=True),
+    # The adapter's weights made on the meta device inside the blocks, and padded for a compiled hotswap.
+    "low_cpu_mem_usage": lambda m: m.load_lora_adapter(_saved(m), adapter_name="c", prefix="transformer",
+                                                       low_cpu_mem_usage=True),
+    "enable_lora_hotswap": lambda m: (m.enable_lora_hotswap(target_rank=8, check_compiled="ignore"),
+                                      m.load_lora_adapter(_saved(m), adapter_name="c", prefix="transformer")),
+    # peft's own entry points: its injection (get_peft_model, inject_adapter_in_model) and its hotswap functions.
+    "peft PiSSA": lambda m: _inject(m, LoraConfig(r=4, target_modules=["to_q"], init_lora_weights="pissa")),
+    "peft DoRA": lambda m: _inject(m, LoraConfig(r=4, target_modules=["to_q"], use_dora=True)),
+    "peft hotswap": lambda m: __import__("peft.utils.hotswap", fromlist=["x"]).hotswap_adapter_from_state_dict(
+        m, get_peft_model_state_dict(m, adapter_name="a"), adapter_name="a",
+        config=LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS)),
 }
+
+
+def _saved(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter "a" of ``model`` as a diffusers LoRA state dict."""
+    return {f"transformer.{k}": v.clone() for k, v in get_peft_model_state_dict(model, adapter_name="a").items()}
+
+
+def _inject(model: nn.Module, config: LoraConfig) -> None:
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, model, adapter_name="b")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -259,6 +281,28 @@ def test_an_adapter_that_reads_offloaded_base_weights_is_refused_before_anything
     assert [m for m in model.modules() if isinstance(m, BaseTunerLayer)] == layers
     assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
     disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_combining_adapters_by_weight_is_refused_before_anything_changes(backend: str) -> None:
+    from peft import get_peft_model
+
+    def config() -> LoraConfig:
+        return LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
+
+    torch.manual_seed(1)
+    reference = get_peft_model(_transformer("cpu"), config())
+    torch.manual_seed(1)
+    base = _transformer("cpu")
+    enable_layerwise_offload(base, device="cpu", backend=backend)
+    model = get_peft_model(base, config())
+    with pytest.raises(OffloadStateError, match=r"add_weighted_adapter\(\) on the layerwise-offloaded "
+                                                r"WanTransformer3DModel would combine adapters"):
+        model.add_weighted_adapter(["default"], [1.0], "combined", combination_type="linear")
+    assert list(model.peft_config) == ["default"]
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    disable_layerwise_offload(base)
     assert params_equal(model, reference)
 
 

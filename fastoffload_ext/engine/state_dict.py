@@ -266,6 +266,7 @@ class StateDictHooks:
             for name, param in self._block.named_parameters():
                 if param.is_meta or param.layout != torch.strided:
                     index = getattr(self.state, "handle", None)
+                    index = getattr(self.state, "block_index", "?") if index is None else index
                     what = "is on the meta device" if param.is_meta else f"has layout {param.layout}"
                     return OffloadStateError(UNPACKABLE_LOAD_ERROR.format(index=index, name=name, what=what))
         return refused

@@ -18,7 +18,14 @@ class:
   and rebuilt once, however many layers it holds.
 - ``add_adapter()`` and ``load_lora_adapter()`` refuse what would read or copy the offloaded base weights
   (DoRA, initializations computed from the base weight such as PiSSA or OLoRA, ``modules_to_save``
-  inside the block list, a hotswap into offloaded adapter weights) before anything changes.
+  inside the block list, a hotswap into offloaded adapter weights, adapter weights made on the meta
+  device) before anything changes.
+
+peft's own entry points get the same refusals, on its classes and functions (``patch_peft()``): the
+injection behind ``get_peft_model``, ``inject_adapter_in_model`` and ``PeftModel.add_adapter`` checks
+the adapter's configuration as ``add_adapter()`` does; ``add_weighted_adapter()`` (which reads the
+adapters' weights) and the hotswap functions (``prepare_model_for_compiled_hotswap``,
+``hotswap_adapter_from_state_dict``, which rebuild or swap them in place) refuse on an offloaded model.
 
 The results are bit for bit the resident model's. A block whose host copy cannot be rebuilt (shared
 between ranks, read from disk, edited while offloaded) refuses a merge before any layer changes. The
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import sys
 import threading
 import weakref
@@ -48,6 +56,8 @@ __all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft"]
 _LAYER_METHODS = ("merge", "unmerge")
 _MERGING_METHODS = ("fuse_lora", "unfuse_lora")
 _ADDING_METHODS = ("add_adapter", "load_lora_adapter")
+_COMBINING_METHODS = ("add_weighted_adapter",)  # on peft's tuner classes
+_HOTSWAP_FUNCTIONS = ("prepare_model_for_compiled_hotswap", "hotswap_adapter_from_state_dict")  # peft.utils.hotswap
 _PATCHED = "_fastoffload_patched"  # on a function this module put on a class
 _SAFE_INITS = (True, False, "gaussian")  # LoRA initializations that never read the base weight
 _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every model guard_adapters saw
@@ -75,8 +85,8 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def patch_peft() -> None:
-    """Wraps ``merge``/``unmerge`` of every peft layer class defined so far (each once); a no-op until peft is
-    imported."""
+    """Wraps ``merge``/``unmerge`` of every peft layer class defined so far, the injection and weighted
+    combination of every tuner class, and peft's hotswap functions (each once); a no-op until peft is imported."""
     base = _peft_base_layer()
     if base is None:
         return
@@ -85,6 +95,21 @@ def patch_peft() -> None:
             function = cls.__dict__.get(method)
             if callable(function) and not getattr(function, _PATCHED, False):
                 setattr(cls, method, _in_block_scope(function))
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
+    wrappers = {"inject_adapter": _injecting, **dict.fromkeys(_COMBINING_METHODS, _combining)}
+    for cls in _subclasses(tuner) if tuner is not None else ():
+        for method, wrap in wrappers.items():
+            function = cls.__dict__.get(method)
+            if callable(function) and not getattr(function, _PATCHED, False):
+                setattr(cls, method, wrap(function))
+    try:  # imported here so that a later ``from peft.utils.hotswap import ...`` gets the wrapped functions
+        hotswap = importlib.import_module("peft.utils.hotswap")
+    except ImportError:
+        return
+    for name in _HOTSWAP_FUNCTIONS:
+        function = getattr(hotswap, name, None)
+        if callable(function) and not getattr(function, _PATCHED, False):
+            setattr(hotswap, name, _hotswapping(function))
 
 
 def _holds_placeholder(layer: nn.Module) -> bool:
@@ -213,22 +238,32 @@ def _in_lists(model: nn.Module, group: LayerwiseOffloadGroup, targets: Any) -> s
     return None
 
 
+def _config_refusal(model: nn.Module, group: LayerwiseOffloadGroup, config: Any) -> str | None:
+    """Why adding an adapter of ``config`` would read or copy offloaded base weights (None: it does not)."""
+    if getattr(config, "use_dora", False):
+        return "add a DoRA adapter (use_dora=True), whose magnitude is computed from the base weights"
+    init = getattr(config, "init_lora_weights", True)
+    if init not in _SAFE_INITS:
+        return f"initialize the adapter from the base weights (init_lora_weights={init!r})"
+    saved = _in_lists(model, group, getattr(config, "modules_to_save", None))
+    if saved is not None:
+        return f"copy the offloaded module {saved} (modules_to_save)"
+    return None
+
+
 def _adding_refusal(model: nn.Module, group: LayerwiseOffloadGroup, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> str | None:
     """Why ``method`` would read or copy offloaded base weights (None: it does not)."""
     if method == "add_adapter":
-        config = args[0] if args else kwargs.get("adapter_config")
-        if getattr(config, "use_dora", False):
-            return "add a DoRA adapter (use_dora=True), whose magnitude is computed from the base weights"
-        init = getattr(config, "init_lora_weights", True)
-        if init not in _SAFE_INITS:
-            return f"initialize the adapter from the base weights (init_lora_weights={init!r})"
-        saved = _in_lists(model, group, getattr(config, "modules_to_save", None))
-        if saved is not None:
-            return f"copy the offloaded module {saved} (modules_to_save)"
-        return None
+        return _config_refusal(model, group, args[0] if args else kwargs.get("adapter_config"))
     if kwargs.get("hotswap"):
         return "swap new values into the adapter's weights in place (hotswap=True); load it under a new adapter_name"
+    if getattr(model, "_prepare_lora_hotswap_kwargs", None) is not None:
+        return ("rebuild the adapter's weights padded for a compiled hotswap (enable_lora_hotswap()); enable the "
+                "hotswap before enable_layerwise_offload")
+    if kwargs.get("low_cpu_mem_usage"):
+        return ("create the adapter's weights on the meta device inside the offloaded blocks (low_cpu_mem_usage=True); "
+                "load it with low_cpu_mem_usage=False")
     weights = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
     if isinstance(weights, dict) and any("lora_magnitude_vector" in key for key in weights):
         return "load a DoRA adapter, whose magnitude is computed from the base weights"
@@ -249,6 +284,72 @@ def _adding(function: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if group is not None:
                 patch_peft()  # the call may have imported peft's layer classes
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _offloaded_in(model: Any) -> tuple[nn.Module, LayerwiseOffloadGroup] | None:
+    """The offloaded model that ``model`` is or holds (a PeftModel around it), with its group; None: none."""
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        group = get_offload_group(module)
+        if group is not None:
+            return module, group
+    return None
+
+
+def _injecting(function: Callable[..., Any]) -> Callable[..., Any]:
+    """peft's ``inject_adapter`` (behind ``get_peft_model``, ``inject_adapter_in_model``, ``PeftModel.add_adapter``):
+    the adapter's configuration is checked as diffusers' ``add_adapter()`` is, before any layer is replaced."""
+    @functools.wraps(function)
+    def call(tuner: Any, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        found = _offloaded_in(model)
+        if found is not None:
+            config = getattr(tuner, "peft_config", {}).get(adapter_name)
+            why = _config_refusal(found[0], found[1], config)
+            if why is not None:
+                # The tuner entered the configuration before injecting (into the model's own dict, on a diffusers
+                # model): it goes again, as peft's add_adapter() drops it after a failed injection.
+                getattr(tuner, "peft_config", {}).pop(adapter_name, None)
+                raise OffloadStateError(ADD_REFUSED.format(
+                    what=f"peft's {type(tuner).__name__}.inject_adapter() (get_peft_model, inject_adapter_in_model, "
+                         "add_adapter)", model=type(found[0]).__name__, why=why))
+        try:
+            return function(tuner, model, adapter_name, *args, **kwargs)
+        finally:
+            if found is not None:
+                patch_peft()  # the injection may have imported more of peft's layer classes
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _combining(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``add_weighted_adapter()`` reads every combined adapter's weights: refused on an offloaded model."""
+    @functools.wraps(function)
+    def call(tuner: Any, *args: Any, **kwargs: Any) -> Any:
+        found = _offloaded_in(getattr(tuner, "model", None))
+        if found is not None:
+            raise OffloadStateError(ADD_REFUSED.format(
+                what=f"peft's {type(tuner).__name__}.{function.__name__}()", model=type(found[0]).__name__,
+                why="combine adapters from their weights, which the offloaded blocks hold as placeholders"))
+        return function(tuner, *args, **kwargs)
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _hotswapping(function: Callable[..., Any]) -> Callable[..., Any]:
+    """peft's hotswap functions rebuild or overwrite an adapter's weights in place: refused on an offloaded model."""
+    @functools.wraps(function)
+    def call(model: Any, *args: Any, **kwargs: Any) -> Any:
+        found = _offloaded_in(model)
+        if found is not None:
+            raise OffloadStateError(ADD_REFUSED.format(
+                what=f"peft's {function.__name__}()", model=type(found[0]).__name__,
+                why="rebuild or overwrite the adapter's weights in place, which the offloaded blocks hold as "
+                    "placeholders; load the new weights under a new adapter name"))
+        return function(model, *args, **kwargs)
 
     setattr(call, _PATCHED, True)
     return call
