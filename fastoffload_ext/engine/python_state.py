@@ -128,10 +128,13 @@ class LayerwiseOffloadState(SeedEntryPoints):
         held = {id(param) for param in module.parameters()}
         return [(name, param) for name, param in own.items() if id(param) in held]
 
-    def _checked_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Every parameter object this state offloads, held by the block or moved out of it since (an edit to a moved
-        one is refused and warned about as for one in the block, as on the compiled core)."""
-        return list(self._offloaded.items()) if self._offloaded else list(self.module_ref.named_parameters())
+    def _every_offloaded(self, module: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter object this state offloads, by its name then, held by the block or moved out of it since
+        (an edit to a moved one is refused and warned about as for one in the block, as on the compiled core); a
+        state built by hand without on_init: the parameters of ``module`` (default: the block)."""
+        if self._offloaded:
+            return list(self._offloaded.items())
+        return list((self.module_ref if module is None else module).named_parameters())
 
     def is_live(self) -> bool:
         """Whether the parameters the block holds have its current values now: running, inside
@@ -143,7 +146,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         without on_init: the module's parameters)."""
         if self._detached or self.module_ref is None:
             return {}
-        return dict(self._offloaded) if self._offloaded else dict(self.module_ref.named_parameters())
+        return dict(self._every_offloaded())
 
     def _where(self) -> str:
         return str(self.block_index) if self.block_index is not None else type(self.module_ref).__name__
@@ -185,7 +188,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             if self._detached:
                 raise OffloadStateError(DETACHED_ERROR.format(index=self._where()))
             named = self._own_parameters()
-            self._check_bindings(self._checked_parameters())
+            self._check_bindings(self._every_offloaded())
         except BaseException:
             # Refused before anything was bound: a release would bind placeholders over the caller's values.
             self.gate.end(id(self))
@@ -300,7 +303,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         if self._depth > 0 or self._detached or self.module_ref is None or getattr(self, "mutating", False):
             return None
         try:
-            self._check_bindings(self._checked_parameters())
+            self._check_bindings(self._every_offloaded())
         except OffloadStateError as error:
             return error
         return None
@@ -315,7 +318,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         (``template``: LOST_EDIT_WARNING, or STALE_SAVE_WARNING for a state_dict())."""
         if self._depth > 0 or self._detached or self.module_ref is None:
             return None  # a loaded block holds its current values, which restore keeps
-        for name, param in self._checked_parameters():
+        for name, param in self._every_offloaded():
             host = self.cpu_named_parameters.get(name)
             if host is None or tuple(param.shape) == tuple(host.shape):
                 continue  # a full value given by the caller: restore keeps it
@@ -331,7 +334,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             # Every object offloaded gets its value back, wherever it is now: moved out of the block
             # (``model.extra = block.up``) it is still the caller's parameter. One the caller replaced is
             # referenced by nothing, and restoring it costs a copy.
-            named = list(self._offloaded.items()) if self._offloaded else list(module.named_parameters())
+            named = self._every_offloaded(module)
             # A live block's parameters hold its current values, whatever their shape or dtype (a scope whose
             # rebuild failed may have changed either); one moved out of it holds its placeholder still.
             live = {id(param) for param in module.parameters()} if self._depth > 0 else set()

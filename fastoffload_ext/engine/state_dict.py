@@ -20,8 +20,8 @@ submodules' hooks leave the work to the block's (one read of a compressed host c
 A parameter moved out of its block since enable (``model.extra = block.up``) is still offloaded, by object,
 until its block is next rebuilt (a ``mutate_params_scope()``, a load into the block), which leaves it an
 ordinary tensor on the device with its value. Until then its saved value is its host copy (the moved
-submodule keeps these hooks; a model-level hook covers a parameter rebound into any other module), and a
-load that names it rebuilds its block first.
+submodule keeps these hooks; ``ModelStateDictHooks`` on the model and on every module outside the blocks
+cover a parameter rebound into any other module), and a load that names it rebuilds its block first.
 
 A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
 pre-hook on the model and on the block list (``ModelStateDictHooks``) refuses, before any module has loaded, a
@@ -315,14 +315,15 @@ class StateDictHooks:
 
 
 class ModelStateDictHooks:
-    """The state-dict hooks of the model and of every module between it and its offloaded blocks (the block
-    list), whichever of them the call is made on:
+    """The state-dict hooks of the model and of every module outside its offloaded blocks, whichever of them the
+    call is made on:
 
-    - before a load, a refusal of what one of the blocks would refuse, before any module has loaded anything;
-      and a parameter moved out of its block since enable, which the state dict names, becomes an ordinary
-      tensor first (its block is rebuilt without it), so the load reaches it wherever it now sits;
-    - after a ``state_dict()`` of the model, the host copy for a parameter moved out of its block into a module
-      that no block's hooks reach (``model.head.weight = block.up.weight``).
+    - before a load, on the model and the modules above the blocks (the block list), a refusal of what one of the
+      blocks would refuse, before any module has loaded anything; and on each of them, a parameter moved out of its
+      block since enable, which the state dict names, becomes an ordinary tensor first (its block is rebuilt
+      without it), so the load reaches it wherever it now sits;
+    - after a ``state_dict()``, the host copy for a parameter moved out of its block into a module that no block's
+      hooks reach (``model.proj_out.weight = block.o.weight``).
     """
 
     def __init__(self, blocks: list[tuple[str, StateDictHooks]]) -> None:
