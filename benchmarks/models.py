@@ -70,6 +70,11 @@ wan-1.3b). ``W1``..``W4`` (``STACK_MODELS``) put the forward section's synthetic
 same sessions, so that the installed peers run on them too (the forward section measures FastVideo's
 algorithm, diffusers and accelerate there); they run only when named. Without a GPU the same models
 run at tiny configs on the host (device="cpu"), resident and ext only.
+
+CUDA graphs (on a GPU): the first session also times the resident model and ext with default settings each
+captured whole in a CUDA graph and replayed (``benchmarks/graph_rows.py``): ``resident, CUDA graph``, its
+``floor, CUDA graph`` and ``ext, CUDA graph``, which shows what ext reaches where an eager forward is bound by the
+host. Its ``pass`` uses the same targets, against the graph's floor.
 """
 from __future__ import annotations
 
@@ -85,7 +90,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import model_rows, peer_diff
+from benchmarks import graph_rows, model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.copy_load import CopyLoad
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
@@ -409,6 +414,8 @@ class ModelRun:
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
     first: Interleaved | None = None  # the first session: resident, the ext configurations, the block clocks
     copy_load: CopyLoad | None = None  # the copies streaming beside the resident model in the first session
+    graphs: graph_rows.GraphRows | None = None  # the CUDA-graph configurations of the first session (freed after it)
+    graph_error: Exception | None = None  # why they could not be built
     source: dict[str, torch.Tensor] | None = None  # the host copy every peer's model is bound to
     source_print: list[float] = field(default_factory=list)
     # Torch's numerics switches when the references were computed; every peer runs under them too.
@@ -455,7 +462,25 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
     for ext_config in run.configs:
         _enable_config(ctx, run, ext_config, enable)
     log.mark(f"{spec.name}: ext and resident checked")
+    if ctx.cuda:
+        _build_graphs(ctx, run, enable)
     return run
+
+
+def _build_graphs(ctx: Context, run: ModelRun, enable: Callable[..., Any]) -> None:
+    """The resident model and ext with default settings, each captured in a CUDA graph (``benchmarks/graph_rows.py``);
+    a model that cannot be captured gets an error row instead of its graph rows."""
+    config = run.configs[0]
+    try:
+        offloaded = host_copy(run.master, config.lists, _ensure_source(run))
+        if enable(offloaded, device=ctx.device, **config.kwargs) is None:
+            raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
+        run.graphs = graph_rows.GraphRows(run.master, offloaded, config, run.inputs, run.references)
+    except Exception as error:  # a model that cannot be captured costs its graph rows only
+        error.__traceback__ = None
+        run.graph_error = error
+        free_memory()
+    run.log.mark(f"{run.spec.name}: CUDA graphs captured" if run.graphs else f"{run.spec.name}: no CUDA graphs")
 
 
 def _ensure_source(run: ModelRun) -> dict[str, torch.Tensor]:
@@ -522,6 +547,8 @@ def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
         run.copy_load = run.copy_load or CopyLoad(ctx.device)
         clocks.update({f"{LOADED}|{label}": run.copy_load.timer(run.forwards[f"resident|{label}"], iters)
                        for label in run.inputs})
+    if run.graphs is not None:
+        clocks.update(run.graphs.timers(lambda fn, count: _timer(ctx, fn, count), iters))
     return _session(ctx, run, names, clocks, rounds + (INITIAL_EXTRA_ROUNDS if ctx.cuda else 0))
 
 
@@ -755,7 +782,20 @@ def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float
         for config in run.configs:
             rows.append(({**base, "backend": config.name},
                          _ext_values(ctx, run, result, config, label, peak_gbps), None, None))
+        rows += _graph_rows(run, result, label, base, peak_gbps)
     return rows
+
+
+def _graph_rows(run: ModelRun, result: Interleaved, label: str, base: dict[str, Any],
+                peak_gbps: float | None) -> list[PendingRow]:
+    if run.graph_error is not None:
+        return [({**base, "backend": graph_rows.EXT}, None, None, run.graph_error)]
+    if run.graphs is None or f"{graph_rows.EXT}|{label}" not in result.rounds:
+        return []
+    target = TIGHT_TARGET if label in run.spec.tight else EXT_TARGET
+    return [({**base, "backend": backend}, values, None, None)
+            for backend, values in graph_rows.rows_for(result, label, run.graphs.config, run.graphs.equal[label],
+                                                       run.graphs.num_slots, peak_gbps, target)]
 
 
 def _budget_plan(ctx: Context, run: ModelRun, label: str,
@@ -872,6 +912,11 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
     model_run.medians = {name: result.median_ms(name) for name in result.rounds}
     log.mark(f"{spec.name}: resident and ext timed")
     _write(ctx, _own_rows(ctx, model_run, result, peak))
+    if model_run.graphs is not None:  # the peers need the host memory its offloaded copy holds
+        model_run.graphs.close()
+        model_run.graphs = None
+        free_memory()
+        empty_host_cache()
     ctx.progress.finish()
     for peer in _peers_in_run_order():
         _write(ctx, _peer_rows(ctx, model_run, peer, deadline_s, peak))
@@ -891,7 +936,7 @@ def run(ctx: Context) -> None:
     peak = peak_h2d_gbps(ctx) if ctx.cuda else None
     if not ctx.cuda:
         ctx.note("no CUDA device: tiny configs of the same classes on the host (device='cpu'); resident and ext "
-                 "only, for the bit-equal column; the peers need a GPU")
+                 "only, for the bit-equal column; the peers and the CUDA-graph rows need a GPU")
     log = PhaseLog("models", echo=ctx.options.progress or ctx.cuda)  # on a GPU a killed run must show where it was
     budget_s = _budget_s(ctx)
     ctx.progress.add(len(specs) * (len(peer_setups.PEERS) + 1))

@@ -170,6 +170,53 @@ def test_the_copy_load_outlasts_the_forward_it_is_timed_with() -> None:
     times = load.timer(forward, 3)()
     assert len(times) == 3 and all(ms > 0 for ms in times)
 
+def test_graph_rows_are_set_against_the_resident_graph_and_say_the_eager_floor_too() -> None:
+    from benchmarks import graph_rows
+    from benchmarks.interleave import Interleaved
+    config = models.ExtConfig("ext", ["blocks"], {}, offloaded_bytes=int(10 * GB))
+    label = "mid"
+    # Eager resident 60 ms (host-bound), its graph 40 ms; 10 GB at 250 GB/s is 40 ms of copies.
+    result = Interleaved({"resident|mid": [60.0, 62.0, 58.0], f"{graph_rows.RESIDENT}|mid": [40.0, 40.0, 40.0],
+                          f"{graph_rows.EXT}|mid": [40.4, 40.8, 40.0]})
+    rows = dict(graph_rows.rows_for(result, label, config, True, 3, peak_gbps=250.0, target=1.02))
+    assert list(rows) == [graph_rows.RESIDENT, graph_rows.FLOOR, graph_rows.EXT]
+    assert rows[graph_rows.RESIDENT]["x_resident"] == pytest.approx(40 / 60)
+    assert rows[graph_rows.FLOOR]["ms"] == pytest.approx(40.0) and rows[graph_rows.FLOOR]["compute_over_copy"] == 1.0
+    ext = rows[graph_rows.EXT]
+    assert ext["x_floor"] == pytest.approx(1.01) and ext["x_resident"] == pytest.approx(1.01)
+    assert ext["pass"] is True and ext["target"] == 1.02 and ext["bit_equal"] is True
+    assert "3 fixed slots" in ext["note"] and f"{40.4 / 60:.3f}x the eager floor" in ext["note"]
+    slow = Interleaved({**result.rounds, f"{graph_rows.EXT}|mid": [41.2, 41.6, 40.8]})
+    assert dict(graph_rows.rows_for(slow, label, config, True, 3, 250.0, target=1.02))[graph_rows.EXT]["pass"] is False
+    line = models.summarize([{"model": "wan-1.3b", "tokens": "4096 (mid)", "backend": graph_rows.EXT, **ext}])
+    expected = f"wan-1.3b 4096 (mid): ext, CUDA graph {ext['ms']:.2f} ms = 1.010x floor {ext['range']} (meets <=1.02x)"
+    assert line == [expected]
+
+
+@pytest.mark.cuda
+def test_the_graph_rows_run_on_a_small_model_bit_equal(tmp_path: Path) -> None:
+    import dataclasses
+
+    from benchmarks import graph_rows
+    wan = models.MODELS["wan-1.3b"]
+    spec = dataclasses.replace(wan, config=wan.cpu_config, tokens=wan.cpu_tokens)
+    ctx = Context("models", Options(device="cuda", progress=False), str(tmp_path / "journal.jsonl"))
+    try:
+        run = models._prepare(ctx, spec, models.enable_layerwise_offload, PhaseLog("models", echo=False))
+        assert run.graph_error is None and run.graphs is not None
+        assert all(run.graphs.equal.values()) and set(run.graphs.equal) == set(run.inputs)
+        result = models._first_session(ctx, run)
+        rows = models._own_rows(ctx, run, result, peak_gbps=55.0)
+    finally:
+        ctx.close()
+    for label in run.inputs:
+        got = {labels["backend"]: values for labels, values, _, error in rows
+               if labels["tokens"].startswith(str(run.token_counts[label])) and error is None}
+        assert {graph_rows.RESIDENT, graph_rows.FLOOR, graph_rows.EXT} <= set(got)
+        assert got[graph_rows.EXT]["bit_equal"] is True and got[graph_rows.EXT]["ms"] > 0
+        assert got[graph_rows.EXT]["x_floor"] > 0 and got[graph_rows.RESIDENT]["ms"] > 0
+
+
 def test_summary_flags_a_row_that_is_not_bit_equal_and_holds_the_host_bound_rows_to_their_target() -> None:
     rows = [{"model": "wan-1.3b", "tokens": "1560 (transfer-bound)", "backend": "ext", "ms": 50.0, "x_floor": 1.08,
              "range": "[1.06, 1.10]", "bit_equal": False},
