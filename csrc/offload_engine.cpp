@@ -688,6 +688,7 @@ void OffloadEngine::materialize(size_t block) {
   for (const auto& entry : stored.layout) values.push_back(view_of(buffer.storage(), options, 0, entry));
   binder_.bind_values(block, values);
   materialized_[block] = 1;
+  generation_ += 1;  // a captured graph would copy the host copy over these values
 }
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
@@ -710,6 +711,7 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
   binder_.record_versions(block);
   materialized_[block] = 0;
   views_stale_ = true;
+  generation_ += 1;  // a captured graph reads the old host copy, now freed
 }
 
 void OffloadEngine::restore(size_t block, at::Device target) {
@@ -790,6 +792,7 @@ void OffloadEngine::remove_block(size_t block, int64_t slot, bool running) {
   store_.remove(block);
   binder_.drop_block(block);
   removed_[block] = 1;
+  generation_ += 1;  // a captured graph reads its freed host copy
 }
 
 void OffloadEngine::close() {
@@ -809,6 +812,7 @@ void OffloadEngine::close() {
   ring_.clear();
   for (auto& buffer : staging_) buffer = at::Tensor();
   views_stale_ = true;
+  generation_ += 1;  // a captured graph copies into the freed slots
 }
 
 void OffloadEngine::synchronize() {

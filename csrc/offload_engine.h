@@ -174,8 +174,9 @@ class OffloadEngine {
   void end_capture();
   // The current stream waits for every copy issued so far.
   void join_copies();
-  // Bumped by every host-side acquire/prefetch/release: a captured graph is valid only while it is
-  // unchanged since the capture ended.
+  // Bumped by every host-side acquire/prefetch/release and by every change to a block's host copy, binding
+  // or slots (materialize, repack, restore, drop, close, a travel or slot-assignment change): a captured
+  // graph is valid only while it is unchanged since the capture ended.
   uint64_t generation() const { return generation_; }
 
   size_t num_blocks() const;

@@ -7,7 +7,7 @@ import torch
 import fastoffload_ext as fo
 from fastoffload_ext.engine.graphs import OffloadedCUDAGraph, cyclic_slot_assignment
 
-from ._models import make_pair, params_equal, place_outside_blocks
+from ._models import make_pair, offload_hook, params_equal, place_outside_blocks
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
@@ -160,3 +160,59 @@ def test_a_replay_copies_matching_inputs_into_the_captured_ones() -> None:
     _copy_inputs(static, (torch.ones(2), [torch.full((1,), 2.0)], {"flag": True, "k": torch.full((3,), 3.0)}))
     assert torch.equal(static[0], torch.ones(2)) and torch.equal(static[1][0], torch.full((1,), 2.0))
     assert torch.equal(static[2]["k"], torch.full((3,), 3.0))
+
+
+def test_every_change_to_a_block_s_host_copy_or_slots_moves_the_generation() -> None:
+    # A captured graph copies from each block's host copy into fixed slots: it may replay only while the
+    # engine's generation is the one it was captured at, so anything that frees or rebuilds those must move it.
+    model, reference = make_pair(3)
+    x = torch.randn(2, 4, 16)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    engine = group.engine
+    with torch.no_grad():
+        model(x)
+    seen = [engine.generation]
+    model.load_state_dict({name: value + 1 for name, value in reference.state_dict().items()})
+    seen.append(engine.generation)
+    with offload_hook(model.blocks[1]).mutate_params_scope():
+        pass
+    seen.append(engine.generation)
+    with offload_hook(model.blocks[2]).mutate_params_scope(), torch.no_grad():
+        model.blocks[2].qkv.weight.add_(1)
+    seen.append(engine.generation)
+    fo.disable_layerwise_offload(model)
+    seen.append(engine.generation)
+    assert all(later > earlier for earlier, later in zip(seen, seen[1:])), seen
+
+
+@pytest.mark.cuda
+def test_a_replay_after_a_load_or_a_disable_is_refused_and_a_recapture_uses_the_new_weights() -> None:
+    model, reference = make_pair(3, torch.bfloat16, d=64)
+    reference.cuda()
+    place_outside_blocks(model, "cuda")
+    fo.enable_layerwise_offload(model, backend="ext")
+    graph, example = _capture_and_replay(model, reference, steps=2)
+    # New weights for every block: the host copies are rebuilt, and the graph would copy the old ones.
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(torch.randn_like(param), alpha=0.1)
+    model.load_state_dict(reference.state_dict())
+    with pytest.raises(RuntimeError, match="weights were loaded or edited"):
+        graph(example)
+    graph.recapture()
+    with torch.no_grad():
+        assert torch.equal(graph(example), reference(example))
+        with offload_hook(model.blocks[0]).mutate_params_scope():
+            model.blocks[0].qkv.weight.mul_(2)
+        reference.blocks[0].qkv.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="call recapture\\(\\) before replaying"):
+        graph(example)
+    graph.recapture()
+    with torch.no_grad():
+        assert torch.equal(graph(example), reference(example))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    with pytest.raises(RuntimeError, match="was disabled \\(or enabled again\\)"):
+        graph(example)
+    with pytest.raises(RuntimeError, match="capture a new OffloadedCUDAGraph"):
+        graph.recapture()

@@ -27,8 +27,12 @@ What capture needs, and how it is provided:
 - replays leave the state they started from: the last block prefetches the first into the same slot
   it was captured from, and the copy stream is joined back before the capture ends.
 
-A replay is valid only while nothing else moves the engine's slots: running the model eagerly after
-the capture invalidates it, and the next replay raises (``recapture()`` makes a new one). The output
+A replay is valid only while nothing else moves the engine's slots or changes a block's host copy: running
+the model eagerly after the capture, or loading or editing a block's weights (``load_state_dict``,
+``mutate_params_scope()``, an adapter) invalidates it, and the next replay raises (``recapture()`` makes
+a new one); after ``disable_layerwise_offload`` it raises for good. As with any CUDA graph, tensors outside
+the blocks are read at the addresses they had at capture: after assigning a new module or parameter there,
+call ``recapture()``. The output
 of a replay is a static tensor that the next replay overwrites: clone it to keep it.
 """
 from __future__ import annotations
@@ -175,8 +179,16 @@ class OffloadedCUDAGraph:
                         group.prefetch_depth + 1, len(group.states))
         self.recapture()
 
+    def _check_attached(self) -> None:
+        """Refuses a graph whose offload is gone: its slots and host copies were freed with it."""
+        if get_offload_group(self.model) is not self.group:
+            raise OffloadStateError("fastoffload: layerwise offload of this model was disabled (or enabled again) "
+                                    "since this graph was captured; the slots and host copies it copies between "
+                                    "are gone, so capture a new OffloadedCUDAGraph")
+
     def recapture(self) -> None:
         """Warm up and capture again (after the model ran eagerly, or its weights changed)."""
+        self._check_attached()
         side = torch.cuda.Stream(self.group.device)
         side.wait_stream(torch.cuda.current_stream(self.group.device))
         with torch.cuda.stream(side), torch.no_grad():
@@ -200,10 +212,12 @@ class OffloadedCUDAGraph:
 
     def replay(self) -> Any:
         """Replay with whatever the static inputs hold now; returns the static output."""
+        self._check_attached()
         if self.engine.generation != self.generation:
-            raise OffloadStateError("fastoffload: the offloaded model ran eagerly (or was changed) since this graph "
-                                    "was captured, so its slots no longer hold what the graph expects; call "
-                                    "recapture() before replaying")
+            raise OffloadStateError("fastoffload: the offloaded model ran eagerly, or a block's weights were loaded or "
+                                    "edited (load_state_dict, mutate_params_scope, an adapter), since this graph was "
+                                    "captured, so its slots and host copies no longer hold what the graph expects; "
+                                    "call recapture() before replaying")
         self.graph.replay()
         return self.static_output
 
