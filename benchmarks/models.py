@@ -47,7 +47,8 @@ takes about 20 s); every ext configuration and every peer gets a device-side cop
 rebound to it (what stays resident moves back to the device), and each pins copies of its own. One
 peer at a time: a peer's model, hooks and pinned blocks are freed before the next is built. The host
 then holds the shared copy, ext's pinned copies (on Flux: the first list, and every list) and one
-peer's pinned blocks. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
+peer's pinned blocks; during the first session, one more pinned copy of the first list, the CUDA-graph
+rows' own, freed before the first peer. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
 killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
 the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
 all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
@@ -917,6 +918,7 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
         model_run.graphs = None
         free_memory()
         empty_host_cache()
+        log.mark(f"{spec.name}: CUDA graphs and their offloaded copy freed")
     ctx.progress.finish()
     for peer in _peers_in_run_order():
         _write(ctx, _peer_rows(ctx, model_run, peer, deadline_s, peak))
