@@ -62,8 +62,9 @@ class GraphRows:
 
         self.config = config
         self.model = offloaded
-        self.resident = {label: ResidentGraph(master, kwargs) for label, kwargs in inputs.items()}
+        # ext's first: OffloadedCUDAGraph says what keeps an offload from being captured.
         self.ext = {label: OffloadedCUDAGraph(offloaded, **kwargs) for label, kwargs in inputs.items()}
+        self.resident = {label: ResidentGraph(master, kwargs) for label, kwargs in inputs.items()}
         self.num_slots = next(iter(self.ext.values())).num_slots
         self.equal = {label: bool(torch.equal(self.resident[label]().cpu(), references[label])
                                   and torch.equal(self._replay(label)[0].cpu(), references[label]))

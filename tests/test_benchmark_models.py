@@ -567,6 +567,28 @@ def test_ext_rows_carry_their_own_floor_and_the_schedule_bound(tmp_path: Path) -
     assert by_backend["ext all lists"]["bound_ms"] >= by_backend["floor all lists"]["ms"] * 0.999
 
 
+def test_a_model_that_cannot_be_captured_costs_its_graph_rows_only(tmp_path: Path) -> None:
+    from benchmarks import graph_rows
+    ctx, run = _host_run(tmp_path, models.MODELS["wan-1.3b"])
+    offloaded: list[weakref.ref] = []
+
+    def enable(model: torch.nn.Module, **kwargs: Any) -> Any:
+        offloaded.append(weakref.ref(model))
+        return models.enable_layerwise_offload(model, **kwargs)
+    try:
+        models._build_graphs(ctx, run, enable)  # on the host: OffloadedCUDAGraph refuses a CPU offload
+        result = models._first_session(ctx, run)
+        rows = models._own_rows(ctx, run, result, peak_gbps=55.0)
+    finally:
+        ctx.close()
+    assert run.graphs is None and "needs a CUDA device" in str(run.graph_error)
+    assert len(offloaded) == 1 and offloaded[0]() is None  # the graph rows' offloaded copy was freed
+    errors = [(labels["backend"], error) for labels, _, _, error in rows if error is not None]
+    assert [name for name, _ in errors] == [graph_rows.EXT] * len(run.inputs)
+    measured = [labels["backend"] for labels, values, _, _ in rows if values is not None]
+    assert measured.count("ext") == len(run.inputs) and graph_rows.RESIDENT not in measured
+
+
 def test_rows_measured_before_an_interruption_are_in_the_journal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run cut short (SIGTERM ends the child) keeps ext's rows and every finished peer's."""
