@@ -1,6 +1,9 @@
 """CUDA-graph capture of an offloaded forward: the fixed slot assignment (CPU) and replay (GPU)."""
 from __future__ import annotations
 
+import itertools
+import types
+
 import pytest
 import torch
 
@@ -182,7 +185,36 @@ def test_every_change_to_a_block_s_host_copy_or_slots_moves_the_generation() -> 
     seen.append(engine.generation)
     fo.disable_layerwise_offload(model)
     seen.append(engine.generation)
-    assert all(later > earlier for earlier, later in zip(seen, seen[1:])), seen
+    assert all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
+
+
+EDITS = {
+    "cast": (lambda model: model.half(), "was cast or moved to Half"),
+    "rebind": (lambda model: setattr(model.blocks[1].qkv.weight, "data", torch.zeros(48, 16)), "was replaced while"),
+    "write": (lambda model: model.blocks[1].qkv.weight.add_(1), "was changed in place while"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_replay_refuses_a_cast_rebind_or_write_made_since_the_capture(edit: str) -> None:
+    # The replay's guards on a real engine (CPU), with a stand-in for the captured CUDA graph.
+    model, _ = make_pair(3)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    with torch.no_grad():
+        model(torch.randn(2, 4, 16))
+    graph = object.__new__(OffloadedCUDAGraph)
+    graph.model, graph.group, graph.engine = model, group, group.engine
+    graph.handles = [state.handle for state in group.states]
+    graph.generation, graph.static_output = group.engine.generation, "output"
+    replays: list[int] = []
+    graph.graph = types.SimpleNamespace(replay=lambda: replays.append(1))
+    assert graph.replay() == "output" and replays == [1]
+    change, message = EDITS[edit]
+    with torch.no_grad():
+        change(model)
+    with pytest.raises(RuntimeError, match=message):
+        graph.replay()
+    assert replays == [1]
 
 
 @pytest.mark.cuda

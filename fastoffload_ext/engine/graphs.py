@@ -30,7 +30,9 @@ What capture needs, and how it is provided:
 A replay is valid only while nothing else moves the engine's slots or changes a block's host copy: running
 the model eagerly after the capture, or loading or editing a block's weights (``load_state_dict``,
 ``mutate_params_scope()``, an adapter) invalidates it, and the next replay raises (``recapture()`` makes
-a new one); after ``disable_layerwise_offload`` it raises for good. As with any CUDA graph, tensors outside
+a new one); after ``disable_layerwise_offload`` it raises for good. A cast, a rebind (``param.data = t``)
+or an in-place write to an offloaded parameter since the capture is refused at the next replay, as the
+next eager forward refuses it. As with any CUDA graph, tensors outside
 the blocks are read at the addresses they had at capture: after assigning a new module or parameter there,
 call ``recapture()``. The output
 of a replay is a static tensor that the next replay overwrites: clone it to keep it.
@@ -168,6 +170,8 @@ class OffloadedCUDAGraph:
         self.static_kwargs = _clone_inputs(example_kwargs)
         self.warmup_steps = warmup_steps
         self.pool = pool
+        # Every offloaded block's engine handle: a replay checks their bindings, as an eager acquire does.
+        self.handles = [state.handle for state in group.states if getattr(state, "handle", None) is not None]
         assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
         check_graph_slots(group, num_slots)
         eager_slots = self.engine.num_slots
@@ -218,6 +222,10 @@ class OffloadedCUDAGraph:
                                     "edited (load_state_dict, mutate_params_scope, an adapter), since this graph was "
                                     "captured, so its slots and host copies no longer hold what the graph expects; "
                                     "call recapture() before replaying")
+        # A cast, a rebind or an in-place write to an offloaded parameter since the capture: an eager forward
+        # refuses it at the block's acquire, and a replay, which would not see it either, refuses it here.
+        for handle in self.handles:
+            self.engine.check_offloaded_bindings(handle)
         self.graph.replay()
         return self.static_output
 
