@@ -48,8 +48,8 @@ rebound to it (what stays resident moves back to the device), and each pins copi
 peer at a time: a peer's model, hooks and pinned blocks are freed before the next is built. The host
 then holds the shared copy, ext's pinned copies (on Flux: the first list, and every list) and one
 peer's pinned blocks; during the first session, one more pinned copy of the first list, the CUDA-graph
-rows' own, freed before the first peer. Every phase prints a line with the time, host RSS and GPU memory to stderr (a
-killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
+rows' own, freed before the first peer. Every phase prints a line with the time, host RSS and GPU
+memory to stderr (a killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
 the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
 all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
 what is left is split evenly over the models still to run, and a peer starts only while the slowest

@@ -32,10 +32,9 @@ the model eagerly after the capture, or loading or editing a block's weights (``
 ``mutate_params_scope()``, an adapter) invalidates it, and the next replay raises (``recapture()`` makes
 a new one); after ``disable_layerwise_offload`` it raises for good. A cast, a rebind (``param.data = t``)
 or an in-place write to an offloaded parameter since the capture is refused at the next replay, as the
-next eager forward refuses it. As with any CUDA graph, tensors outside
-the blocks are read at the addresses they had at capture: after assigning a new module or parameter there,
-call ``recapture()``. The output
-of a replay is a static tensor that the next replay overwrites: clone it to keep it.
+next eager forward refuses it. As with any CUDA graph, tensors outside the blocks are read at the
+addresses they had at capture: after assigning a new module or parameter there, call ``recapture()``.
+The output of a replay is a static tensor that the next replay overwrites: clone it to keep it.
 """
 from __future__ import annotations
 
