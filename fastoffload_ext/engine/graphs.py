@@ -170,7 +170,7 @@ class OffloadedCUDAGraph:
         self.warmup_steps = warmup_steps
         self.pool = pool
         # Every offloaded block's engine handle: a replay checks their bindings, as an eager acquire does.
-        self.handles = [state.handle for state in group.states if getattr(state, "handle", None) is not None]
+        self.handles = [state.handle for state in group.states]
         assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
         check_graph_slots(group, num_slots)
         eager_slots = self.engine.num_slots
