@@ -579,6 +579,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end_capture", [](OffloadEngine& e) { warnings_to_python([&] { e.end_capture(); }); })
       .def("join_copies", [](OffloadEngine& e) { warnings_to_python([&] { e.join_copies(); }); })
       .def_property_readonly("generation", &OffloadEngine::generation)
+      .def_property_readonly("layout_generation", &OffloadEngine::layout_generation)
       .def_property_readonly("capturing", [](const OffloadEngine& e) { return e.copy_engine().capturing(); })
       .def("stats", &engine_stats)
       .def(

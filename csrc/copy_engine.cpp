@@ -300,23 +300,33 @@ void CopyEngine::begin_capture() {
 
 void CopyEngine::end_capture() {
   if (!capturing()) return;
-  // Join the copy stream back: a capture must end with every forked stream joined.
-  if (forked_ || decode_forked_) current_waits_for_copies();
+  const bool forked = forked_ || decode_forked_;
+  const bool decode_forked = decode_forked_;
+  // Left capturing, later eager steps would skip the waits on events recorded outside it: the state is
+  // reset first, also when the join below fails (a capture that the driver already invalidated).
   capture_epoch_ = 0;
   forked_ = false;
   decode_forked_ = false;
+  // Join the copy stream back: a capture must end with every forked stream joined.
+  if (forked) join_into_current(decode_forked);
 }
 
 void CopyEngine::current_waits_for_copies() {
+  // Outside a capture, or once the decode stream joined it: its decodes are copies too.
+  join_into_current(!capturing() || decode_forked_);
+}
+
+void CopyEngine::join_into_current(bool with_decodes) {
   if (is_host()) return;
 #ifdef FASTOFFLOAD_WITH_CUDA
   C10_CUDA_CHECK(cudaEventRecord(as_event(join_event_), as_stream(copy_stream_)));
   C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(current_stream()), as_event(join_event_), 0));
-  // Outside a capture, or once the decode stream joined it: its decodes are copies too.
-  if (decode_stream_ != nullptr && (!capturing() || decode_forked_)) {
+  if (decode_stream_ != nullptr && with_decodes) {
     C10_CUDA_CHECK(cudaEventRecord(as_event(join_event_), as_stream(decode_stream_)));
     C10_CUDA_CHECK(cudaStreamWaitEvent(as_stream(current_stream()), as_event(join_event_), 0));
   }
+#else
+  (void)with_decodes;
 #endif
 }
 

@@ -93,6 +93,8 @@ class CopyEngine {
 
  private:
   void* current_stream() const;
+  // The current stream waits on the copy stream (and the decode stream, with_decodes).
+  void join_into_current(bool with_decodes);
   // The copy stream joins a capture if one runs and waits for `free_event` (if given); then, after the
   // work, `ready_event` is recorded on `stream`.
   void begin_transfer(Event* free_event);

@@ -165,6 +165,7 @@ void OffloadEngine::choose_travel_held(size_t block, bool compressed) {
     travel_[block] = Travel::kRaw;
   }
   generation_ += 1;
+  layout_generation_ += 1;  // a captured graph copies (or decodes) the host copy just dropped
 }
 
 BlockCodecInfo OffloadEngine::codec_info(size_t block) const {
@@ -467,7 +468,10 @@ void OffloadEngine::ensure_slots() {
     ring_.allocate(store_.max_block_bytes());
     allocated = true;
   }
-  if (allocated) order_copies_after_current();
+  if (allocated) {
+    order_copies_after_current();
+    layout_generation_ += 1;  // new slot or staging addresses: a captured graph copies into the old ones
+  }
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b]) binder_.build_views(b, store_.block(b), ring_);
   views_stale_ = false;
@@ -688,7 +692,8 @@ void OffloadEngine::materialize(size_t block) {
   for (const auto& entry : stored.layout) values.push_back(view_of(buffer.storage(), options, 0, entry));
   binder_.bind_values(block, values);
   materialized_[block] = 1;
-  generation_ += 1;  // a captured graph would copy the host copy over these values
+  generation_ += 1;
+  layout_generation_ += 1;  // a captured graph would copy the host copy over these values
 }
 
 void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
@@ -711,7 +716,8 @@ void OffloadEngine::repack(size_t block, const std::vector<std::string>& names, 
   binder_.record_versions(block);
   materialized_[block] = 0;
   views_stale_ = true;
-  generation_ += 1;  // a captured graph reads the old host copy, now freed
+  generation_ += 1;
+  layout_generation_ += 1;  // a captured graph reads the old host copy, now freed
 }
 
 void OffloadEngine::restore(size_t block, at::Device target) {
@@ -792,7 +798,8 @@ void OffloadEngine::remove_block(size_t block, int64_t slot, bool running) {
   store_.remove(block);
   binder_.drop_block(block);
   removed_[block] = 1;
-  generation_ += 1;  // a captured graph reads its freed host copy
+  generation_ += 1;
+  layout_generation_ += 1;  // a captured graph reads its freed host copy
 }
 
 void OffloadEngine::close() {
@@ -812,7 +819,8 @@ void OffloadEngine::close() {
   ring_.clear();
   for (auto& buffer : staging_) buffer = at::Tensor();
   views_stale_ = true;
-  generation_ += 1;  // a captured graph copies into the freed slots
+  generation_ += 1;
+  layout_generation_ += 1;  // a captured graph copies into the freed slots
 }
 
 void OffloadEngine::synchronize() {
@@ -823,12 +831,16 @@ void OffloadEngine::synchronize() {
 void OffloadEngine::set_slot_assignment(const std::vector<int64_t>& assignment, size_t num_slots) {
   GateHold hold = step_gate();
   TORCH_CHECK(ring_.blocks_in_use().empty(), "fastoffload: the slot assignment cannot change while a block is running");
+  // The same assignment again (a second graph of the same model): the slots, and the graphs captured on
+  // them, stay as they are.
+  if (num_slots == ring_.size() && assignment == ring_.assignment()) return;
   copy_.synchronize_copies();
   if (num_slots != ring_.size()) ring_.resize(num_slots);
   else ring_.forget_all();
   ring_.set_assignment(assignment);
   views_stale_ = true;
   generation_ += 1;
+  layout_generation_ += 1;
 }
 
 void OffloadEngine::begin_capture() {
@@ -841,8 +853,8 @@ void OffloadEngine::begin_capture() {
 
 void OffloadEngine::end_capture() {
   GateHold hold = step_gate();
-  copy_.end_capture();
   generation_ += 1;
+  copy_.end_capture();
 }
 
 void OffloadEngine::join_copies() {

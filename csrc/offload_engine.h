@@ -178,6 +178,11 @@ class OffloadEngine {
   // or slots (materialize, repack, restore, drop, close, a travel or slot-assignment change): a captured
   // graph is valid only while it is unchanged since the capture ended.
   uint64_t generation() const { return generation_; }
+  // Bumped only by what changes the addresses or bytes a captured graph copies between: a block's host
+  // copy (materialize, repack, remove, close), how a block travels, the slot assignment, and a (re)allocation
+  // of the slots or the staging buffers. A complete eager step leaves it as it was, so a graph captured
+  // before one can replay after it (see OffloadedCUDAGraph).
+  uint64_t layout_generation() const { return layout_generation_; }
 
   size_t num_blocks() const;
   size_t num_slots() const;
@@ -273,6 +278,7 @@ class OffloadEngine {
   at::Tensor staging_[2];  // device buffers the compressed bytes land in, alternately, before the decoder reads them
   bool views_stale_ = true;
   uint64_t generation_ = 0;
+  uint64_t layout_generation_ = 0;
   EngineStats stats_;
   // Declared last so that the disk tier (whose reads write into pool memory and whose waits use the copy
   // engine's events) is torn down first.

@@ -7,6 +7,9 @@ large component is loaded at a time besides the offloaded transformer's device s
     python examples/wan_pipeline.py --device cpu              # tiny random config, on the host
     python examples/wan_pipeline.py --device cuda --config 1.3b
 
+``--cuda-graph`` (CUDA, ext backend) replays the transformer from a CUDA graph: the first call captures it,
+and every later one, both guidance branches of every step, replays it.
+
 ``--config 1.3b`` builds the Wan2.1-1.3B transformer and VAE architectures with random bf16 weights
 (no checkpoint is downloaded) and a two-layer UMT5 of the real width, so the prompt embeddings have
 the transformer's text dimension. ``--check`` also runs the same pipeline fully resident, with the
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from fastoffload_ext import LazyModule, run_pipeline
+from fastoffload_ext.engine.graph_forward import get_graph_forward
 from fastoffload_ext.integrations.diffusers import bound, offload_transformer
 from fastoffload_ext.pipeline.schedule import Stage
 
@@ -158,13 +162,13 @@ def run_offloaded(pipe: Any, components: Mapping[str, Any], arguments: dict[str,
     return run_pipeline(stages, components, keep=("transformer",))
 
 
-def run(device: str, config: str, steps: int, seed: int, backend: str, check: bool) -> int:
+def run(device: str, config: str, steps: int, seed: int, backend: str, check: bool, cuda_graph: bool = False) -> int:
     sizes = SIZES[config]
     dtype = torch.float32 if config == "tiny" else torch.bfloat16
     build = loaders(sizes, dtype, seed, device)
     transformer = build["transformer"]()
     pipe = make_pipeline(sizes, transformer)
-    groups = offload_transformer(pipe, device=device, backend=backend)
+    groups = offload_transformer(pipe, device=device, backend=backend, cuda_graph=cuda_graph)
     components = {"text_encoder": LazyModule("text_encoder", build["text_encoder"]), "transformer": transformer,
                   "vae": LazyModule("vae", build["vae"])}
     start = time.perf_counter()
@@ -175,6 +179,9 @@ def run(device: str, config: str, steps: int, seed: int, backend: str, check: bo
     print(f"offloaded: video {tuple(video.shape)} in {elapsed:.2f} s; {stats['offloaded_blocks']} blocks by "
           f"backend {stats['backend']} on {stats['device']}; text_encoder loaded after the run: "
           f"{components['text_encoder'].is_materialized}, vae: {components['vae'].is_materialized}")
+    graphed = get_graph_forward(transformer)
+    if graphed is not None:
+        print(f"CUDA graphs: {graphed.stats()}")
     if not check:
         return 0
     resident = make_pipeline(sizes, build["transformer"]().to(device), build["text_encoder"](), build["vae"]())
@@ -194,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=("auto", "ext", "python"), default="auto")
     parser.add_argument("--check", action="store_true", help="compare with the resident pipeline, bit for bit")
+    parser.add_argument("--cuda-graph", action="store_true", help="replay the transformer from CUDA graphs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     config = args.config or ("tiny" if args.device == "cpu" else "1.3b")
-    return run(args.device, config, args.steps, args.seed, args.backend, args.check)
+    return run(args.device, config, args.steps, args.seed, args.backend, args.check, args.cuda_graph)
 
 
 if __name__ == "__main__":

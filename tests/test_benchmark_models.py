@@ -191,6 +191,13 @@ def test_graph_rows_are_set_against_the_resident_graph_and_say_the_eager_floor_t
     line = models.summarize([{"model": "wan-1.3b", "tokens": "4096 (mid)", "backend": graph_rows.EXT, **ext}])
     expected = f"wan-1.3b 4096 (mid): ext, CUDA graph {ext['ms']:.2f} ms = 1.010x floor {ext['range']} (meets <=1.02x)"
     assert line == [expected]
+    # The forward a pipeline calls, through graph_forward: against the same floor, and against the bare replay.
+    wrapped = Interleaved({**result.rounds, f"{graph_rows.EXT_FORWARD}|mid": [40.8, 41.6, 40.4]})
+    rows = dict(graph_rows.rows_for(wrapped, label, config, True, 3, 250.0, target=1.02))
+    assert list(rows)[-1] == graph_rows.EXT_FORWARD
+    forward = rows[graph_rows.EXT_FORWARD]
+    assert forward["x_floor"] == pytest.approx(1.02) and forward["pass"] is True and forward["range"] == "[1.010, 1.040]"
+    assert "1.010x [1.010, 1.020] the bare replay" in forward["note"]
 
 
 @pytest.mark.cuda
@@ -212,8 +219,9 @@ def test_the_graph_rows_run_on_a_small_model_bit_equal(tmp_path: Path) -> None:
     for label in run.inputs:
         got = {labels["backend"]: values for labels, values, _, error in rows
                if labels["tokens"].startswith(str(run.token_counts[label])) and error is None}
-        assert {graph_rows.RESIDENT, graph_rows.FLOOR, graph_rows.EXT} <= set(got)
+        assert {graph_rows.RESIDENT, graph_rows.FLOOR, graph_rows.EXT, graph_rows.EXT_FORWARD} <= set(got)
         assert got[graph_rows.EXT]["bit_equal"] is True and got[graph_rows.EXT]["ms"] > 0
+        assert got[graph_rows.EXT_FORWARD]["bit_equal"] is True and got[graph_rows.EXT_FORWARD]["x_floor"] > 0
         assert got[graph_rows.EXT]["x_floor"] > 0 and got[graph_rows.RESIDENT]["ms"] > 0
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fastoffload_ext as fo
-from fastoffload_ext.engine.graphs import OffloadedCUDAGraph, cyclic_slot_assignment
+from fastoffload_ext.engine import graphs
+from fastoffload_ext.engine.graphs import OffloadedCUDAGraph, cyclic_slot_assignment, slot_snapshot
 
 from ._models import make_pair, offload_hook, params_equal, place_outside_blocks
 
@@ -70,6 +71,28 @@ def test_graph_refuses_what_it_cannot_capture() -> None:
         OffloadedCUDAGraph(model, x)
 
 
+def test_a_capture_that_raised_is_ended_in_the_allocator_and_gives_its_pool_use_back(monkeypatch) -> None:
+    """torch's capture_end raises before ending the allocator's capture: left so, empty_cache frees nothing."""
+    calls: list[tuple] = []
+    current = ["capture side"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: (calls.append(("set_stream", stream)),
+                                                                  current.__setitem__(0, stream)))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda i, p: calls.append(("end", i, p)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda i, p: calls.append(("release", i, p)), raising=False)
+    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream")
+    assert calls == [("set_stream", "caller's stream"), ("end", 1, (0, 7)), ("release", 1, (0, 7))]
+
+    # capture_end got as far as ending it: the pool's use is the graph's to give back, not ours.
+    def already_ended(index: int, pool: tuple[int, int]) -> None:
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    calls.clear()
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", already_ended)
+    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream")
+    assert calls == []
+
+
 def test_begin_capture_outside_a_capture_is_refused() -> None:
     if not torch.cuda.is_available():
         # On the host device there is nothing to capture: the call is a no-op by design.
@@ -107,16 +130,39 @@ def test_replay_is_bit_exact_with_fresh_inputs(n_blocks: int, depth: int) -> Non
     place_outside_blocks(model, "cuda")
     fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth)
     graph, example = _capture_and_replay(model, reference)
-    # Running eagerly moves the slots: the old graph refuses to replay until recaptured.
+    # A complete eager forward leaves the fixed slots as the capture found them: the graph replays after it.
     with torch.no_grad():
         assert torch.equal(model(example), reference(example))
-    with pytest.raises(RuntimeError, match="call recapture\\(\\) before replaying"):
-        graph(example)
+        assert torch.equal(graph(example), reference(example))
     graph.recapture()
     with torch.no_grad():
         assert torch.equal(graph(example), reference(example))
     with pytest.raises(ValueError, match=r"input\[0\] must match the captured input"):
         graph(torch.zeros(3, 8, 64, device="cuda").bfloat16())
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_blocks, depth", [(5, 1), (4, 1), (7, 2)])
+def test_two_graphs_of_one_model_and_eager_forwards_interleave_bit_exact(n_blocks: int, depth: int) -> None:
+    # Both graphs use the same fixed slots; each starts where the other (or an eager forward) leaves them.
+    model, reference = make_pair(n_blocks, torch.bfloat16, d=512)
+    reference.cuda()
+    place_outside_blocks(model, "cuda")
+    group = fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {"a": (2, 64, 512), "b": (3, 16, 512)}
+    graphs = {key: OffloadedCUDAGraph(model, torch.zeros(*shape, device="cuda").bfloat16())
+              for key, shape in shapes.items()}
+    layout = group.engine.layout_generation
+    with torch.no_grad():
+        for step, op in enumerate("abaeabbeeaab" * 3):
+            key = op if op != "e" else "ab"[step % 2]
+            x = torch.randn(*shapes[key], device="cuda", generator=gen).bfloat16()
+            out = model(x) if op == "e" else graphs[key](x).clone()
+            assert torch.equal(out, reference(x)), (step, op)
+    assert group.engine.layout_generation == layout
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
 
@@ -188,6 +234,83 @@ def test_every_change_to_a_block_s_host_copy_or_slots_moves_the_generation() -> 
     assert all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
 
 
+def test_the_layout_generation_moves_with_host_copies_and_slots_and_not_with_a_forward() -> None:
+    # A graph replays after an eager forward (its slots end where the capture began) but never after a change
+    # to what it copies from or into.
+    model, reference = make_pair(5)
+    x = torch.randn(2, 4, 16)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    engine = group.engine
+    assignment, num_slots = cyclic_slot_assignment(5, 1)
+    engine.set_slot_assignment(assignment, num_slots)
+    with torch.no_grad():
+        model(x)
+    layout, slots = engine.layout_generation, slot_snapshot(engine)
+    with torch.no_grad():
+        model(x)
+    engine.set_slot_assignment(assignment, num_slots)  # the same again (a second graph): nothing changes
+    assert (engine.layout_generation, slot_snapshot(engine)) == (layout, slots)
+    seen = [layout]
+    model.load_state_dict(reference.state_dict())
+    seen.append(engine.layout_generation)
+    with offload_hook(model.blocks[1]).mutate_params_scope():
+        pass
+    seen.append(engine.layout_generation)
+    engine.set_slot_assignment([0, 1, 0, 1, 2], 3)
+    seen.append(engine.layout_generation)
+    fo.disable_layerwise_offload(model)
+    seen.append(engine.layout_generation)
+    assert all(later > earlier for earlier, later in itertools.pairwise(seen)), seen
+
+
+def _stand_in_graph(model, group) -> tuple[OffloadedCUDAGraph, list[int]]:
+    """An OffloadedCUDAGraph whose captured graph is a stand-in (CPU): what a capture records, and replays counted."""
+    graph = object.__new__(OffloadedCUDAGraph)
+    graph.model, graph.group, graph.engine = model, group, group.engine
+    graph.handles = [state.handle for state in group.states]
+    graph.generation, graph.static_output = group.engine.generation, "output"
+    graph.layout_generation, graph.slots = group.engine.layout_generation, slot_snapshot(group.engine)
+    graph.resumable = True
+    replays: list[int] = []
+    graph.graph = types.SimpleNamespace(replay=lambda: replays.append(1))
+    return graph, replays
+
+
+def test_a_replay_follows_a_complete_forward_and_refuses_an_interrupted_one_or_new_weights() -> None:
+    model, reference = make_pair(5)
+    x = torch.randn(2, 4, 16)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
+    group.engine.set_slot_assignment(*cyclic_slot_assignment(5, 1))
+    with torch.no_grad():
+        model(x)
+    graph, replays = _stand_in_graph(model, group)
+    with torch.no_grad():
+        model(x)
+    assert graph.replay() == "output" and replays == [1]
+    assert graph.generation == group.engine.generation  # resumed: the next replay checks nothing again
+
+    def fail_once(module, args):
+        hook.remove()
+        raise KeyError("interrupted")
+
+    hook = model.blocks[2].register_forward_pre_hook(fail_once)
+    with torch.no_grad(), pytest.raises(KeyError):
+        model(x)
+    with pytest.raises(RuntimeError, match="did not end with the blocks where the capture began"):
+        graph.replay()
+    with torch.no_grad():
+        model(x)  # a complete forward puts the blocks back where the capture found them
+    assert graph.replay() == "output" and replays == [1, 1]
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        model(x)
+    with pytest.raises(RuntimeError, match="weights were loaded or edited .* or the slots were reallocated"):
+        graph.replay()
+    assert replays == [1, 1]
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 EDITS = {
     "cast": (lambda model: model.half(), "was cast or moved to Half"),
     "rebind": (lambda model: setattr(model.blocks[1].qkv.weight, "data", torch.zeros(48, 16)), "was replaced while"),
@@ -202,12 +325,7 @@ def test_a_replay_refuses_a_cast_rebind_or_write_made_since_the_capture(edit: st
     group = fo.enable_layerwise_offload(model, device="cpu", backend="ext")
     with torch.no_grad():
         model(torch.randn(2, 4, 16))
-    graph = object.__new__(OffloadedCUDAGraph)
-    graph.model, graph.group, graph.engine = model, group, group.engine
-    graph.handles = [state.handle for state in group.states]
-    graph.generation, graph.static_output = group.engine.generation, "output"
-    replays: list[int] = []
-    graph.graph = types.SimpleNamespace(replay=lambda: replays.append(1))
+    graph, replays = _stand_in_graph(model, group)
     assert graph.replay() == "output" and replays == [1]
     change, message = EDITS[edit]
     with torch.no_grad():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fastoffload_ext import disable_layerwise_offload, get_offload_group
+from fastoffload_ext.engine.graph_forward import get_graph_forward
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.integrations.diffusers import bound, offload_transformer
 from tests._models import OFFLOAD_DEVICES, make_pair, params_equal
@@ -44,6 +45,28 @@ def test_offloaded_transformer_in_the_pipeline_is_bit_exact(device: str, backend
     assert len(groups["transformer"].states) == 3
     assert torch.equal(_video(pipe), resident)
     assert torch.equal(_video(pipe), resident)  # a second request starts from the cyclic prefetch
+
+
+def test_cuda_graphs_on_a_device_they_cannot_run_on_are_refused_and_nothing_stays_offloaded() -> None:
+    pipe = tiny_pipeline()
+    with pytest.raises(OffloadConfigError, match="OffloadedCUDAGraph needs a CUDA device"):
+        offload_transformer(pipe, device="cpu", backend="ext", cuda_graph=True)
+    assert get_offload_group(pipe.transformer) is None and "forward" not in vars(pipe.transformer)
+
+
+@pytest.mark.cuda
+def test_the_transformer_replayed_from_a_cuda_graph_in_the_pipeline_is_bit_exact() -> None:
+    resident = _video(tiny_pipeline("cuda"))
+    pipe = tiny_pipeline("cuda")
+    offload_transformer(pipe, device="cuda", backend="ext", cuda_graph=True)
+    # Two requests; both guidance branches of every step replay the one graph, each answer kept.
+    assert torch.equal(_video(pipe), resident)
+    assert torch.equal(_video(pipe), resident)
+    stats = get_graph_forward(pipe.transformer).stats()
+    steps = call_arguments()["num_inference_steps"]
+    assert stats == {"graphs": 1, "captures": 1, "replays": 2 * 2 * steps, "eager": 0}, stats
+    disable_layerwise_offload(pipe.transformer)
+    assert get_graph_forward(pipe.transformer) is None
 
 
 def test_pipe_to_the_offload_device_keeps_the_offload(expected: torch.Tensor) -> None:

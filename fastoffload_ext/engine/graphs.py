@@ -27,10 +27,12 @@ What capture needs, and how it is provided:
 - replays leave the state they started from: the last block prefetches the first into the same slot
   it was captured from, and the copy stream is joined back before the capture ends.
 
-A replay is valid only while nothing else moves the engine's slots or changes a block's host copy: running
-the model eagerly after the capture, or loading or editing a block's weights (``load_state_dict``,
-``mutate_params_scope()``, an adapter) invalidates it, and the next replay raises (``recapture()`` makes
-a new one); after ``disable_layerwise_offload`` it raises for good. A cast, a rebind (``param.data = t``)
+A replay is valid while the slots hold what they held when the capture began. A complete eager forward, or
+the capture of another graph of the same model, leaves them so (the same fixed slots, the same blocks in
+them): the next replay first makes the current stream wait for the copies that forward issued, and runs.
+Loading or editing a block's weights (``load_state_dict``, ``mutate_params_scope()``, an adapter), or an
+eager forward that raised part-way, invalidates it, and the next replay raises (``recapture()`` makes a new
+one); after ``disable_layerwise_offload`` it raises for good. A cast, a rebind (``param.data = t``)
 or an in-place write to an offloaded parameter since the capture is refused at the next replay, as the
 next eager forward refuses it. As with any CUDA graph, tensors outside the blocks are read at the
 addresses they had at capture: after assigning a new module or parameter there, call ``recapture()``.
@@ -91,6 +93,52 @@ def check_graph_slots(group: LayerwiseOffloadGroup, num_slots: int) -> None:
         "resident set that leaves a multiple of prefetch_depth + 1 blocks offloaded")
 
 
+def capturable_group(model: nn.Module) -> LayerwiseOffloadGroup:
+    """``model``'s offload group, if a CUDA graph can capture it (ext backend, CUDA); else what to change."""
+    group = get_offload_group(model)
+    if group is None:
+        raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a model with layerwise offload enabled: "
+                                 "call enable_layerwise_offload(model, backend='ext') first")
+    if group.backend != "ext" or group.engine is None:
+        raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs backend='ext' (static device slots), but "
+                                 f"this model uses backend={group.backend!r}; the python backend allocates new "
+                                 "device tensors every step, which a graph cannot replay")
+    if group.device.type != "cuda":
+        raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a CUDA device, but offload runs on "
+                                 f"{group.device}")
+    return group
+
+
+def slot_snapshot(engine: Any) -> tuple[tuple[int, str, int], ...]:
+    """Each slot's block, state and device address: what a replay finds in the slots, and what it needs."""
+    return tuple((engine.slot_block(slot), engine.slot_state(slot), engine.slot_address(slot))
+                 for slot in range(engine.num_slots))
+
+
+def _abandon_capture(pool: tuple[int, int], device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Undoes what a capture into ``pool`` that raised leaves behind in torch, so the process goes on as before.
+
+    When the captured work fails (a host sync, a disallowed call), ``capture_end`` raises at the end of the
+    stream capture, before it tells the caching allocator that the capture is over, and
+    ``torch.cuda.graph`` then skips restoring the current stream. The allocator would count a capture as
+    underway for good, and while one is, ``torch.cuda.empty_cache()`` hands nothing back; the capture's
+    side stream would stay current; and the pool would keep the use the capture took, so it is never freed.
+    """
+    if torch.cuda.current_stream(device) != stream:
+        torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    try:
+        end(index, pool)
+    except RuntimeError:
+        return  # capture_end got as far as ending it (or capture_begin never started it): nothing is stuck
+    release(index, pool)  # the use capture_begin took; a graph whose capture never ended does not give it back
+
+
 def _clone_inputs(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
@@ -148,17 +196,11 @@ class OffloadedCUDAGraph:
 
     def __init__(self, model: nn.Module, *example_args: Any, warmup_steps: int = 2,
                  pool: Any = None, **example_kwargs: Any) -> None:
-        group = get_offload_group(model)
-        if group is None:
-            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a model with layerwise offload enabled: "
-                                     "call enable_layerwise_offload(model, backend='ext') first")
-        if group.backend != "ext" or group.engine is None:
-            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs backend='ext' (static device slots), but "
-                                     f"this model uses backend={group.backend!r}; the python backend allocates new "
-                                     "device tensors every step, which a graph cannot replay")
-        if group.device.type != "cuda":
-            raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a CUDA device, but offload runs on "
-                                     f"{group.device}")
+        self._setup(model, example_args, example_kwargs, warmup_steps, pool)
+
+    def _setup(self, model: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+               warmup_steps: int, pool: Any) -> None:
+        group = capturable_group(model)
         if warmup_steps < 1:
             raise OffloadConfigError("fastoffload: warmup_steps must be >= 1 (the first step allocates slots), got "
                                      f"{warmup_steps}")
@@ -190,7 +232,7 @@ class OffloadedCUDAGraph:
                                     "are gone, so capture a new OffloadedCUDAGraph")
 
     def recapture(self) -> None:
-        """Warm up and capture again (after the model ran eagerly, or its weights changed)."""
+        """Warm up and capture again (after its weights changed, or an eager forward that raised part-way)."""
         self._check_attached()
         side = torch.cuda.Stream(self.group.device)
         side.wait_stream(torch.cuda.current_stream(self.group.device))
@@ -202,25 +244,43 @@ class OffloadedCUDAGraph:
         self.engine.settle_travel()
         self.engine.join_copies()
         torch.cuda.synchronize(self.group.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool), torch.no_grad():
-            self.engine.begin_capture()
-            try:
-                self.static_output = self.model(*self.static_args, **self.static_kwargs)
-            finally:
-                self.engine.end_capture()
+        before = slot_snapshot(self.engine)
+        # The graph this one replaces lives until the new capture ends: a pool shared with other graphs
+        # (pool=...) is freed when no graph holds it, and a capture into a freed pool fails.
+        previous, self.graph, self.static_output = self.__dict__.get("graph"), None, None
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream(self.group.device)
+        # A pool of its own unless one is shared; named here, as a failed capture has no graph.pool() to ask.
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                self.engine.begin_capture()
+                try:
+                    static_output = self.model(*self.static_args, **self.static_kwargs)
+                finally:
+                    self.engine.end_capture()
+        except BaseException:
+            _abandon_capture(pool, self.group.device, stream)
+            raise
+        del previous
+        self.graph, self.static_output = graph, static_output
         self.generation = self.engine.generation
+        self.layout_generation = self.engine.layout_generation
+        # The slots a replay starts from. A step that ends where it began (every cyclic forward) lets a replay
+        # follow an eager forward that ends there too; one that does not (a forward that skips blocks) cannot.
+        self.slots = slot_snapshot(self.engine)
+        self.resumable = self.slots == before
         logger.info("Captured an offloaded forward: %d blocks in %d fixed slots", len(self.group.states),
                     self.num_slots)
 
     def replay(self) -> Any:
         """Replay with whatever the static inputs hold now; returns the static output."""
         self._check_attached()
+        if self.graph is None:
+            raise OffloadStateError("fastoffload: the last capture of this graph failed, so there is nothing to replay; "
+                                    "call recapture() once the forward can be captured")
         if self.engine.generation != self.generation:
-            raise OffloadStateError("fastoffload: the offloaded model ran eagerly, or a block's weights were loaded or "
-                                    "edited (load_state_dict, mutate_params_scope, an adapter), since this graph was "
-                                    "captured, so its slots and host copies no longer hold what the graph expects; "
-                                    "call recapture() before replaying")
+            self._resume()
         # A cast, a rebind or an in-place write to an offloaded parameter since the capture: an eager forward
         # refuses it at the block's acquire, and a replay, which would not see it either, refuses it here.
         for handle in self.handles:
@@ -228,10 +288,26 @@ class OffloadedCUDAGraph:
         self.graph.replay()
         return self.static_output
 
+    def _resume(self) -> None:
+        """After eager steps (or another graph's capture) since the last replay: replays on only if the slots hold
+        what they held when the capture began, once the copies those steps issued are done."""
+        if self.engine.layout_generation != self.layout_generation:
+            raise OffloadStateError("fastoffload: a block's weights were loaded or edited (load_state_dict, "
+                                    "mutate_params_scope, an adapter), or the slots were reallocated, since this graph "
+                                    "was captured, so its slots and host copies no longer hold what the graph expects; "
+                                    "call recapture() before replaying")
+        if not self.resumable or slot_snapshot(self.engine) != self.slots:
+            raise OffloadStateError("fastoffload: the offloaded model ran eagerly since this graph was captured and did "
+                                    "not end with the blocks where the capture began (a forward that raised part-way, "
+                                    "or one that skips blocks), so the graph would read the wrong slots; call "
+                                    "recapture() before replaying")
+        self.engine.join_copies()
+        self.generation = self.engine.generation
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _copy_inputs(self.static_args, args)
         _copy_inputs(self.static_kwargs, kwargs, "keyword input")
         return self.replay()
 
 
-__all__ = ["OffloadedCUDAGraph", "check_graph_slots", "cyclic_slot_assignment"]
+__all__ = ["OffloadedCUDAGraph", "capturable_group", "check_graph_slots", "cyclic_slot_assignment", "slot_snapshot"]

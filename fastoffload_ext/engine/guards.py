@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["is_guard", "mark", "remove_guards"]
+__all__ = ["is_guard", "mark", "remove_guard", "remove_guards"]
 
 _GUARD = "_fastoffload_guard"  # on a wrapper: set by mark()
 _REPLACED = "_fastoffload_replaced"  # on a wrapper: the instance attribute it replaced (None: there was none)
@@ -31,13 +31,22 @@ def is_guard(value: Any) -> bool:
     return bool(getattr(value, _GUARD, False))
 
 
+def remove_guard(module: nn.Module, key: str) -> bool:
+    """Takes the marked wrapper at ``module.<key>`` off the instance, putting back what it replaced; whether
+    there was one."""
+    value = module.__dict__.get(key)
+    if not is_guard(value):
+        return False
+    replaced = getattr(value, _REPLACED, None)
+    if replaced is None:
+        del module.__dict__[key]
+    else:
+        module.__dict__[key] = replaced
+    return True
+
+
 def remove_guards(model: nn.Module) -> None:
     """Takes every marked wrapper off the instances of ``model``'s modules, putting back what each replaced."""
     for module in model.modules():
-        for key, value in list(vars(module).items()):
-            if is_guard(value):
-                replaced = getattr(value, _REPLACED, None)
-                if replaced is None:
-                    del module.__dict__[key]
-                else:
-                    module.__dict__[key] = replaced
+        for key in [key for key, value in vars(module).items() if is_guard(value)]:
+            remove_guard(module, key)

@@ -48,10 +48,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastoffload_ext.engine.graph_forward import graph_forward
 from fastoffload_ext.engine.guards import is_guard, mark
 from fastoffload_ext.engine.hooks import DEAD_MODULE_ERROR
-from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
-                                              get_offload_group)
+from fastoffload_ext.engine.layerwise import (
+    LayerwiseOffloadGroup,
+    disable_layerwise_offload,
+    enable_layerwise_offload,
+    get_offload_group,
+)
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.pipeline.lazy import is_lazy_module
 
@@ -407,13 +412,15 @@ def _check_names(pipe: Any, names: Any) -> tuple[str, ...]:
     return chosen
 
 
-def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
+def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None, *, cuda_graph: bool = False,
                         **options: Any) -> dict[str, LayerwiseOffloadGroup]:
     """Enable layerwise offload on the pipeline's denoiser(s) and define the pipeline's moves on them.
 
     Args:
         pipe: a diffusers ``DiffusionPipeline`` (anything with the denoiser as an attribute works).
         names: the attributes to offload; default: those of :data:`DENOISER_NAMES` that hold a module.
+        cuda_graph: replay each denoiser's forward from CUDA graphs (``graph_forward``: one per input
+            signature, captured at its first call; ext backend on CUDA). The pipeline's calls stay as they are.
         **options: keyword arguments of ``enable_layerwise_offload`` (``device``, ``backend``,
             ``prefetch_depth``, ...), the same for every denoiser.
 
@@ -424,8 +431,9 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
     Raises:
         TypeError: ``names`` is a string, or holds something other than strings.
         ValueError: a name in ``names`` holds no module on ``pipe``; nothing is offloaded.
-        Whatever ``enable_layerwise_offload`` raises for a denoiser: the ones this call had offloaded are
-            undone first (their blocks go back where they were), so nothing stays offloaded.
+        Whatever ``enable_layerwise_offload`` (or ``graph_forward``, with ``cuda_graph``) raises for a denoiser:
+            the ones this call had offloaded are undone first (their blocks go back where they were), so nothing
+            stays offloaded.
     """
     present = tuple(n for n in DENOISER_NAMES if isinstance(getattr(pipe, n, None), nn.Module))
     chosen = _check_names(pipe, names) if names is not None else present
@@ -435,6 +443,8 @@ def offload_transformer(pipe: Any, names: tuple[str, ...] | None = None,
             group = enable_layerwise_offload(getattr(pipe, name), **options)
             if group is not None:
                 groups[name] = group
+                if cuda_graph:
+                    graph_forward(getattr(pipe, name))
     except BaseException:
         # A later denoiser refused: the ones offloaded by this call go back, so that the pipeline is as it
         # was (a retry would otherwise find them offloaded, and they would have no pipeline wrappers).
