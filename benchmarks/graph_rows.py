@@ -38,6 +38,8 @@ class ResidentGraph:
     """One resident forward captured with static copies of ``inputs``; calling it replays the capture."""
 
     def __init__(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        from fastoffload_ext.engine.graphs import capture_graph
+
         self.inputs = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -46,7 +48,7 @@ class ResidentGraph:
                 model(**self.inputs, return_dict=False)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
+        with torch.inference_mode(), capture_graph(self.graph):
             self.output = model(**self.inputs, return_dict=False)[0]
 
     def __call__(self) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """CUDA-graph capture of an offloaded forward: the fixed slot assignment (CPU) and replay (GPU)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -91,6 +93,30 @@ def test_a_capture_that_raised_is_ended_in_the_allocator_and_gives_its_pool_use_
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", already_ended)
     graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream")
     assert calls == []
+
+
+def test_capture_graph_abandons_the_capture_it_began_when_it_raises(monkeypatch) -> None:
+    """The pool it names is the one it ends and releases; an error in the captured work propagates."""
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def failing_graph(graph: object, pool: tuple[int, int]) -> Iterator[None]:
+        events.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", failing_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 42))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "caller's stream")
+    monkeypatch.setattr(graphs, "_abandon_capture", lambda pool, device, stream: events.append(("abandon", pool,
+                                                                                               device, stream)))
+    with pytest.raises(RuntimeError, match="host sync"):
+        with graphs.capture_graph(object(), "cuda:0"):
+            raise RuntimeError("host sync while capturing")
+    assert events == [("capture", (0, 42)), ("abandon", (0, 42), "cuda:0", "caller's stream")]
+    events.clear()
+    with graphs.capture_graph(object(), 0, pool=(0, 5)):
+        pass
+    assert events == [("capture", (0, 5))]  # a capture that ended is the graph's to clean up
 
 
 def test_begin_capture_outside_a_capture_is_refused() -> None:

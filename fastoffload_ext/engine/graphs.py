@@ -40,7 +40,9 @@ The output of a replay is a static tensor that the next replay overwrites: clone
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -115,7 +117,26 @@ def slot_snapshot(engine: Any) -> tuple[tuple[int, str, int], ...]:
                  for slot in range(engine.num_slots))
 
 
-def _abandon_capture(pool: tuple[int, int], device: torch.device, stream: torch.cuda.Stream) -> None:
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, device: torch.device | str | int | None = None,
+                  pool: tuple[int, int] | None = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` that, when the capture raises, leaves torch as it was.
+
+    A capture gets a pool of its own unless ``pool`` is shared; it is named here, because a capture that
+    failed has no ``graph.pool()`` to ask.
+    """
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    stream = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        _abandon_capture(pool, device, stream)
+        raise
+
+
+def _abandon_capture(pool: tuple[int, int], device: torch.device | str | int | None,
+                     stream: torch.cuda.Stream) -> None:
     """Undoes what a capture into ``pool`` that raised leaves behind in torch, so the process goes on as before.
 
     When the captured work fails (a host sync, a disallowed call), ``capture_end`` raises at the end of the
@@ -130,7 +151,7 @@ def _abandon_capture(pool: tuple[int, int], device: torch.device, stream: torch.
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None or release is None:
         return
-    index = torch.device(device).index
+    index = device if isinstance(device, int) else None if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     try:
         end(index, pool)
@@ -249,19 +270,12 @@ class OffloadedCUDAGraph:
         # (pool=...) is freed when no graph holds it, and a capture into a freed pool fails.
         previous, self.graph, self.static_output = self.__dict__.get("graph"), None, None
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream(self.group.device)
-        # A pool of its own unless one is shared; named here, as a failed capture has no graph.pool() to ask.
-        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                self.engine.begin_capture()
-                try:
-                    static_output = self.model(*self.static_args, **self.static_kwargs)
-                finally:
-                    self.engine.end_capture()
-        except BaseException:
-            _abandon_capture(pool, self.group.device, stream)
-            raise
+        with capture_graph(graph, self.group.device, self.pool), torch.no_grad():
+            self.engine.begin_capture()
+            try:
+                static_output = self.model(*self.static_args, **self.static_kwargs)
+            finally:
+                self.engine.end_capture()
         del previous
         self.graph, self.static_output = graph, static_output
         self.generation = self.engine.generation
@@ -310,4 +324,4 @@ class OffloadedCUDAGraph:
         return self.replay()
 
 
-__all__ = ["OffloadedCUDAGraph", "capturable_group", "check_graph_slots", "cyclic_slot_assignment", "slot_snapshot"]
+__all__ = ["OffloadedCUDAGraph", "capturable_group", "capture_graph", "check_graph_slots", "cyclic_slot_assignment", "slot_snapshot"]
