@@ -118,23 +118,16 @@ def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, nu
         "range": eager_range, "bit_equal": equal,
         "note": ("the resident forward captured once and replayed (torch.cuda.CUDAGraph); x resident: against "
                  "the eager resident forward")})]
-    x_resident, resident_range = ratio([e / r for e, r in zip(ext, resident)])
-    values: dict[str, Any] = {
-        "ms": float(statistics.median(ext)), "spread": (max(ext) - min(ext)) / statistics.median(ext),
-        "x_resident": x_resident, "range": resident_range, "bit_equal": equal}
+    transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
+    floor = floors(resident, transfer) if transfer else None
+    values = _offloaded_row(ext, resident, floor, equal, target)
     notes = [(f"OffloadedCUDAGraph over ext ({', '.join(config.lists)}, default settings otherwise), "
               f"{num_slots} fixed slots; x resident: against the resident graph; {len(ext)} rounds")]
-    transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
-    if transfer:
-        floor = floors(resident, transfer)
+    if floor is not None:
         floor_ms = float(statistics.median(floor))
         rows.append((FLOOR, {"ms": floor_ms, "x_floor": 1.0, "compute_over_copy": resident_ms / transfer,
                              "note": f"max(resident graph, {config.offloaded_bytes / GB:.2f} GB / {peak_gbps:.1f} GB/s "
                                      f"= {transfer:.1f} ms)"}))
-        values["x_floor"], values["range"] = ratio([e / f for e, f in zip(ext, floor)])
-        values["pass"] = values["x_floor"] <= target
-        if target != EXT_TARGET:
-            values["target"] = target
         eager_floor = ratio([e / f for e, f in zip(ext, floors(eager, transfer))])[0]
         notes.append(f"{eager_floor:.3f}x the eager floor max(eager resident, transfer)")
     values["note"] = "; ".join(notes)
@@ -142,15 +135,23 @@ def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, nu
     forward = result.rounds.get(f"{EXT_FORWARD}|{label}")
     if forward:
         over_replay, over_range = ratio([f / e for f, e in zip(forward, ext)])
-        wrapped: dict[str, Any] = {
-            "ms": float(statistics.median(forward)), "spread": (max(forward) - min(forward)) / statistics.median(forward),
-            "x_resident": ratio([f / r for f, r in zip(forward, resident)])[0], "bit_equal": equal,
-            "note": (f"model(**inputs) through graph_forward (its own graph, the same fixed slots); "
-                     f"{over_replay:.3f}x {over_range} the bare replay")}
-        if transfer:
-            wrapped["x_floor"], wrapped["range"] = ratio([f / fl for f, fl in zip(forward, floor)])
-            wrapped["pass"] = wrapped["x_floor"] <= target
-            if target != EXT_TARGET:
-                wrapped["target"] = target
+        wrapped = _offloaded_row(forward, resident, floor, equal, target)
+        wrapped["note"] = (f"model(**inputs) through graph_forward (its own graph, the same fixed slots); "
+                           f"{over_replay:.3f}x {over_range} the bare replay")
         rows.append((EXT_FORWARD, wrapped))
     return rows
+
+
+def _offloaded_row(times: Sequence[float], resident: Sequence[float], floor: Sequence[float] | None, equal: bool,
+                   target: float) -> dict[str, Any]:
+    """An offloaded graph row's figures, round by round against the resident graph and (given) the floor."""
+    median = float(statistics.median(times))
+    x_resident, resident_range = ratio([t / r for t, r in zip(times, resident)])
+    values: dict[str, Any] = {"ms": median, "spread": (max(times) - min(times)) / median, "x_resident": x_resident,
+                              "range": resident_range, "bit_equal": equal}
+    if floor is not None:
+        values["x_floor"], values["range"] = ratio([t / f for t, f in zip(times, floor)])
+        values["pass"] = values["x_floor"] <= target
+        if target != EXT_TARGET:
+            values["target"] = target
+    return values

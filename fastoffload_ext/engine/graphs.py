@@ -291,8 +291,8 @@ class OffloadedCUDAGraph:
         """Replay with whatever the static inputs hold now; returns the static output."""
         self._check_attached()
         if self.graph is None:
-            raise OffloadStateError("fastoffload: the last capture of this graph failed, so there is nothing to replay; "
-                                    "call recapture() once the forward can be captured")
+            raise OffloadStateError("fastoffload: the last capture of this graph failed, so there is nothing to "
+                                    "replay; call recapture() once the forward can be captured")
         if self.engine.generation != self.generation:
             self._resume()
         # A cast, a rebind or an in-place write to an offloaded parameter since the capture: an eager forward
@@ -311,10 +311,10 @@ class OffloadedCUDAGraph:
                                     "was captured, so its slots and host copies no longer hold what the graph expects; "
                                     "call recapture() before replaying")
         if not self.resumable or slot_snapshot(self.engine) != self.slots:
-            raise OffloadStateError("fastoffload: the offloaded model ran eagerly since this graph was captured and did "
-                                    "not end with the blocks where the capture began (a forward that raised part-way, "
-                                    "or one that skips blocks), so the graph would read the wrong slots; call "
-                                    "recapture() before replaying")
+            raise OffloadStateError("fastoffload: the offloaded model ran eagerly since this graph was captured and "
+                                    "did not end with the blocks where the capture began (a forward that raised "
+                                    "part-way, or one that skips blocks), so the graph would read the wrong slots; "
+                                    "call recapture() before replaying")
         self.engine.join_copies()
         self.generation = self.engine.generation
 
@@ -324,4 +324,5 @@ class OffloadedCUDAGraph:
         return self.replay()
 
 
-__all__ = ["OffloadedCUDAGraph", "capturable_group", "capture_graph", "check_graph_slots", "cyclic_slot_assignment", "slot_snapshot"]
+__all__ = ["OffloadedCUDAGraph", "capturable_group", "capture_graph", "check_graph_slots", "cyclic_slot_assignment",
+           "slot_snapshot"]

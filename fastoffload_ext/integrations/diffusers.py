@@ -51,12 +51,8 @@ from torch import nn
 from fastoffload_ext.engine.graph_forward import graph_forward
 from fastoffload_ext.engine.guards import is_guard, mark
 from fastoffload_ext.engine.hooks import DEAD_MODULE_ERROR
-from fastoffload_ext.engine.layerwise import (
-    LayerwiseOffloadGroup,
-    disable_layerwise_offload,
-    enable_layerwise_offload,
-    get_offload_group,
-)
+from fastoffload_ext.engine.layerwise import (LayerwiseOffloadGroup, disable_layerwise_offload, enable_layerwise_offload,
+                                              get_offload_group)
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.pipeline.lazy import is_lazy_module
 
