@@ -309,9 +309,14 @@ def test_a_forward_that_synchronizes_cannot_be_captured_and_the_model_runs_on() 
     with torch.no_grad():
         with pytest.raises(OffloadConfigError, match="cannot be captured in a CUDA graph"):
             model(x)
-        # The failed capture left torch as it was: the stream it ran on, and an allocator that frees.
+        # The failed capture left torch as it was: the stream it ran on, an allocator that frees and a
+        # random generator that draws outside a capture.
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
         assert _empty_cache_hands_back_a_new_segment()
+        torch.manual_seed(3)
+        drawn = torch.randn(64, device="cuda")
+        torch.manual_seed(3)
+        assert torch.equal(torch.randn(64, device="cuda"), drawn)
         assert remove_graph_forward(model)
         for _ in range(3):
             assert torch.equal(model(x), reference(x))

@@ -74,7 +74,8 @@ def test_graph_refuses_what_it_cannot_capture() -> None:
 
 
 def test_a_capture_that_raised_is_ended_in_the_allocator_and_gives_its_pool_use_back(monkeypatch) -> None:
-    """torch's capture_end raises before ending the allocator's capture: left so, empty_cache frees nothing."""
+    """torch's capture_end raises before ending the allocator's and the generator's capture: left so,
+    empty_cache frees nothing and every random draw on the device raises."""
     calls: list[tuple] = []
     current = ["capture side"]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
@@ -82,17 +83,40 @@ def test_a_capture_that_raised_is_ended_in_the_allocator_and_gives_its_pool_use_
                                                                   current.__setitem__(0, stream)))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda i, p: calls.append(("end", i, p)), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda i, p: calls.append(("release", i, p)), raising=False)
-    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream")
-    assert calls == [("set_stream", "caller's stream"), ("end", 1, (0, 7)), ("release", 1, (0, 7))]
+    monkeypatch.setattr(graphs, "_end_generator_capture", lambda i: calls.append(("generator", i)))
+    error = RuntimeError("operation not permitted when stream is capturing")
+    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream", error)
+    assert calls == [("set_stream", "caller's stream"), ("end", 1, (0, 7)), ("release", 1, (0, 7)),
+                     ("generator", 1)]
 
-    # capture_end got as far as ending it: the pool's use is the graph's to give back, not ours.
+    # capture_end got as far as ending the allocator's capture: the pool's use is the graph's to give back,
+    # not ours; it may still have raised before ending the generator's ("Invalid capture").
     def already_ended(index: int, pool: tuple[int, int]) -> None:
         raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
     calls.clear()
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", already_ended)
-    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream")
-    assert calls == []
+    graphs._abandon_capture((0, 7), torch.device("cuda", 1), "caller's stream", error)
+    assert calls == [("generator", 1)]
+    assert not getattr(error, "__notes__", [])
+
+
+def test_a_generator_that_cannot_be_reset_is_named_on_the_capture_error(monkeypatch) -> None:
+    """The capture's own error goes on to the caller, with a note of what is left stuck."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "caller's stream")
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda i, p: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda i, p: None, raising=False)
+
+    def device_lost(index: int) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(graphs, "_end_generator_capture", device_lost)
+    error = RuntimeError("operation not permitted when stream is capturing")
+    graphs._abandon_capture((0, 7), 0, "caller's stream", error)
+    assert len(error.__notes__) == 1
+    assert "cuda:0's default random generator could not be reset (CUDA error: an illegal memory access" in \
+        error.__notes__[0]
+    assert "until a CUDA graph is captured on that device" in error.__notes__[0]
 
 
 def test_capture_graph_abandons_the_capture_it_began_when_it_raises(monkeypatch) -> None:
@@ -107,12 +131,13 @@ def test_capture_graph_abandons_the_capture_it_began_when_it_raises(monkeypatch)
     monkeypatch.setattr(torch.cuda, "graph", failing_graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 42))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "caller's stream")
-    monkeypatch.setattr(graphs, "_abandon_capture", lambda pool, device, stream: events.append(("abandon", pool,
-                                                                                               device, stream)))
+    monkeypatch.setattr(graphs, "_abandon_capture", lambda pool, device, stream, error: events.append(
+        ("abandon", pool, device, stream, str(error))))
     with pytest.raises(RuntimeError, match="host sync"):
         with graphs.capture_graph(object(), "cuda:0"):
             raise RuntimeError("host sync while capturing")
-    assert events == [("capture", (0, 42)), ("abandon", (0, 42), "cuda:0", "caller's stream")]
+    assert events == [("capture", (0, 42)), ("abandon", (0, 42), "cuda:0", "caller's stream",
+                                              "host sync while capturing")]
     events.clear()
     with graphs.capture_graph(object(), 0, pool=(0, 5)):
         pass

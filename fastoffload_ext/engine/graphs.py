@@ -130,34 +130,59 @@ def capture_graph(graph: torch.cuda.CUDAGraph, device: torch.device | str | int 
     try:
         with torch.cuda.graph(graph, pool=pool):
             yield
-    except BaseException:
-        _abandon_capture(pool, device, stream)
+    except BaseException as error:
+        _abandon_capture(pool, device, stream, error)
         raise
 
 
 def _abandon_capture(pool: tuple[int, int], device: torch.device | str | int | None,
-                     stream: torch.cuda.Stream) -> None:
+                     stream: torch.cuda.Stream, error: BaseException) -> None:
     """Undoes what a capture into ``pool`` that raised leaves behind in torch, so the process goes on as before.
 
     When the captured work fails (a host sync, a disallowed call), ``capture_end`` raises at the end of the
-    stream capture, before it tells the caching allocator that the capture is over, and
-    ``torch.cuda.graph`` then skips restoring the current stream. The allocator would count a capture as
-    underway for good, and while one is, ``torch.cuda.empty_cache()`` hands nothing back; the capture's
-    side stream would stay current; and the pool would keep the use the capture took, so it is never freed.
+    stream capture, before it tells the caching allocator and the device's default random generator that
+    the capture is over, and ``torch.cuda.graph`` then skips restoring the current stream. The allocator
+    would count a capture as underway for good, and while one is, ``torch.cuda.empty_cache()`` hands nothing
+    back; the generator would refuse every random draw outside a capture ("Offset increment outside graph
+    capture"); the capture's side stream would stay current; and the pool would keep the use the capture
+    took, so it is never freed. What cannot be undone is said in a note on ``error``, the capture's own
+    exception, which goes on to the caller.
     """
     if torch.cuda.current_stream(device) != stream:
         torch.cuda.set_stream(stream)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    release = getattr(torch._C, "_cuda_releasePool", None)
-    if end is None or release is None:
-        return
     index = device if isinstance(device, int) else None if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None and release is not None:
+        try:
+            end(index, pool)
+        except RuntimeError:
+            pass  # capture_end got as far as ending it (or capture_begin never started it)
+        else:
+            release(index, pool)  # the use capture_begin took; a graph whose capture never ended keeps it
+    # Past the allocator, capture_end can still raise before it ends the generator's capture ("Invalid
+    # capture"), so that is ended whatever the allocator said; ending one that is not underway changes nothing.
     try:
-        end(index, pool)
-    except RuntimeError:
-        return  # capture_end got as far as ending it (or capture_begin never started it): nothing is stuck
-    release(index, pool)  # the use capture_begin took; a graph whose capture never ended does not give it back
+        _end_generator_capture(index)
+    except RuntimeError as reset_error:
+        if hasattr(error, "add_note"):
+            error.add_note(f"fastoffload: after this failed capture, cuda:{index}'s default random generator could "
+                           f"not be reset ({reset_error}); random draws there may raise 'Offset increment outside "
+                           "graph capture' until a CUDA graph is captured on that device")
+
+
+def _end_generator_capture(index: int) -> None:
+    """Clears the capture flag that a failed capture left on device ``index``'s default random generator.
+
+    torch has no call for it; a capture that succeeds clears it, so one is made of a single tiny kernel. It
+    leaves the generator's seed and offset as they were: a capture counts its draws apart from them.
+    """
+    scratch = torch.zeros(1, device=torch.device("cuda", index))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(index), torch.cuda.graph(graph):
+        scratch.add_(1)
+    del graph
 
 
 def _clone_inputs(value: Any) -> Any:
