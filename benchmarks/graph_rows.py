@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from benchmarks.interleave import Interleaved, Timer
+from benchmarks.link_probe import link_floors
 from benchmarks.model_rows import EXT_TARGET, ExtConfig, floors, ratio, transfer_ms
 from benchmarks.utils import GB
 
@@ -107,8 +108,10 @@ class GraphRows:
 
 
 def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, num_slots: int,
-               peak_gbps: float | None, target: float = EXT_TARGET) -> list[tuple[str, dict[str, Any]]]:
-    """(backend, figures) of the three graph rows at one token count, from the first session's rounds."""
+             peak_gbps: float | None, target: float = EXT_TARGET,
+             link: tuple[int, Sequence[float]] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(backend, figures) of the graph rows at one token count, from the first session's rounds; ``link`` (probe
+    bytes, its ms per round) adds each offloaded row against the floor at each round's link."""
     eager = result.rounds[f"resident|{label}"]
     resident, ext = result.rounds[f"{RESIDENT}|{label}"], result.rounds[f"{EXT}|{label}"]
     resident_ms = float(statistics.median(resident))
@@ -120,7 +123,8 @@ def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, nu
                  "the eager resident forward")})]
     transfer = transfer_ms(config.offloaded_bytes, peak_gbps)
     floor = floors(resident, transfer) if transfer else None
-    values = _offloaded_row(ext, resident, floor, equal, target)
+    at_link = link_floors(resident, config.offloaded_bytes, *link) if transfer and link else None
+    values = _offloaded_row(ext, resident, floor, equal, target, at_link)
     notes = [(f"OffloadedCUDAGraph over ext ({', '.join(config.lists)}, default settings otherwise), "
               f"{num_slots} fixed slots; x resident: against the resident graph; {len(ext)} rounds")]
     if floor is not None:
@@ -135,7 +139,7 @@ def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, nu
     forward = result.rounds.get(f"{EXT_FORWARD}|{label}")
     if forward:
         over_replay, over_range = ratio([f / e for f, e in zip(forward, ext)])
-        wrapped = _offloaded_row(forward, resident, floor, equal, target)
+        wrapped = _offloaded_row(forward, resident, floor, equal, target, at_link)
         wrapped["note"] = (f"model(**inputs) through graph_forward (its own graph, the same fixed slots); "
                            f"{over_replay:.3f}x {over_range} the bare replay")
         rows.append((EXT_FORWARD, wrapped))
@@ -143,8 +147,9 @@ def rows_for(result: Interleaved, label: str, config: ExtConfig, equal: bool, nu
 
 
 def _offloaded_row(times: Sequence[float], resident: Sequence[float], floor: Sequence[float] | None, equal: bool,
-                   target: float) -> dict[str, Any]:
-    """An offloaded graph row's figures, round by round against the resident graph and (given) the floor."""
+                   target: float, at_link: Sequence[float] | None = None) -> dict[str, Any]:
+    """An offloaded graph row's figures, round by round against the resident graph and (given) the floor and the
+    floor at each round's link."""
     median = float(statistics.median(times))
     x_resident, resident_range = ratio([t / r for t, r in zip(times, resident)])
     values: dict[str, Any] = {"ms": median, "spread": (max(times) - min(times)) / median, "x_resident": x_resident,
@@ -154,4 +159,6 @@ def _offloaded_row(times: Sequence[float], resident: Sequence[float], floor: Seq
         values["pass"] = values["x_floor"] <= target
         if target != EXT_TARGET:
             values["target"] = target
+    if at_link is not None:
+        values["x_link_floor"] = ratio([t / f for t, f in zip(times, at_link)])[0]
     return values

@@ -76,6 +76,12 @@ CUDA graphs (on a GPU): the first session also times the resident model and ext 
 captured whole in a CUDA graph and replayed (``benchmarks/graph_rows.py``): ``resident, CUDA graph``, its
 ``floor, CUDA graph`` and ``ext, CUDA graph``, which shows what ext reaches where an eager forward is bound by the
 host. Its ``pass`` uses the same targets, against the graph's floor.
+
+The link (on a GPU): the peak H2D that sets every floor is one probe before the section, and the link drifts
+between machines and within a run. The first session times one more configuration, a 256 MiB pinned copy
+(``benchmarks/link_probe.py``); a note per model gives the link's speed over the rounds against that peak, and
+``x floor at round link`` sets each ext and graph row against max(resident, its bytes at that round's link).
+Targets stay on the section's floor; the column tells a slow link from a slow offloader.
 """
 from __future__ import annotations
 
@@ -94,6 +100,8 @@ from torch import nn
 from benchmarks import graph_rows, model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.copy_load import CopyLoad
+from benchmarks.link_probe import LinkProbe, link_floors
+from benchmarks.link_probe import describe as describe_link
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
 from benchmarks.model_budget import block_costs, least_budget_plan
 from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors,
@@ -125,6 +133,7 @@ TABLES = {
             Column("x_floor", "x floor", ".3f"),
             Column("range", "[round range]"),
             Column("x_loaded_floor", "x floor w/ copies", ".3f"),
+            Column("x_link_floor", "x floor at round link", ".3f"),
             Column("x_ext", "x ext", ".2f"),
             Column("vs_ext", "vs ext"),
             Column("bound_ms", "sched bound ms", ".1f"),
@@ -140,6 +149,7 @@ TABLES = {
 
 MEM_SLACK_BYTES = 64 * MiB
 LOADED = "resident+copies"  # the first session's configuration: the resident forward with copies streaming
+LINK = "h2d link"  # the first session's link probe: one pinned copy per forward (benchmarks/link_probe.py)
 BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
 ENV_MODELS = "BENCHMARK_MODELS"
 ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all": every peer on every model, also where a model's spec names fewer
@@ -415,6 +425,7 @@ class ModelRun:
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
     first: Interleaved | None = None  # the first session: resident, the ext configurations, the block clocks
     copy_load: CopyLoad | None = None  # the copies streaming beside the resident model in the first session
+    link: LinkProbe | None = None  # the link's speed in each round of the first session
     graphs: graph_rows.GraphRows | None = None  # the CUDA-graph configurations of the first session (freed after it)
     graph_error: Exception | None = None  # why they could not be built
     source: dict[str, torch.Tensor] | None = None  # the host copy every peer's model is bound to
@@ -548,6 +559,8 @@ def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
         run.copy_load = run.copy_load or CopyLoad(ctx.device)
         clocks.update({f"{LOADED}|{label}": run.copy_load.timer(run.forwards[f"resident|{label}"], iters)
                        for label in run.inputs})
+        run.link = run.link or LinkProbe(ctx.device)
+        clocks[LINK] = _timer(ctx, run.link.copy, iters)
     if run.graphs is not None:
         clocks.update(run.graphs.timers(lambda fn, count: _timer(ctx, fn, count), iters))
     return _session(ctx, run, names, clocks, rounds + (INITIAL_EXTRA_ROUNDS if ctx.cuda else 0))
@@ -732,6 +745,10 @@ def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtCon
         # Against max(resident with copies streaming, bytes / peak) in the same rounds: the floor less the
         # interference that every offloader pays, beside (not instead of) the floor its target is set on.
         values["x_loaded_floor"] = ratio([e / f for e, f in zip(ext, floors(loaded, transfer))])[0]
+    link = _link_rounds(run, result)
+    if transfer and link:
+        values["x_link_floor"] = ratio([e / f for e, f in zip(ext, link_floors(resident, config.offloaded_bytes,
+                                                                                *link))])[0]
     if transfer:
         floor = floors(resident, transfer)
         values["x_floor"], values["range"] = ratio([e / f for e, f in zip(ext, floor)])
@@ -754,6 +771,12 @@ def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtCon
                       mem_ok=config.peak[label] <= bound_bytes)
     values["note"] = "; ".join(notes)
     return values
+
+
+def _link_rounds(run: ModelRun, result: Interleaved) -> tuple[int, list[float]] | None:
+    """(probe bytes, its ms in each round) of the first session, where the link was probed."""
+    rounds = result.rounds.get(LINK)
+    return (run.link.nbytes, rounds) if rounds and run.link is not None else None
 
 
 def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float | None) -> list[PendingRow]:
@@ -796,7 +819,8 @@ def _graph_rows(run: ModelRun, result: Interleaved, label: str, base: dict[str, 
     target = TIGHT_TARGET if label in run.spec.tight else EXT_TARGET
     return [({**base, "backend": backend}, values, None, None)
             for backend, values in graph_rows.rows_for(result, label, run.graphs.config, run.graphs.equal[label],
-                                                       run.graphs.num_slots, peak_gbps, target)]
+                                                       run.graphs.num_slots, peak_gbps, target,
+                                                       link=_link_rounds(run, result))]
 
 
 def _budget_plan(ctx: Context, run: ModelRun, label: str,
@@ -913,6 +937,10 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
     model_run.medians = {name: result.median_ms(name) for name in result.rounds}
     log.mark(f"{spec.name}: resident and ext timed")
     _write(ctx, _own_rows(ctx, model_run, result, peak))
+    link = _link_rounds(model_run, result)
+    if link:
+        ctx.note(f"{spec.name}: the H2D link in the first session's rounds (one {link[0] // MiB} MiB pinned copy per "
+                 f"forward): {describe_link(*link, peak)}")
     if model_run.graphs is not None:  # the peers need the host memory its offloaded copy holds
         model_run.graphs.close()
         model_run.graphs = None

@@ -14,7 +14,7 @@ while the import runs (listed in ``SGLANG_STUBS``, and in the row's note). Packa
 installed them, or inside a wheel in ``.whl/`` at the repository root (pure-Python modules import from a
 zip). Two dependencies are real, not stubbed: SGLang's import chain serializes a class with ``dill`` at
 import time, and mmgp imports ``optimum.quanto`` (``optimum-quanto``) whether or not it quantizes; an
-offline machine needs their wheels too.
+offline machine needs their wheels too, and takes them from ``.whl/`` the same way (``PEER_DEPENDENCIES``).
 
 Each setup takes the model (on the host), the device and the names of the model's block lists, and
 returns a teardown; a peer that cannot run raises :class:`PeerUnavailable` with the reason.
@@ -57,6 +57,8 @@ SGLANG_STUBS = ("pybase64", "starlette", "starlette.routing", "tvm_ffi", "compre
 SGLANG_OFFLOAD = ("sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload",
                   "sglang.multimodal_gen.runtime.utils.layerwise_offload")
 FASTVIDEO_OFFLOAD = "fastvideo.hooks.layerwise_offload"
+# A peer's real dependencies: (the module it imports, the name its wheel starts with in .whl/).
+PEER_DEPENDENCIES = {"sglang": (("dill", "dill"),), "mmgp": (("optimum", "optimum_quanto"),)}
 # Imported, where installed, before a peer's module-only import: what SGLang's diffusion runtime is built on,
 # so that their checks for optional modules run before any stub exists, and SciPy's statistics, whose
 # docstring code, run once at its import, takes a ``sphinx`` in sys.modules for Sphinx (see
@@ -121,15 +123,19 @@ def offloaded_parts(model: nn.Module, device: torch.device, shapes: dict[str, to
     return frozenset(parts)
 
 
-def _add_wheels(package: str) -> None:
-    """Puts ``package`` on sys.path from ``.whl/`` when pip did not install it.
+def _add_wheels(package: str, wheel: str | None = None) -> None:
+    """Puts ``package`` (and the real dependencies :data:`PEER_DEPENDENCIES` names for it) on sys.path from
+    ``.whl/`` when pip did not install it; ``wheel`` is the name its archive starts with, when not ``package``.
 
     The archive is unpacked next to it first: zipimport cannot import namespace packages (directories
-    without ``__init__.py``), and SGLang's runtime tree is made of them.
+    without ``__init__.py``), and SGLang's runtime tree is made of them, as is optimum-quanto's ``optimum``.
     """
+    for dependency, dependency_wheel in PEER_DEPENDENCIES.get(package, ()):
+        _add_wheels(dependency, dependency_wheel)
     if _importable(package):
         return
-    archives = sorted(glob.glob(str(WHEEL_DIR / f"{package}-*.whl")) + glob.glob(str(WHEEL_DIR / f"{package}-*.zip")))
+    stem = wheel or package
+    archives = sorted(glob.glob(str(WHEEL_DIR / f"{stem}-*.whl")) + glob.glob(str(WHEEL_DIR / f"{stem}-*.zip")))
     for archive in archives:
         # Outside the repository: the checkout travels to the GPU machine, the unpacked tree need not.
         target = Path(tempfile.gettempdir()) / "fastoffload-peers" / Path(archive).stem

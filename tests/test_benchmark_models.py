@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import re
+import statistics
 import sys
 import time
 import weakref
@@ -20,7 +21,7 @@ pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/set
 
 from benchmarks import model_rows, models, peer_diff, peers  # noqa: E402
 from benchmarks.phases import PhaseLog  # noqa: E402
-from benchmarks.utils import GB, Context, Options, read_journal  # noqa: E402
+from benchmarks.utils import GB, Context, MiB, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
 
 
@@ -153,6 +154,32 @@ def test_ext_rows_are_set_against_the_resident_model_with_copies_streaming_too(t
     assert ext["x_loaded_floor"] == pytest.approx(ext["x_floor"] / 1.25, rel=1e-6)
     line = models.summarize([{"model": "wan-1.3b", "tokens": "1560", "backend": "ext", **ext}])[0]
     assert f"{ext['x_loaded_floor']:.3f}x the floor with copies streaming" in line
+    assert "x_link_floor" not in ext  # no link probe on the host
+
+
+def test_ext_rows_are_set_against_the_floor_at_each_round_s_link(tmp_path: Path) -> None:
+    from benchmarks.link_probe import LinkProbe
+    ctx, run = _host_run(tmp_path, models.MODELS["wan-1.3b"])
+    try:
+        result = models._first_session(ctx, run)
+    finally:
+        ctx.close()
+    label = next(iter(run.inputs))
+    config = run.configs[0]
+    resident, ext = result.rounds[f"resident|{label}"], result.rounds[f"{config.name}|{label}"]
+    # A link that moves the configuration's bytes in 3x the resident forward's time, in every round.
+    run.link = LinkProbe(torch.device("cpu"), nbytes=MiB)
+    result.rounds[models.LINK] = [3 * r * MiB / config.offloaded_bytes for r in resident]
+    rows = models._own_rows(ctx, run, result, peak_gbps=1e6)
+    values = next(values for labels, values, _, _ in rows if labels["backend"] == "ext" and
+                  labels["tokens"].startswith(str(run.token_counts[label])))
+    assert values["x_link_floor"] == pytest.approx(statistics.median(e / (3 * r) for e, r in zip(ext, resident)))
+    line = models.summarize([{"model": "wan-1.3b", "tokens": "1560", "backend": "ext", **values}])[0]
+    assert f"{values['x_link_floor']:.3f}x the floor at each round's link" in line
+    # Rounds of the probe that do not match the forward's are refused, not paired off.
+    result.rounds[models.LINK] = result.rounds[models.LINK][:-1]
+    with pytest.raises(ValueError, match="one probe per round"):
+        models._own_rows(ctx, run, result, peak_gbps=1e6)
 
 
 @pytest.mark.cuda
@@ -198,6 +225,14 @@ def test_graph_rows_are_set_against_the_resident_graph_and_say_the_eager_floor_t
     forward = rows[graph_rows.EXT_FORWARD]
     assert forward["x_floor"] == pytest.approx(1.02) and forward["pass"] is True and forward["range"] == "[1.010, 1.040]"
     assert "1.010x [1.010, 1.020] the bare replay" in forward["note"]
+    assert "x_link_floor" not in forward
+    # With the link probed in each round: a link at 4/5 of the peak in the last round sets that round's floor.
+    probe_bytes = int(GB)  # 4 ms at 250 GB/s
+    rows = dict(graph_rows.rows_for(wrapped, label, config, True, 3, 250.0, target=1.02,
+                                    link=(probe_bytes, [4.0, 4.0, 5.0])))
+    assert rows[graph_rows.EXT]["x_link_floor"] == pytest.approx(statistics.median([40.4 / 40, 40.8 / 40, 40.0 / 50]))
+    assert rows[graph_rows.EXT_FORWARD]["x_link_floor"] == pytest.approx(1.02)
+    assert rows[graph_rows.EXT]["x_floor"] == ext["x_floor"]  # the floor the target is set on stays the section's
 
 
 @pytest.mark.cuda
