@@ -306,9 +306,11 @@ def test_a_forward_that_synchronizes_cannot_be_captured_and_the_model_runs_on() 
     model.proj_out.register_forward_hook(host_read)
     x = torch.randn(2, 64, 256, device="cuda").bfloat16()
     assert _empty_cache_hands_back_a_new_segment()
+    generator_state = torch.cuda.get_rng_state()
     with torch.no_grad():
         with pytest.raises(OffloadConfigError, match="cannot be captured in a CUDA graph"):
             model(x)
+        assert torch.equal(torch.cuda.get_rng_state(), generator_state)  # the reset draws nothing
         # The failed capture left torch as it was: the stream it ran on, an allocator that frees and a
         # random generator that draws outside a capture.
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
