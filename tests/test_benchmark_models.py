@@ -136,13 +136,18 @@ def test_a_peer_within_the_rounds_noise_is_tied_and_one_faster_in_every_round_is
 
 
 
-def test_ext_rows_are_set_against_the_resident_model_with_copies_streaming_too(tmp_path: Path) -> None:
+def _wan_first_session(tmp_path: Path) -> tuple[Context, models.ModelRun, Any, str]:
+    """The Wan model's first session on the host, and its first token count's label."""
     ctx, run = _host_run(tmp_path, models.MODELS["wan-1.3b"])
     try:
         result = models._first_session(ctx, run)
     finally:
         ctx.close()
-    label = next(iter(run.inputs))
+    return ctx, run, result, next(iter(run.inputs))
+
+
+def test_ext_rows_are_set_against_the_resident_model_with_copies_streaming_too(tmp_path: Path) -> None:
+    ctx, run, result, label = _wan_first_session(tmp_path)
     # What the copy interference would read on a GPU: the resident forward 1.25x slower in every round.
     result.rounds[f"{models.LOADED}|{label}"] = [1.25 * ms for ms in result.rounds[f"resident|{label}"]]
     rows = models._own_rows(ctx, run, result, peak_gbps=1e6)  # a fast link: the resident model sets the floor
@@ -159,12 +164,7 @@ def test_ext_rows_are_set_against_the_resident_model_with_copies_streaming_too(t
 
 def test_ext_rows_are_set_against_the_floor_at_each_round_s_link(tmp_path: Path) -> None:
     from benchmarks.link_probe import LinkProbe
-    ctx, run = _host_run(tmp_path, models.MODELS["wan-1.3b"])
-    try:
-        result = models._first_session(ctx, run)
-    finally:
-        ctx.close()
-    label = next(iter(run.inputs))
+    ctx, run, result, label = _wan_first_session(tmp_path)
     config = run.configs[0]
     resident, ext = result.rounds[f"resident|{label}"], result.rounds[f"{config.name}|{label}"]
     # A link that moves the configuration's bytes in 3x the resident forward's time, in every round.
