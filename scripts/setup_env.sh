@@ -30,7 +30,7 @@ fi
 # The integration tests run against the real frameworks. FastVideo pins another torch and a long runtime
 # list, so it goes in without dependencies, plus only the modules its hooks and loaders import; torchvision
 # must match the installed torch (0.N+15 for torch 2.N) or pip would replace torch. Offline machines install
-# from .whl/ (see benchmarks/models.py) when it is there. FASTOFFLOAD_SKIP_INTEGRATIONS=1 skips all of it.
+# from .whl/ (scripts/offline_wheels.sh fills it) when it is there. FASTOFFLOAD_SKIP_INTEGRATIONS=1 skips all of it.
 if [ "${FASTOFFLOAD_SKIP_INTEGRATIONS:-0}" != 1 ]; then
   # An offline machine has the wheels in .whl/; asking the index there would only time out.
   wheels=(); [ -d .whl ] && wheels=(--no-index --find-links .whl)
