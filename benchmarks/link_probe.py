@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.utils import GB, MiB
 
-__all__ = ["PROBE_BYTES", "LinkProbe", "describe", "link_floors", "link_gbps"]
+__all__ = ["PROBE_BYTES", "LinkProbe", "describe_link", "link_floors", "link_gbps"]
 
 PROBE_BYTES = 256 * MiB  # at the peak on the H200 (the bandwidth section: 55.3 GB/s at 256 MiB, 55.2 at 1 GiB)
 
@@ -49,7 +49,7 @@ def link_floors(resident: Sequence[float], moved_bytes: int, probe_bytes: int,
     return [max(r, moved_bytes * ms / probe_bytes) for r, ms in zip(resident, probe_ms)]
 
 
-def describe(nbytes: int, round_ms: Sequence[float], peak_gbps: float | None) -> str:
+def describe_link(nbytes: int, round_ms: Sequence[float], peak_gbps: float | None) -> str:
     """The link over the rounds, against the section's probe: 'median GB/s [lowest, highest] (x the peak)'."""
     speeds = link_gbps(nbytes, round_ms)
     median = float(statistics.median(speeds))

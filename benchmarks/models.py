@@ -100,9 +100,8 @@ from torch import nn
 from benchmarks import graph_rows, model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.copy_load import CopyLoad
-from benchmarks.link_probe import LinkProbe, link_floors
-from benchmarks.link_probe import describe as describe_link
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
+from benchmarks.link_probe import LinkProbe, describe_link, link_floors
 from benchmarks.model_budget import block_costs, least_budget_plan
 from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors,
                                    matching_config, peer_values, ratio, transfer_ms)

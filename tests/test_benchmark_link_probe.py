@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.link_probe import PROBE_BYTES, LinkProbe, describe, link_floors, link_gbps
+from benchmarks.link_probe import PROBE_BYTES, LinkProbe, describe_link, link_floors, link_gbps
 from benchmarks.utils import GB, MiB
 
 
@@ -18,9 +18,9 @@ def test_a_round_s_link_speed_and_floor_come_from_that_round_s_probe() -> None:
 
 def test_the_link_is_described_against_the_section_s_peak() -> None:
     nbytes = int(55 * GB * 1e-3)  # 55 GB/s at 1 ms
-    text = describe(nbytes, [1.0, 1.1, 1.0 * 55 / 50], peak_gbps=55.0)
+    text = describe_link(nbytes, [1.0, 1.1, 1.0 * 55 / 50], peak_gbps=55.0)
     assert text == "50.0 GB/s [50.0, 55.0] over 3 rounds, 0.909x the section's peak probe (55.0 GB/s)"
-    assert describe(nbytes, [1.0], None) == "55.0 GB/s [55.0, 55.0] over 1 rounds"
+    assert describe_link(nbytes, [1.0], None) == "55.0 GB/s [55.0, 55.0] over 1 rounds"
 
 
 def test_the_probe_copies_its_whole_buffer() -> None:
