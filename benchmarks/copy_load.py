@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.steady import time_back_to_back
+
 __all__ = ["CHUNK_BYTES", "CopyLoad"]
 
 CHUNK_BYTES = 64 * 2**20  # one copy: as large as a DiT block's, so it runs at the PCIe peak
@@ -58,12 +60,18 @@ class CopyLoad:
         return device_ms, host_ms
 
     def timer(self, forward: Callable[[], Any], iters: int) -> Callable[[], list[float]]:
-        """A round timer (``benchmarks/interleave.py``): ``iters`` forwards, each with copies streaming; the
-        number of copies is set from the first forward's own time."""
-        copies: list[int] = []
+        """A round timer (``benchmarks/interleave.py``) timed like the other configurations of the models section
+        (``benchmarks/steady.py``): a lead forward and ``iters`` more back to back, with copies queued first for
+        all of them; returns the ``iters``. The number of copies per forward is set from the first forward's own
+        time."""
+        per_forward: list[int] = []
 
         def measure() -> list[float]:
-            if not copies:
-                copies.append(self.copies_for(self.time(forward, 0)[0]))
-            return [self.time(forward, copies[0])[0] for _ in range(iters)]
+            if not per_forward:
+                per_forward.append(self.copies_for(self.time(forward, 0)[0]))
+            torch.cuda.synchronize(self.device)
+            self.queue(per_forward[0] * (iters + 1))
+            times = time_back_to_back(forward, iters + 1)[1:]
+            torch.cuda.synchronize(self.device)  # the copies left run off the clock, before the next turn
+            return times
         return measure

@@ -27,9 +27,11 @@ def _median(values: Sequence[float]) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Interleaved:
-    """Per-configuration round medians (ms), in the order the rounds ran."""
+    """Per-configuration round medians (ms), in the order the rounds ran; ``leads``, for configurations timed
+    with a lead forward (``benchmarks/steady.py``), that forward's ms in each round."""
 
     rounds: dict[str, list[float]]
+    leads: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def median_ms(self, name: str) -> float:
         return _median(self.rounds[name])

@@ -118,6 +118,8 @@ def _ext_line(model: str, tokens: str, ext: dict[str, Any]) -> str:
         head += f", {ext['x_loaded_floor']:.3f}x the floor with copies streaming"
     if ext.get("x_link_floor") is not None:
         head += f", {ext['x_link_floor']:.3f}x the floor at each round's link"
+    if ext.get("x_floor_readback") is not None:
+        head += f", {ext['x_floor_readback']:.3f}x the floor after a readback"
     if ext.get("x_bound") is not None:
         head += f", {ext['x_bound']:.3f}x schedule bound {ext['bound_ms']:.1f} ms"
         target = ext.get("target") or EXT_TARGET

@@ -33,7 +33,10 @@ interleaved rounds in one process (``benchmarks/interleave.py``). The resident m
 configurations stay alive for the whole model. A first session times them (and the block clock);
 each peer is then set up in turn and timed in rounds together with resident and its matching ext
 configuration (in rotating order), and its ratios are taken within each round. Every ratio is the
-median of the per-round ratios, with the lowest and highest round beside it. A peer whose first
+median of the per-round ratios, with the lowest and highest round beside it. Each configuration's turn in a
+round is timed as a denoising loop runs it (``benchmarks/steady.py``): a lead forward, then the timed ones back
+to back with no wait between them; the lead follows a wait, as a step after a readback does, and ``x floor after
+readback`` sets ext's lead against resident's. A peer whose first
 forward takes over ``SLOW_PEER_FACTOR`` x its ext's is timed one forward a round.
 
 Rows are written as soon as they are final: ext's after the first session, each peer's when its
@@ -86,6 +89,7 @@ Targets stay on the section's floor; the column tells a slow link from a slow of
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import statistics
@@ -108,6 +112,7 @@ from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_fi
 from benchmarks.phases import PhaseLog
 from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
+from benchmarks.steady import SteadyTimer
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
                               module_bytes, reset_device_peak, try_import)
 from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, StackSpec, build_stack
@@ -133,6 +138,7 @@ TABLES = {
             Column("range", "[round range]"),
             Column("x_loaded_floor", "x floor w/ copies", ".3f"),
             Column("x_link_floor", "x floor at round link", ".3f"),
+            Column("x_floor_readback", "x floor after readback", ".3f"),
             Column("x_ext", "x ext", ".2f"),
             Column("vs_ext", "vs ext"),
             Column("bound_ms", "sched bound ms", ".1f"),
@@ -375,23 +381,8 @@ def _raise(error: Exception) -> dict[str, Any]:
     raise error
 
 
-def _timer(ctx: Context, fn: Callable[[], Any], iters: int) -> Callable[[], list[float]]:
-    def measure() -> list[float]:
-        times = []
-        for _ in range(iters):
-            if ctx.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                started = time.perf_counter_ns()
-                fn()
-                times.append((time.perf_counter_ns() - started) / 1e6)
-        return times
-    return measure
+def _timer(ctx: Context, fn: Callable[[], Any], iters: int) -> SteadyTimer:
+    return SteadyTimer(fn, iters, ctx.cuda)
 
 
 def _forward(model: nn.Module, inputs: dict[str, Any]) -> Callable[[], torch.Tensor]:
@@ -544,7 +535,9 @@ def _session(ctx: Context, run: ModelRun, names: list[str], extra: dict[str, Tim
             run.warmed.add(name)
     timers: dict[str, Timer] = {name: _timer(ctx, run.forwards[name], iters) for name in names}
     timers.update(extra)
-    return run_interleaved(timers, rounds)
+    result = run_interleaved(timers, rounds)
+    leads = {name: timer.leads for name, timer in timers.items() if isinstance(timer, SteadyTimer) and timer.leads}
+    return dataclasses.replace(result, leads=leads)
 
 
 def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
@@ -635,7 +628,7 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     iters, rounds = _iterations(ctx, run)
     if slow:
         holder["notes"].append(f"over {SLOW_PEER_FACTOR:.0f}x {holder['config'].name} in its first forward: "
-                               "1 forward a round")
+                               "1 forward a round after its lead")
     else:
         for forward in forwards.values():
             forward()  # its check was its first forward: one more, as the others had
@@ -748,6 +741,10 @@ def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtCon
     if transfer and link:
         values["x_link_floor"] = ratio([e / f for e, f in zip(ext, link_floors(resident, config.offloaded_bytes,
                                                                                 *link))])[0]
+    resident_leads, ext_leads = result.leads.get(f"resident|{label}"), result.leads.get(f"{config.name}|{label}")
+    if transfer and resident_leads and ext_leads:
+        # The step after a readback, against the resident one in the same rounds (benchmarks/steady.py).
+        values["x_floor_readback"] = ratio([e / f for e, f in zip(ext_leads, floors(resident_leads, transfer))])[0]
     if transfer:
         floor = floors(resident, transfer)
         values["x_floor"], values["range"] = ratio([e / f for e, f in zip(ext, floor)])

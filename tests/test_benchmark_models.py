@@ -182,6 +182,22 @@ def test_ext_rows_are_set_against_the_floor_at_each_round_s_link(tmp_path: Path)
         models._own_rows(ctx, run, result, peak_gbps=1e6)
 
 
+def test_ext_rows_give_the_step_after_a_readback_against_the_resident_one(tmp_path: Path) -> None:
+    import dataclasses
+    ctx, run, result, label = _wan_first_session(tmp_path)
+    assert result.leads == {}  # no lead forward on the host
+    config = run.configs[0]
+    # The lead forwards of a GPU run: resident 10 ms, ext 12, 11 and 13 ms, on a link that sets no floor.
+    result = dataclasses.replace(result, leads={f"resident|{label}": [10.0, 10.0, 10.0],
+                                                f"{config.name}|{label}": [12.0, 11.0, 13.0]})
+    rows = models._own_rows(ctx, run, result, peak_gbps=1e6)
+    values = next(values for labels, values, _, _ in rows if labels["backend"] == "ext" and
+                  labels["tokens"].startswith(str(run.token_counts[label])))
+    assert values["x_floor_readback"] == pytest.approx(1.2)
+    line = models.summarize([{"model": "wan-1.3b", "tokens": "1560", "backend": "ext", **values}])[0]
+    assert "1.200x the floor after a readback" in line
+
+
 @pytest.mark.cuda
 def test_the_copy_load_outlasts_the_forward_it_is_timed_with() -> None:
     from benchmarks.copy_load import CHUNK_BYTES, CopyLoad
