@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.steady import time_back_to_back
+from benchmarks.utils import time_back_to_back
 
 __all__ = ["CHUNK_BYTES", "CopyLoad"]
 

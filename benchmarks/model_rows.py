@@ -105,6 +105,9 @@ def peer_values(result: Interleaved, name: str, label: str, config: ExtConfig, p
     transfer = transfer_ms(peer_bytes, peak_gbps)
     if transfer:
         values["x_floor"] = ratio([p / f for p, f in zip(result.rounds[name], floors(resident, transfer))])[0]
+        leads, resident_leads = result.leads.get(name), result.leads.get(f"resident|{label}")
+        if leads and resident_leads:  # its step after a readback, as for ext (benchmarks/steady.py)
+            values["x_floor_readback"] = ratio([p / f for p, f in zip(leads, floors(resident_leads, transfer))])[0]
     return values
 
 

@@ -19,24 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["SteadyTimer", "time_back_to_back"]
+from benchmarks.utils import time_back_to_back
 
-
-def time_back_to_back(forward: Callable[[], Any], count: int) -> list[float]:
-    """Milliseconds of ``count`` forwards run back to back on the current CUDA stream, one wait at the end.
-
-    Forward ``n`` is timed from the event after forward ``n - 1`` to the one after itself, so device time the
-    host left idle (a host-bound step) counts, and nothing runs between two forwards that a loop would not."""
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    stream = torch.cuda.current_stream()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
-    events[0].record(stream)
-    for event in events[1:]:
-        forward()
-        event.record(stream)
-    events[-1].synchronize()
-    return [float(start.elapsed_time(end)) for start, end in zip(events, events[1:])]
+__all__ = ["SteadyTimer"]
 
 
 class SteadyTimer:

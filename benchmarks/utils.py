@@ -253,14 +253,26 @@ def time_cuda_ms(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[floa
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
+    times = time_back_to_back(fn, iters)
     torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+    return times
+
+
+def time_back_to_back(fn: Callable[[], Any], count: int) -> list[float]:
+    """Milliseconds of ``count`` calls run back to back on the current CUDA stream, one wait at the end.
+
+    Call ``n`` is timed from the event after call ``n - 1`` to the one after itself, so device time that the
+    host left idle (a host-bound step) counts, and nothing runs between two calls that a loop would not."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    stream = torch.cuda.current_stream()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    events[0].record(stream)
+    for event in events[1:]:
+        fn()
+        event.record(stream)
+    events[-1].synchronize()
+    return [float(start.elapsed_time(end)) for start, end in zip(events, events[1:])]
 
 
 def _host_timer(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> benchmark.Timer:

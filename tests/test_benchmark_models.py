@@ -198,6 +198,20 @@ def test_ext_rows_give_the_step_after_a_readback_against_the_resident_one(tmp_pa
     assert "1.200x the floor after a readback" in line
 
 
+def test_a_peer_row_gives_its_step_after_a_readback_too() -> None:
+    from benchmarks.interleave import Interleaved
+    from benchmarks.model_rows import peer_values
+    config = models.ExtConfig("ext", ["blocks"], {}, offloaded_bytes=int(10 * GB))
+    # 10 GB at 250 GB/s: 40 ms of copies, above the resident forward in every round.
+    rounds = {"resident|mid": [30.0, 30.0, 30.0], "ext|mid": [40.0, 40.0, 40.0], "peer|mid": [60.0, 64.0, 62.0]}
+    steady = peer_values(Interleaved(rounds), "peer|mid", "mid", config, int(10 * GB), peak_gbps=250.0)
+    assert steady["x_floor"] == pytest.approx(1.55) and steady["x_ext"] == pytest.approx(1.55)
+    assert "x_floor_readback" not in steady  # timed without leads (on the host)
+    leads = {"resident|mid": [50.0, 30.0, 30.0], "peer|mid": [80.0, 44.0, 48.0]}
+    values = peer_values(Interleaved(rounds, leads), "peer|mid", "mid", config, int(10 * GB), peak_gbps=250.0)
+    assert values["x_floor_readback"] == pytest.approx(1.2)  # 80/50, 44/40, 48/40
+
+
 @pytest.mark.cuda
 def test_the_copy_load_outlasts_the_forward_it_is_timed_with() -> None:
     from benchmarks.copy_load import CHUNK_BYTES, CopyLoad

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.steady import SteadyTimer, time_back_to_back
+from benchmarks.steady import SteadyTimer
+from benchmarks.utils import time_back_to_back
 
 
 def test_on_the_host_each_forward_is_timed_alone_with_no_lead() -> None:
