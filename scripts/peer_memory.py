@@ -1,0 +1,103 @@
+"""How much device memory FastVideo's layerwise offload holds when the host runs ahead, and what that buys it.
+
+FastVideo allocates each prefetched block's tensors from torch's caching allocator (``record_stream`` keeps them
+until the compute stream is done with them), so it is not held to two blocks: in a loop that reads nothing back,
+the host issues the next blocks' copies as fast as it dispatches, and the device holds as many blocks as the host
+is ahead. ext copies into k+1 static slots whatever the host does. This times FastVideo's offload and the
+resident model on one of the benchmark's real architectures in two loops, in interleaved rounds:
+
+- readback: each forward followed by ``output.cpu()`` (the host meets the device at every step);
+- steady: forwards back to back, one wait at the end (a denoising loop).
+
+and reads the device's peak allocation above what was allocated before each loop, for the resident model
+(activations only) and for FastVideo (activations and the blocks it holds).
+
+    python scripts/peer_memory.py [--model flux] [--tokens 1024,9216] [--rounds 3] [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import models, peers  # noqa: E402
+from benchmarks.utils import GB, time_back_to_back  # noqa: E402
+
+
+def _loop(forward: Callable[[], Any], steps: int, readback: bool) -> tuple[float, float]:
+    """(median ms a step, peak bytes allocated above the start) of ``steps`` forwards."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if readback:
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward().cpu()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        times = time_back_to_back(forward, steps)
+    torch.cuda.synchronize()
+    return float(statistics.median(times)), float(torch.cuda.max_memory_allocated() - base)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="flux", choices=sorted(models.MODELS))
+    parser.add_argument("--tokens", default="1024,9216", help="comma-separated token counts")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("peer_memory: needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda")
+    spec = models.MODELS[args.model]
+    master = models.build_master(spec, types.SimpleNamespace(cuda=True, device=device, quick=True))
+    lists = models.block_list_names(master, spec.block_lists)
+    offloaded = copy.deepcopy(master)
+    peers.fastvideo(offloaded, device, lists)
+    first = getattr(master, lists[0])
+    block_bytes = sum(p.numel() * p.element_size() for p in first[0].parameters())
+    print(f"{spec.name}: FastVideo offloads {lists[0]} ({len(first)} blocks of {block_bytes / GB:.3f} GB)")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        inputs = spec.inputs(spec.config, tokens, device)
+
+        def run(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
+            def forward() -> torch.Tensor:
+                with torch.inference_mode():
+                    return model(**inputs, return_dict=False)[0]
+            return forward
+
+        forwards = {"resident": run(master), "fastvideo": run(offloaded)}
+        assert torch.equal(forwards["resident"]().cpu(), forwards["fastvideo"]().cpu()), "not bit-equal"
+        got: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for index in range(args.rounds):
+            order = [(name, loop) for name in forwards for loop in ("readback", "steady")]
+            for name, loop in order[index % len(order):] + order[:index % len(order)]:
+                got.setdefault((name, loop), []).append(_loop(forwards[name], args.steps, loop == "readback"))
+        for loop in ("readback", "steady"):
+            resident, fastvideo = got[("resident", loop)], got[("fastvideo", loop)]
+            ratio = statistics.median(f[0] / r[0] for f, r in zip(fastvideo, resident))
+            extra = max(f[1] for f in fastvideo) - max(r[1] for r in resident)
+            print(f"  {tokens} tokens, {loop:8s}: resident {statistics.median(r[0] for r in resident):7.1f} ms, "
+                  f"fastvideo {statistics.median(f[0] for f in fastvideo):7.1f} ms = {ratio:.3f}x resident; "
+                  f"peak above the loop's start: resident {max(r[1] for r in resident) / GB:.2f} GB, fastvideo "
+                  f"{max(f[1] for f in fastvideo) / GB:.2f} GB (= resident + {extra / block_bytes:.1f} blocks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
