@@ -33,8 +33,10 @@ from benchmarks import models, peers  # noqa: E402
 from benchmarks.utils import GB, time_back_to_back  # noqa: E402
 
 
-def _loop(forward: Callable[[], Any], steps: int, readback: bool) -> tuple[float, float]:
-    """(median ms a step, peak bytes allocated above the start) of ``steps`` forwards."""
+def _loop(forward: Callable[[], Any], steps: int, readback: bool,
+          outputs: list[torch.Tensor]) -> tuple[float, float]:
+    """(median ms a step, peak bytes allocated above the start) of ``steps`` forwards; their outputs go to
+    ``outputs``."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -43,12 +45,12 @@ def _loop(forward: Callable[[], Any], steps: int, readback: bool) -> tuple[float
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            forward().cpu()
+            outputs.append(forward().cpu())
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
     else:
-        times = time_back_to_back(forward, steps)
+        times = time_back_to_back(lambda: outputs.append(forward()), steps)
     torch.cuda.synchronize()
     return float(statistics.median(times)), float(torch.cuda.max_memory_allocated() - base)
 
@@ -82,12 +84,15 @@ def main() -> int:
             return forward
 
         forwards = {"resident": run(master), "fastvideo": run(offloaded)}
-        assert torch.equal(forwards["resident"]().cpu(), forwards["fastvideo"]().cpu()), "not bit-equal"
+        reference = forwards["resident"]().cpu()
+        assert torch.equal(reference, forwards["fastvideo"]().cpu()), "not bit-equal"
+        outputs: dict[tuple[str, str], list[torch.Tensor]] = {}
         got: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for index in range(args.rounds):
             order = [(name, loop) for name in forwards for loop in ("readback", "steady")]
             for name, loop in order[index % len(order):] + order[:index % len(order)]:
-                got.setdefault((name, loop), []).append(_loop(forwards[name], args.steps, loop == "readback"))
+                kept = outputs.setdefault((name, loop), [])
+                got.setdefault((name, loop), []).append(_loop(forwards[name], args.steps, loop == "readback", kept))
         for loop in ("readback", "steady"):
             resident, fastvideo = got[("resident", loop)], got[("fastvideo", loop)]
             ratio = statistics.median(f[0] / r[0] for f, r in zip(fastvideo, resident))
@@ -95,7 +100,11 @@ def main() -> int:
             print(f"  {tokens} tokens, {loop:8s}: resident {statistics.median(r[0] for r in resident):7.1f} ms, "
                   f"fastvideo {statistics.median(f[0] for f in fastvideo):7.1f} ms = {ratio:.3f}x resident; "
                   f"peak above the loop's start: resident {max(r[1] for r in resident) / GB:.2f} GB, fastvideo "
-                  f"{max(f[1] for f in fastvideo) / GB:.2f} GB (= resident + {extra / block_bytes:.1f} blocks)")
+                  f"{max(f[1] for f in fastvideo) / GB:.2f} GB (= resident + {extra / block_bytes:.1f} blocks); "
+                  f"every fastvideo output bit-equal: "
+                  f"{all(torch.equal(reference, out.cpu()) for out in outputs[('fastvideo', loop)])}")
+        print(f"  reserved by torch's allocator: {torch.cuda.memory_reserved() / GB:.2f} GB "
+              f"(peak {torch.cuda.max_memory_reserved() / GB:.2f} GB)")
     return 0
 
 
