@@ -10,12 +10,12 @@ bound is above it, the note says so.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.interleave import Interleaved
-from benchmarks.utils import GB
+from benchmarks.utils import GB, MiB
 
 EXT_TARGET = 1.05  # x floor, eager, default settings
 # x floor on the rows where host work, not the copy, set the pace (Flux 1024 tokens with the first list,
@@ -109,6 +109,23 @@ def peer_values(result: Interleaved, name: str, label: str, config: ExtConfig, p
         if leads and resident_leads:  # its step after a readback, as for ext (benchmarks/steady.py)
             values["x_floor_readback"] = ratio([p / f for p, f in zip(leads, floors(resident_leads, transfer))])[0]
     return values
+
+
+def reserve_values(reserves: Mapping[str, int], name: str, label: str,
+                   block_bytes: int) -> tuple[dict[str, Any], str | None]:
+    """``name``'s steady reserve at ``label`` (``benchmarks/steady.py``) in MiB, and for an offloader a note with
+    how far it is from the resident model's, in blocks of ``block_bytes``: what it holds on the device while the
+    host runs ahead, beyond the activations both need."""
+    own = reserves.get(f"{name}|{label}")
+    if own is None:
+        return {}, None
+    values: dict[str, Any] = {"reserve_mib": own / MiB}
+    resident = reserves.get(f"resident|{label}")
+    if name == "resident" or resident is None or block_bytes <= 0:
+        return values, None
+    extra = own - resident
+    return values, (f"steady reserve {own / MiB:.0f} MiB, {extra / MiB:+.0f} MiB against the resident model's "
+                    f"({extra / block_bytes:+.1f} blocks of {block_bytes / MiB:.0f} MiB)")
 
 
 def _ext_line(model: str, tokens: str, ext: dict[str, Any]) -> str:

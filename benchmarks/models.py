@@ -67,7 +67,11 @@ ratio to ext is above 1. The summary calls a peer tied with ext, not faster, whe
 within 2 % below 1 and ext was at least as fast in one of the rounds (``model_rows.peer_verdict``).
 Every offloaded output is compared with the resident one bit for bit. ext's peak GPU memory is its own
 (the peak during its forwards less what was allocated before its copy existed), against (k+1) x its
-largest block + the modules it leaves resident + activations.
+largest block + the modules it leaves resident + activations. ``steady reserve MiB`` (on a GPU): what torch's
+allocator reserved over a turn's forwards run back to back, above an emptied cache, for resident, ext and every
+peer (``benchmarks/steady.py``); an offloader's note gives it against the resident model's, in blocks. It counts
+what the allocated figure misses: a block freed on the host while the device still uses it, as FastVideo's and
+SGLang's prefetches allocate afresh each step.
 
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: those three; ``--quick``:
 wan-1.3b). ``W1``..``W4`` (``STACK_MODELS``) put the forward section's synthetic workloads through the
@@ -108,11 +112,11 @@ from benchmarks.interleave import Interleaved, Timer, run_interleaved
 from benchmarks.link_probe import LinkProbe, describe_link, link_floors
 from benchmarks.model_budget import block_costs, least_budget_plan
 from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_figures, floor_row, floors,
-                                   matching_config, peer_values, ratio, transfer_ms)
+                                   matching_config, peer_values, ratio, reserve_values, transfer_ms)
 from benchmarks.phases import PhaseLog
 from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
-from benchmarks.steady import SteadyTimer
+from benchmarks.steady import SteadyTimer, steady_reserve
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
                               module_bytes, reset_device_peak, try_import)
 from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, StackSpec, build_stack
@@ -145,6 +149,7 @@ TABLES = {
             Column("x_bound", "x sched bound", ".3f"),
             Column("compute_over_copy", "compute/copy", ".2f"),
             Column("peak_mib", "peak MiB", ".0f"),
+            Column("reserve_mib", "steady reserve MiB", ".0f"),
             Column("mem_ok", "mem<=bound"),
             Column("bit_equal", "bit-equal"),
             Column("pass", "pass"),
@@ -410,6 +415,7 @@ class ModelRun:
     block_bytes: dict[str, list[int]] = field(default_factory=dict)  # per list, per block
     shapes: dict[str, torch.Size] = field(default_factory=dict)  # the master's parameters, by name
     activations: dict[str, int] = field(default_factory=dict)
+    reserves: dict[str, int] = field(default_factory=dict)  # "config|label" -> bytes (benchmarks/steady.py), on a GPU
     clocks: dict[str, BlockClock] = field(default_factory=dict)  # per label: per-block compute of the resident model
     peer_seconds: list[float] = field(default_factory=list)  # how long each peer of this model took
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session
@@ -463,6 +469,8 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
     _ensure_source(run)
     for ext_config in run.configs:
         _enable_config(ctx, run, ext_config, enable)
+    names = [f"{config}|{label}" for label in run.inputs for config in ["resident", *(c.name for c in run.configs)]]
+    _measure_reserves(ctx, run, {name: run.forwards[name] for name in names}, _iterations(ctx, run)[0] + 1)
     log.mark(f"{spec.name}: ext and resident checked")
     if ctx.cuda:
         _build_graphs(ctx, run, enable)
@@ -512,6 +520,14 @@ def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: C
         ext_config.equal[label] = bool(torch.equal(output, run.references[label]))
         run.forwards[f"{ext_config.name}|{label}"] = _forward(ext, inputs)
         run.warmed.update((f"resident|{label}", f"{ext_config.name}|{label}"))  # both ran once already
+
+
+def _measure_reserves(ctx: Context, run: ModelRun, forwards: dict[str, Callable[[], Any]], count: int) -> None:
+    """Each forward's steady reserve (``benchmarks/steady.py``) over ``count`` forwards, as a timed turn runs them,
+    into ``run.reserves`` under its "config|label" name; on a GPU only."""
+    if ctx.cuda:
+        for name, forward in forwards.items():
+            run.reserves[name] = steady_reserve(forward, count)
 
 
 def _iterations(ctx: Context, run: ModelRun) -> tuple[int, int]:
@@ -632,6 +648,8 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     else:
         for forward in forwards.values():
             forward()  # its check was its first forward: one more, as the others had
+    _measure_reserves(ctx, run, {f"{peer.name}|{label}": forward for label, forward in forwards.items()},
+                      2 if slow else iters + 1)
     timers = {f"{peer.name}|{label}": _timer(ctx, forward, 1 if slow else iters) for label, forward in forwards.items()}
     names = [f"{config}|{label}" for label in run.inputs for config in ("resident", holder["config"].name)]
     result = _session(ctx, run, names, timers, rounds)
@@ -703,7 +721,9 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: 
     rows: list[PendingRow] = []
     for label, row in labels.items():
         values = peer_values(result, f"{peer.name}|{label}", label, config, nbytes, peak_gbps)
-        rows.append((row, {**values, "bit_equal": equal[label], "note": "; ".join(notes)}, None, None))
+        reserve, note = reserve_values(run.reserves, peer.name, label, config.largest_block)
+        rows.append((row, {**values, **reserve, "bit_equal": equal[label],
+                           "note": "; ".join([*notes, *([note] if note else [])])}, None, None))
     return rows
 
 
@@ -765,6 +785,9 @@ def _ext_values(ctx: Context, run: ModelRun, result: Interleaved, config: ExtCon
                        + MEM_SLACK_BYTES)
         values.update(peak_mib=config.peak[label] / MiB, mem_bound_mib=bound_bytes / MiB,
                       mem_ok=config.peak[label] <= bound_bytes)
+    reserve, note = reserve_values(run.reserves, config.name, label, config.largest_block)
+    values.update(reserve)
+    notes += [note] if note else []
     values["note"] = "; ".join(notes)
     return values
 
@@ -783,8 +806,8 @@ def _own_rows(ctx: Context, run: ModelRun, result: Interleaved, peak_gbps: float
         resident = result.rounds[f"resident|{label}"]
         resident_ms = float(statistics.median(resident))
         rows.append(({**base, "backend": "resident"}, {
-            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0},
-            None, None))
+            "ms": resident_ms, "spread": (max(resident) - min(resident)) / resident_ms, "x_resident": 1.0,
+            **reserve_values(run.reserves, "resident", label, 0)[0]}, None, None))
         loaded = result.rounds.get(f"{LOADED}|{label}")
         if loaded:
             x_loaded, spread = ratio([c / r for c, r in zip(loaded, resident)])

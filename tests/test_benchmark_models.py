@@ -212,6 +212,28 @@ def test_a_peer_row_gives_its_step_after_a_readback_too() -> None:
     assert values["x_floor_readback"] == pytest.approx(1.2)  # 80/50, 44/40, 48/40
 
 
+def test_rows_give_each_steady_reserve_and_an_offloader_s_against_the_resident_model_s(tmp_path: Path) -> None:
+    from benchmarks.model_rows import reserve_values
+    block = 100 * MiB
+    reserves = {"resident|mid": 50 * MiB, "ext|mid": 50 * MiB, "fastvideo|mid": 350 * MiB}
+    assert reserve_values(reserves, "resident", "mid", block) == ({"reserve_mib": 50.0}, None)
+    values, note = reserve_values(reserves, "fastvideo", "mid", block)
+    assert values == {"reserve_mib": 350.0}
+    assert note == "steady reserve 350 MiB, +300 MiB against the resident model's (+3.0 blocks of 100 MiB)"
+    assert reserve_values(reserves, "ext", "mid", block)[1].endswith("+0 MiB against the resident model's "
+                                                                      "(+0.0 blocks of 100 MiB)")
+    assert reserve_values(reserves, "sglang", "mid", block) == ({}, None)  # not measured (on the host)
+    # In the section's rows: the resident row and each ext row carry theirs.
+    ctx, run, result, label = _wan_first_session(tmp_path)
+    assert run.reserves == {}  # nothing measured on the host
+    config = run.configs[0]
+    run.reserves = {f"resident|{label}": 2 * MiB, f"{config.name}|{label}": 3 * MiB}
+    rows = {labels["backend"]: values for labels, values, _, _ in models._own_rows(ctx, run, result, peak_gbps=1e6)
+            if labels["tokens"].startswith(str(run.token_counts[label]))}
+    assert rows["resident"]["reserve_mib"] == 2.0 and rows["ext"]["reserve_mib"] == 3.0
+    assert "steady reserve 3 MiB, +1 MiB against the resident model's" in rows["ext"]["note"]
+
+
 @pytest.mark.cuda
 def test_the_copy_load_outlasts_the_forward_it_is_timed_with() -> None:
     from benchmarks.copy_load import CHUNK_BYTES, CopyLoad
@@ -532,6 +554,7 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
         return measure
 
     monkeypatch.setattr(models, "_timer", host_timer)  # CUDA events would need a device
+    monkeypatch.setattr(models, "steady_reserve", lambda forward, count: 5 * MiB)  # so would the allocator's reserve
     copies: list[weakref.ref[torch.nn.Module]] = []
     real_copy = models.host_copy
 
@@ -549,7 +572,7 @@ def test_the_peer_sessions_release_each_copy_and_explain_a_difference(
     assert ("all", None) not in by_backend, by_backend
     exact, nudged = by_backend[("fastvideo", "16 (small)")], by_backend[("sglang", "16 (small)")]
     assert exact["bit_equal"] is True and exact["note"] == "exact; offloads blocks, rest"
-    assert exact["vs_ext"] == "ext" and isinstance(exact["pass"], bool)
+    assert exact["vs_ext"] == "ext" and isinstance(exact["pass"], bool) and exact["reserve_mib"] == 5.0
     assert nudged["bit_equal"] is False
     assert "its set-up changed torch's numerics (matmul.allow_bf16_reduced_precision_reduction True -> False); " \
            "put back for its rows" in nudged["note"]
@@ -578,6 +601,7 @@ def test_a_peer_session_runs_on_a_forward_workload(tmp_path: Path, monkeypatch: 
         return lambda: [0.0 if fn() is None else 1.0 for _ in range(iters)]
 
     monkeypatch.setattr(models, "_timer", host_timer)  # CUDA events would need a device
+    monkeypatch.setattr(models, "steady_reserve", lambda forward, count: 0)  # so would the allocator's reserve
     rows = {row["backend"]: row for row in _run_peer_sessions(tmp_path, models.STACK_MODELS["W3"],
                                                               PhaseLog("models", echo=False))}
     assert rows["fastvideo"]["bit_equal"] is True and rows["fastvideo"]["vs_ext"] == "ext"
