@@ -70,8 +70,8 @@ Every offloaded output is compared with the resident one bit for bit. ext's peak
 largest block + the modules it leaves resident + activations. ``steady reserve MiB`` (on a GPU): what torch's
 allocator reserved over a turn's forwards run back to back, above an emptied cache, for resident, ext and every
 peer (``benchmarks/steady.py``); an offloader's note gives it against the resident model's, in blocks. It counts
-what the allocated figure misses: a block freed on the host while the device still uses it, as FastVideo's and
-SGLang's prefetches allocate afresh each step.
+what the allocated figure misses: a block freed on the host while the device still uses it, as FastVideo's
+prefetch leaves each block it allocated afresh (``record_stream``).
 
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: those three; ``--quick``:
 wan-1.3b). ``W1``..``W4`` (``STACK_MODELS``) put the forward section's synthetic workloads through the
