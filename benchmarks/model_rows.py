@@ -113,7 +113,7 @@ def peer_values(result: Interleaved, name: str, label: str, config: ExtConfig, p
 
 def reserve_values(reserves: Mapping[str, int], name: str, label: str,
                    block_bytes: int) -> tuple[dict[str, Any], str | None]:
-    """``name``'s steady reserve at ``label`` (``benchmarks/steady.py``) in MiB, and for an offloader a note with
+    """``name``'s steady reserve at ``label`` (``utils.steady_reserve``) in MiB, and for an offloader a note with
     how far it is from the resident model's, in blocks of ``block_bytes``: what it holds on the device while the
     host runs ahead, beyond the activations both need."""
     own = reserves.get(f"{name}|{label}")

@@ -69,7 +69,7 @@ Every offloaded output is compared with the resident one bit for bit. ext's peak
 (the peak during its forwards less what was allocated before its copy existed), against (k+1) x its
 largest block + the modules it leaves resident + activations. ``steady reserve MiB`` (on a GPU): what torch's
 allocator reserved over a turn's forwards run back to back, above an emptied cache, for resident, ext and every
-peer (``benchmarks/steady.py``); an offloader's note gives it against the resident model's, in blocks. It counts
+peer (``utils.steady_reserve``); an offloader's note gives it against the resident model's, in blocks. It counts
 what the allocated figure misses: a block freed on the host while the device still uses it, as FastVideo's
 prefetch leaves each block it allocated afresh (``record_stream``).
 
@@ -116,9 +116,9 @@ from benchmarks.model_rows import (EXT_TARGET, TIGHT_TARGET, ExtConfig, bound_fi
 from benchmarks.phases import PhaseLog
 from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
-from benchmarks.steady import SteadyTimer, steady_reserve
+from benchmarks.steady import SteadyTimer
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
-                              module_bytes, reset_device_peak, try_import)
+                              module_bytes, reset_device_peak, steady_reserve, try_import)
 from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, StackSpec, build_stack
 from fastoffload_ext import enable_layerwise_offload
 from fastoffload_ext.planning import OffloadPlan
@@ -523,7 +523,7 @@ def _enable_config(ctx: Context, run: ModelRun, ext_config: ExtConfig, enable: C
 
 
 def _measure_reserves(ctx: Context, run: ModelRun, forwards: dict[str, Callable[[], Any]], count: int) -> None:
-    """Each forward's steady reserve (``benchmarks/steady.py``) over ``count`` forwards, as a timed turn runs them,
+    """Each forward's steady reserve (``utils.steady_reserve``) over ``count`` forwards, as a timed turn runs them,
     into ``run.reserves`` under its "config|label" name; on a GPU only."""
     if ctx.cuda:
         for name, forward in forwards.items():

@@ -10,12 +10,9 @@ Its time is kept too (:attr:`SteadyTimer.leads`), so a table can show both kinds
 are the ones the targets are set on.
 
 On the host (no CUDA) the host is the device: each forward is timed alone and there is no lead.
-
-:func:`steady_reserve` measures the same kind of loop's device memory as torch's allocator reserves it.
 """
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +21,7 @@ import torch
 
 from benchmarks.utils import time_back_to_back
 
-__all__ = ["SteadyTimer", "steady_reserve"]
+__all__ = ["SteadyTimer"]
 
 
 class SteadyTimer:
@@ -53,21 +50,3 @@ class SteadyTimer:
         self.leads.append(lead)
         return steady
 
-
-def steady_reserve(forward: Callable[[], Any], count: int) -> int:
-    """Device bytes torch's caching allocator reserved above what it held at the start, at its peak over ``count``
-    forwards run back to back (CUDA only).
-
-    The allocated count misses what a loop whose host runs ahead holds on the device: a tensor freed on the host
-    while the device still uses it (``record_stream``) stops counting as allocated at once, and its memory stays
-    reserved until the device is done with it. An offloader that allocates each prefetched block afresh is held
-    to no number of blocks that way, and this figure shows how many it held. The cache is emptied first, so the
-    growth is what these forwards needed."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    time_back_to_back(forward, count)
-    torch.cuda.synchronize()
-    return max(0, int(torch.cuda.max_memory_reserved()) - int(base))

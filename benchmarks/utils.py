@@ -357,6 +357,25 @@ def device_peak(ctx: Context) -> int:
     return int(torch.cuda.max_memory_allocated())
 
 
+def steady_reserve(forward: Callable[[], Any], count: int) -> int:
+    """Device bytes torch's caching allocator reserved above what it held at the start, at its peak over ``count``
+    forwards run back to back (CUDA only).
+
+    The allocated count misses what a loop whose host runs ahead holds on the device: a tensor freed on the host
+    while the device still uses it (``record_stream``) stops counting as allocated at once, and its memory stays
+    reserved until the device is done with it. An offloader that allocates each prefetched block afresh is held
+    to no number of blocks that way, and this figure shows how many it held. The cache is emptied first, so the
+    growth is what these forwards needed."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    time_back_to_back(forward, count)
+    torch.cuda.synchronize()
+    return max(0, int(torch.cuda.max_memory_reserved()) - int(base))
+
+
 def empty_host_cache() -> None:
     """Return the pinned blocks cached by torch's host allocator (the python backend's pins)."""
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):

@@ -16,11 +16,13 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import utils
 from benchmarks.utils import device_allocated, device_peak, reset_device_peak
 from fastoffload_ext import enable_layerwise_offload
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTERS = {"memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"}
+COUNTERS = {"memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "memory_reserved",
+            "max_memory_reserved"}
 
 
 class _Tracked:
@@ -109,3 +111,49 @@ def test_a_peak_counts_the_slots_when_a_dropped_offloaded_model_is_collected_ins
     finally:
         gc.enable()
         gc.collect()
+
+
+def test_the_steady_reserve_is_the_allocator_s_peak_above_an_emptied_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    state = {"reserved": 300, "peak": 0}
+
+    def reserved() -> int:
+        calls.append("reserved")
+        return state["reserved"]
+
+    def run(forward: object, count: int) -> list[float]:
+        calls.append(f"run {count}")
+        state["peak"] = 1000  # what the forwards reserved at their peak
+        return [1.0] * count
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", reserved)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: state["peak"])
+    monkeypatch.setattr(utils, "time_back_to_back", run)
+    assert utils.steady_reserve(lambda: None, 4) == 700
+    assert calls == ["sync", "empty", "reserved", "reset", "run 4", "sync"]
+
+
+@pytest.mark.cuda
+def test_the_steady_reserve_counts_what_a_host_running_ahead_freed_but_the_device_still_uses() -> None:
+    # A forward that allocates a 64 MiB buffer on a side stream and frees it while the compute stream still has
+    # work queued that uses it, as an offloader that allocates each prefetched block afresh does. With the host
+    # ahead of the device, each forward's buffer is still held when the next is allocated: the allocated count
+    # holds one buffer, the reserve all of them.
+    side, size = torch.cuda.Stream(), 64 * 2**20
+
+    def forward() -> None:
+        torch.cuda._sleep(20_000_000)  # the device falls behind the host
+        with torch.cuda.stream(side):
+            buffer = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.current_stream().wait_stream(side)
+        buffer.record_stream(torch.cuda.current_stream())
+        buffer.fill_(1)
+        del buffer
+
+    allocated_before = torch.cuda.memory_allocated()
+    reserve = utils.steady_reserve(forward, 4)
+    assert torch.cuda.max_memory_allocated() - allocated_before <= size
+    assert reserve >= 4 * size
