@@ -415,7 +415,7 @@ class ModelRun:
     block_bytes: dict[str, list[int]] = field(default_factory=dict)  # per list, per block
     shapes: dict[str, torch.Size] = field(default_factory=dict)  # the master's parameters, by name
     activations: dict[str, int] = field(default_factory=dict)
-    reserves: dict[str, int] = field(default_factory=dict)  # "config|label" -> bytes (benchmarks/steady.py), on a GPU
+    reserves: dict[str, int] = field(default_factory=dict)  # "config|label" -> bytes (utils.steady_reserve), on a GPU
     clocks: dict[str, BlockClock] = field(default_factory=dict)  # per label: per-block compute of the resident model
     peer_seconds: list[float] = field(default_factory=list)  # how long each peer of this model took
     medians: dict[str, float] = field(default_factory=dict)  # "config|label" -> ms, from the first session

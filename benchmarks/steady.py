@@ -49,4 +49,3 @@ class SteadyTimer:
         lead, *steady = time_back_to_back(self.forward, self.iters + 1)
         self.leads.append(lead)
         return steady
-
