@@ -41,11 +41,17 @@ only those workloads, in that order, so the full section fits two GPU commands o
 Unknown names are noted and ignored. Each row is in the journal as soon as it is done (a SIGTERM to
 ``python -m benchmarks`` keeps every row so far), and a note after each workload gives its wall time.
 
-Time (full section, estimated from the quick run's rows on the H200: rounds x configurations x
-(warm-up + iterations) x step, plus 1-3 s to build each configuration): W1 ~75 s, W2 ~120 s (a 100 ms
-step), W3 ~40 s, W4 ~70 s, about 320 s with start-up; Flux ~100 s (1024 tokens) + ~135 s (9216),
-Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240), about 400 s. With the six rounds of six iterations used
-before, the second command would run ~480 s: hence five rounds of five iterations outside ``--quick``.
+Timing: each configuration's turn in a round runs as a denoising loop does (``benchmarks/steady.py``): a lead
+forward after a wait, then three timed back to back; eight rounds (``ROUNDS``, ``ITERS``), so 32 forwards a
+configuration. Why eight short turns: a host stall lasts a few hundred milliseconds and lands on whichever
+configurations run then. On the H200 one stall put a plan's turn at 61 ms against 35-40 ms in its other three
+rounds, and another hit the best grid configuration's fourth. With four rounds, two spoiled ones decide the median
+of per-round ratios; with eight, the median comes from rounds that no stall touched.
+
+Time (full section, estimated from the quick run's rows on the H200: rounds x configurations x forwards a turn x
+step, plus 1-3 s to build each configuration): W1 ~75 s, W2 ~120 s (a 100 ms step), W3 ~40 s, W4 ~70 s, about
+320 s with start-up; Flux ~100 s (1024 tokens) + ~135 s (9216), Wan-1.3B ~60 s (1560 tokens) + ~90 s (6240),
+about 400 s (estimated at 30 forwards a configuration; 32 now).
 
 Flux stays cut to 4 double-stream + 8 single-stream blocks (``benchmarks/dit_workloads.py``): the full
 19 + 38 blocks are 24 GB, so every grid configuration's own pinned host copy, the host master and the
@@ -55,7 +61,7 @@ command. The cut keeps both block kinds, their sizes and the balanced token coun
 planner's choice depends on.
 
 ``--quick``: W1 and W4 at budgets 0, 50 and 100 % and "auto"; the diffusers models at 0 and 50 % and
-"auto", Flux at its transfer-bound token count only, the depth sweep once per architecture; four rounds.
+"auto", Flux at its transfer-bound token count only, the depth sweep once per architecture.
 Without a GPU the section runs the same steps on scaled-down models with the host as the device, where
 only bit-equality and the planner's choice mean anything; memory, ideal and floor columns need CUDA.
 """
@@ -74,6 +80,7 @@ from torch import nn
 
 from benchmarks.dit_workloads import dit_workloads
 from benchmarks.interleave import run_interleaved
+from benchmarks.steady import SteadyTimer
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, free_memory,
                               reset_device_peak)
 from benchmarks.workloads import Workload, move_all_but, move_non_block_modules, stack_workload
@@ -94,9 +101,9 @@ ENV_WORKLOADS = "BENCHMARK_BUDGETS_WORKLOADS"
 STACK_KEYS = ("W1", "W2", "W3", "W4")
 QUICK_STACK_KEYS = ("W1", "W4")
 DIT_KEYS = ("wan-1.3b", "flux")
-# (full, quick): five rounds of five iterations keep the full section within two ~450 s commands.
-ROUNDS = (5, 4)
-ITERS = (5, 5)
+# (full, quick): eight short turns per configuration, so that a host stall spoils few of the rounds (docstring).
+ROUNDS = (8, 8)
+ITERS = (3, 3)
 
 TABLES = {
     "budgets": Table(
@@ -170,7 +177,7 @@ def _rounds(ctx: Context) -> int:
 
 
 def _iters(ctx: Context) -> int:
-    return ctx.iters(ITERS[0], quick=ITERS[1])
+    return ITERS[1] if ctx.quick else ITERS[0]
 
 
 def _lists(workload: Workload, model: nn.Module) -> list[str]:
@@ -221,7 +228,7 @@ class Config:
             return self.model(*self.args, **self.kwargs)
 
     def timer(self, iters: int) -> Callable[[], list[float]]:
-        return lambda: self.ctx.time_ms(self.forward, warmup=1, iters=iters)
+        return SteadyTimer(self.forward, iters, self.ctx.cuda)
 
     def bit_equal(self, reference: torch.Tensor) -> bool:
         last = self.workload.output(self.forward()).detach().to("cpu", copy=True)
@@ -632,7 +639,7 @@ def _setup(ctx: Context, workload: Workload, peak: float | None) -> tuple[nn.Mod
             return resident(*inputs[0], **inputs[1])
 
     shared["resident_model"] = resident
-    shared["resident_timer"] = lambda iters: (lambda: ctx.time_ms(forward, warmup=1, iters=iters))
+    shared["resident_timer"] = lambda iters: SteadyTimer(forward, iters, ctx.cuda)
     costs = _calibrate(ctx, master, workload, inputs)
     return master, inputs, costs, shared
 

@@ -180,5 +180,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                 answer = "yes"
             lines.append(f"{model} {tokens}: fastest peer vs {ext['backend']}: {best['backend']} {best['ms']:.2f} ms"
                          f"{exact}, {best.get('x_ext', float('nan')):.3f}x {ext['backend']} {best.get('range', '')}; "
-                         f"{ext['backend']} faster than every peer offloading the same lists: {answer}")
+                         f"{ext['backend']} faster than every peer offloading the same lists: {answer}"
+                         + _matched_clause(group, ext["backend"], str(best["backend"])))
     return lines
+
+
+def _matched_clause(rows: Sequence[dict[str, Any]], ext_backend: str, peer: str) -> str:
+    """"; given <peer>'s device memory, ext ran X x it" where the section ran ext under what that peer held
+    (``benchmarks/matched_memory.py``), else ""."""
+    for row in rows:
+        if row.get("peer") == peer and row.get("vs_ext") == ext_backend and row.get("x_peer") is not None:
+            return (f"; given {peer}'s device memory, ext ran {row['x_peer']:.3f}x {peer} "
+                    f"{row.get('x_peer_range', '')}")
+    return ""

@@ -73,6 +73,13 @@ peer (``utils.steady_reserve``); an offloader's note gives it against the reside
 what the allocated figure misses: a block freed on the host while the device still uses it, as FastVideo's
 prefetch leaves each block it allocated afresh (``record_stream``).
 
+Like for like in memory too: where a peer was faster than its ext in every round (or beyond the tie band), it is
+asked what it held. Its footprint (what its set-up left allocated, with the cache emptied, plus its steady
+reserve) less the modules both keep resident becomes ext's ``device_budget``; ``plan_offload`` on this run's block
+clock picks the resident blocks and depth, and ``ext, <peer>'s memory`` is timed in rounds with resident, ext and
+the peer while the peer is still alive (``benchmarks/matched_memory.py``): ``x ext`` is what the memory bought ext,
+its note has ``x peer``, and the summary line of that peer gives it.
+
 ``BENCHMARK_MODELS=wan-1.3b,flux,wan-14b`` picks the models (default: those three; ``--quick``:
 wan-1.3b). ``W1``..``W4`` (``STACK_MODELS``) put the forward section's synthetic workloads through the
 same sessions, so that the installed peers run on them too (the forward section measures FastVideo's
@@ -105,7 +112,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import graph_rows, model_rows, peer_diff
+from benchmarks import graph_rows, matched_memory, model_rows, peer_diff
 from benchmarks import peers as peer_setups
 from benchmarks.copy_load import CopyLoad
 from benchmarks.interleave import Interleaved, Timer, run_interleaved
@@ -118,10 +125,10 @@ from benchmarks.host_source import bind, fingerprint, host_source
 from benchmarks.schedule_bound import BlockClock
 from benchmarks.steady import SteadyTimer
 from benchmarks.utils import (GB, Column, Context, MiB, Table, device_allocated, device_peak, empty_host_cache, free_memory,
-                              module_bytes, reset_device_peak, steady_reserve, try_import)
+                              module_bytes, reset_device_peak, settled_reserved, steady_reserve, try_import)
 from benchmarks.workloads import CPU_WORKLOADS, WORKLOADS, BlockStack, StackSpec, build_stack
 from fastoffload_ext import enable_layerwise_offload
-from fastoffload_ext.planning import OffloadPlan
+from fastoffload_ext.planning import OffloadPlan, plan_offload
 from fastoffload_ext.planning.memory import probe_host
 
 TITLE = ("models: Wan 1.3B / 14B and Flux (first list, all lists) vs resident and the peers that offload the same "
@@ -614,11 +621,14 @@ def _what_it_offloads(ctx: Context, run: ModelRun, peer: peer_setups.Peer, model
     return found
 
 
-def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
-                  holder: dict[str, Any]) -> tuple[dict[str, bool], Interleaved]:
+def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer, holder: dict[str, Any], deadline_s: float,
+                  peak_gbps: float | None) -> tuple[dict[str, bool], Interleaved]:
     """Sets the peer up on a model bound to the shared host copy and times it; every reference to its model
-    lives in ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive)."""
+    lives in ``holder``, which the caller empties (an exception's frames must not keep 28 GB alive). Where the
+    peer was faster than its ext, ext given the peer's device memory is timed against it while it is alive
+    (``holder["matched"]``: its rows)."""
     name = run.spec.name
+    before = _settled(ctx)
     holder["model"] = host_copy(run.master, source=_ensure_source(run))
     run.log.mark(f"{name} {peer.name}: model bound to the host copy")
     holder["teardown"] = peer.setup(holder["model"], ctx.device, run.lists)
@@ -648,13 +658,85 @@ def _peer_session(ctx: Context, run: ModelRun, peer: peer_setups.Peer,
     else:
         for forward in forwards.values():
             forward()  # its check was its first forward: one more, as the others had
+    holder["persistent"] = _settled(ctx) - before  # the modules it keeps on the device, its own buffers
     _measure_reserves(ctx, run, {f"{peer.name}|{label}": forward for label, forward in forwards.items()},
                       2 if slow else iters + 1)
     timers = {f"{peer.name}|{label}": _timer(ctx, forward, 1 if slow else iters) for label, forward in forwards.items()}
     names = [f"{config}|{label}" for label in run.inputs for config in ("resident", holder["config"].name)]
     result = _session(ctx, run, names, timers, rounds)
     run.log.mark(f"{name} {peer.name}: timed")
+    if ctx.device.type == "cuda":  # the footprints come from the device's allocator
+        holder["matched"] = [_matched_row(ctx, run, peer.name, holder, forwards[label], label, deadline_s, peak_gbps)
+                             for label in run.inputs
+                             if matched_memory.peer_was_faster(result, f"{peer.name}|{label}",
+                                                               f"{holder['config'].name}|{label}")]
     return equal, result
+
+
+def _settled(ctx: Context) -> int:
+    """What the device's allocator holds with its cache emptied (0 off CUDA, where there is no allocator)."""
+    return settled_reserved() if ctx.cuda and ctx.device.type == "cuda" else 0
+
+
+def _matched_row(ctx: Context, run: ModelRun, peer: str, holder: dict[str, Any], peer_forward: Callable[[], Any],
+                 label: str, deadline_s: float, peak_gbps: float | None) -> PendingRow:
+    """ext with the lists the peer offloads, under a ``device_budget`` of what the peer held, timed in rounds with
+    the resident model, ext with default settings and the peer (``benchmarks/matched_memory.py``)."""
+    config: ExtConfig = holder["config"]
+    labels = {"model": run.spec.name, "tokens": _tokens_label(run, label), "backend": matched_memory.backend_name(peer)}
+    kept = run.model_bytes - run.part_bytes(holder["parts"])
+    peer_footprint = holder.get("persistent", 0) + run.reserves.get(f"{peer}|{label}", 0)
+    budget = matched_memory.budget_from(holder.get("persistent", 0), run.reserves.get(f"{peer}|{label}", 0), kept)
+    least = matched_memory.least_ext_bytes(ctx.options.prefetch_depth, config.largest_block,
+                                           run.activations.get(label, 0))
+    if budget <= least:
+        return (labels, None, f"{peer} held {budget / GB:.2f} GB beyond the modules it keeps resident, no more than "
+                              f"ext's {ctx.options.prefetch_depth + 1} slots and activations ({least / GB:.2f} GB)", None)
+    elapsed = run.log.elapsed_s()
+    if elapsed > deadline_s:
+        return (labels, None, f"not run: at {elapsed:.0f} s, past {run.spec.name}'s share of the section's time "
+                              f"budget ({deadline_s:.0f} s)", None)
+    if not peak_gbps:
+        return (labels, None, "not run: the planner needs the peak H2D, which is probed on a GPU only", None)
+    pinned = config.offloaded_bytes
+    if pinned > probe_host().usable:
+        return (labels, None, f"not run: its pinned copy ({pinned / GB:.0f} GB) is more than the host has available "
+                              f"beside the peer's ({probe_host().usable / GB:.0f} GB)", None)
+    mine: dict[str, Any] = {}
+    try:
+        blocks = [block for name in config.lists for block in getattr(run.master, name)]
+        clock = run.clocks[label]
+        step_ms = float(statistics.median(total for _, _, total in clock.rounds))
+        costs = matched_memory.costs_for(clock.block_medians(), step_ms, run.lists,
+                                         {name: len(getattr(run.master, name)) for name in run.lists}, config.lists,
+                                         blocks, peak_gbps, run.activations.get(label, 0))
+        plan = plan_offload(costs, budget)
+        before = _settled(ctx)
+        mine["model"] = host_copy(run.master, config.lists, _ensure_source(run))
+        if enable_layerwise_offload(mine["model"], device=ctx.device, plan=plan, **config.kwargs) is None:
+            raise RuntimeError("enable_layerwise_offload returned None (offload skipped)")
+        mine["forward"] = _forward(mine["model"], run.inputs[label])
+        equal = bool(torch.equal(mine["forward"]().to("cpu"), run.references[label]))
+        mine["forward"]()
+        persistent = _settled(ctx) - before
+        iters, rounds = _iterations(ctx, run)
+        name = f"{labels['backend']}|{label}"
+        _measure_reserves(ctx, run, {name: mine["forward"]}, iters + 1)
+        result = _session(ctx, run, [f"resident|{label}", f"{config.name}|{label}"],
+                          {f"{peer}|{label}": _timer(ctx, peer_forward, iters),
+                           name: _timer(ctx, mine["forward"], iters)}, rounds)
+    except Exception as error:  # the row's own failure costs the row only
+        error.__traceback__ = None
+        return (labels, None, None, error)
+    finally:
+        mine.clear()
+        free_memory()
+        empty_host_cache()
+        run.log.mark(f"{run.spec.name} {peer} {label}: ext under its memory timed and released")
+    figures = {"budget": budget, "kept": kept, "peer_footprint": peer_footprint, "plan": plan, "bit_equal": equal,
+               "footprint": persistent + run.reserves.get(name, 0)}
+    return (labels, matched_memory.row_values(result, name, peer, label, config.name,
+                                              transfer_ms(config.offloaded_bytes, peak_gbps), figures), None, None)
 
 
 def _check_peer(ctx: Context, run: ModelRun, holder: dict[str, Any],
@@ -679,7 +761,7 @@ def _release(holder: dict[str, Any], run: ModelRun, peer: peer_setups.Peer) -> N
             teardown()
     finally:
         teardown = None  # what the peer's set-up holds goes before the memory is collected below
-        kept = {key: holder[key] for key in ("notes", "parts", "config") if key in holder}
+        kept = {key: holder[key] for key in ("notes", "parts", "config", "matched") if key in holder}
         holder.clear()
         holder.update(kept)
         peer_diff.restore_settings(run.settings)  # a teardown may leave switches of its own behind
@@ -702,7 +784,7 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: 
     holder: dict[str, Any] = {"notes": []}
     started = time.monotonic()
     try:
-        equal, result = _peer_session(ctx, run, peer, holder)
+        equal, result = _peer_session(ctx, run, peer, holder, deadline_s, peak_gbps)
     except peer_setups.PeerUnavailable as error:
         return [(row, None, str(error), None) for row in labels.values()]
     except Exception as error:  # a peer that breaks costs its rows only
@@ -724,7 +806,7 @@ def _peer_rows(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: 
         reserve, note = reserve_values(run.reserves, peer.name, label, config.largest_block)
         rows.append((row, {**values, **reserve, "bit_equal": equal[label],
                            "note": "; ".join([*notes, *([note] if note else [])])}, None, None))
-    return rows
+    return rows + holder.get("matched", [])
 
 
 def _write(ctx: Context, rows: list[PendingRow]) -> None:

@@ -357,6 +357,15 @@ def device_peak(ctx: Context) -> int:
     return int(torch.cuda.max_memory_allocated())
 
 
+def settled_reserved() -> int:
+    """Device bytes torch's caching allocator holds once garbage is collected, the device is idle and the cache is
+    emptied: what live tensors occupy, in the allocator's blocks (CUDA only)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved())
+
+
 def steady_reserve(forward: Callable[[], Any], count: int) -> int:
     """Device bytes torch's caching allocator reserved above what it held at the start, at its peak over ``count``
     forwards run back to back (CUDA only).
@@ -366,10 +375,7 @@ def steady_reserve(forward: Callable[[], Any], count: int) -> int:
     reserved until the device is done with it. An offloader that allocates each prefetched block afresh is held
     to no number of blocks that way, and this figure shows how many it held. The cache is emptied first, so the
     growth is what these forwards needed."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = settled_reserved()
     torch.cuda.reset_peak_memory_stats()
     time_back_to_back(forward, count)
     torch.cuda.synchronize()

@@ -10,7 +10,9 @@ resident model on one of the benchmark's real architectures in two loops, in int
 - steady: forwards back to back, one wait at the end (a denoising loop).
 
 and reads the device's peak allocation above what was allocated before each loop, for the resident model
-(activations only) and for FastVideo (activations and the blocks it holds).
+(activations only) and for FastVideo (activations and the blocks it holds), then each one's steady reserve
+(``benchmarks.utils.steady_reserve``): what torch's allocator reserved over a steady loop above an emptied cache,
+which counts the blocks freed on the host while the device still used them.
 
     python scripts/peer_memory.py [--model flux] [--tokens 1024,9216] [--rounds 3] [--steps 4]
 """
@@ -30,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import models, peers  # noqa: E402
-from benchmarks.utils import GB, time_back_to_back  # noqa: E402
+from benchmarks.utils import GB, steady_reserve, time_back_to_back  # noqa: E402
 
 
 def _loop(forward: Callable[[], Any], steps: int, readback: bool,
@@ -103,8 +105,11 @@ def main() -> int:
                   f"{max(f[1] for f in fastvideo) / GB:.2f} GB (= resident + {extra / block_bytes:.1f} blocks); "
                   f"every fastvideo output bit-equal: "
                   f"{all(torch.equal(reference, out.cpu()) for out in outputs[('fastvideo', loop)])}")
-        print(f"  reserved by torch's allocator: {torch.cuda.memory_reserved() / GB:.2f} GB "
-              f"(peak {torch.cuda.max_memory_reserved() / GB:.2f} GB)")
+        reserves = {name: steady_reserve(forward, args.steps) for name, forward in forwards.items()}
+        extra = reserves["fastvideo"] - reserves["resident"]
+        print(f"  {tokens} tokens, steady reserve over {args.steps} forwards above an emptied cache: resident "
+              f"{reserves['resident'] / GB:.2f} GB, fastvideo {reserves['fastvideo'] / GB:.2f} GB "
+              f"(= resident + {extra / block_bytes:.1f} blocks)")
     return 0
 
 
