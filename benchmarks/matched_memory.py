@@ -13,7 +13,8 @@ configuration that offloads the same lists, the section measures what the peer h
 - the **budget**: that footprint less the bytes of the modules both keep resident (everything outside the lists
   they offload), so the budget pays for what ``device_budget`` counts (resident blocks, slots, activations);
 - ``plan_offload`` on the cost table of the same run (the block clock's per-block compute of the offloaded
-  lists, the rest of the step as ``other_ms``, peak H2D, the activation peak) picks which blocks stay resident
+  lists, the rest of the step as ``other_ms``, peak H2D, and as the activations the resident model's steady
+  reserve: the footprint counts what the allocator reserved, which is more than the allocated peak) picks which blocks stay resident
   and the depth, and the plan runs in interleaved rounds with the resident model, the peer and ext with default
   settings. Its footprint is measured the same way, so the row shows that ext stayed within what the peer took.
 

@@ -687,8 +687,9 @@ def _matched_row(ctx: Context, run: ModelRun, peer: str, holder: dict[str, Any],
     kept = run.model_bytes - run.part_bytes(holder["parts"])
     peer_footprint = holder.get("persistent", 0) + run.reserves.get(f"{peer}|{label}", 0)
     budget = matched_memory.budget_from(holder.get("persistent", 0), run.reserves.get(f"{peer}|{label}", 0), kept)
-    least = matched_memory.least_ext_bytes(ctx.options.prefetch_depth, config.largest_block,
-                                           run.activations.get(label, 0))
+    # The activations as the allocator holds them (the resident model's steady reserve), as the footprint counts them.
+    activations = max(run.activations.get(label, 0), run.reserves.get(f"resident|{label}", 0))
+    least = matched_memory.least_ext_bytes(ctx.options.prefetch_depth, config.largest_block, activations)
     if budget <= least:
         return (labels, None, f"{peer} held {budget / GB:.2f} GB beyond the modules it keeps resident, no more than "
                               f"ext's {ctx.options.prefetch_depth + 1} slots and activations ({least / GB:.2f} GB)", None)
@@ -709,7 +710,7 @@ def _matched_row(ctx: Context, run: ModelRun, peer: str, holder: dict[str, Any],
         step_ms = float(statistics.median(total for _, _, total in clock.rounds))
         costs = matched_memory.costs_for(clock.block_medians(), step_ms, run.lists,
                                          {name: len(getattr(run.master, name)) for name in run.lists}, config.lists,
-                                         blocks, peak_gbps, run.activations.get(label, 0))
+                                         blocks, peak_gbps, activations)
         plan = plan_offload(costs, budget)
         before = _settled(ctx)
         mine["model"] = host_copy(run.master, config.lists, _ensure_source(run))
