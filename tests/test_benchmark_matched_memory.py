@@ -3,7 +3,6 @@ figures and summary, and the models section's path that builds and times it, run
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from benchmarks import matched_memory, model_rows
 from benchmarks.interleave import Interleaved
 from benchmarks.phases import PhaseLog
+from benchmarks.steady import SteadyTimer
 from benchmarks.utils import GB, Context, Options
 from fastoffload_ext.planning import plan_offload
 
@@ -101,17 +101,6 @@ def _host_run(tmp_path: Path, spec_name: str) -> tuple[Context, Any, Any]:
     return ctx, run, models
 
 
-def _host_timer(ctx: Context, fn: Any, iters: int) -> Any:
-    def measure() -> list[float]:
-        times = []
-        for _ in range(iters):
-            started = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - started) * 1e3)
-        return times
-    return measure
-
-
 def test_the_section_times_ext_under_the_peers_memory_bit_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU-only path on the host: the peer is a second resident-fed forward, the device's counters are faked."""
     ctx, run, models = _host_run(tmp_path, "flux")
@@ -119,7 +108,8 @@ def test_the_section_times_ext_under_the_peers_memory_bit_equal(tmp_path: Path, 
         # Every list (five blocks): with two slots the first list's two blocks would need no copy at all.
         config = run.configs[-1]
         ctx.cuda = True  # the peers' path; the device stays the host
-        monkeypatch.setattr(models, "_timer", _host_timer)  # CUDA events would need a device
+        # CUDA events would need a device: the host path of the same timer.
+        monkeypatch.setattr(models, "_timer", lambda ctx, fn, iters: SteadyTimer(fn, iters, False))
         monkeypatch.setattr(models, "steady_reserve", lambda forward, count: 0)
         rest = run.model_bytes - run.part_bytes(frozenset(config.lists))
         largest = config.largest_block
