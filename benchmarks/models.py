@@ -699,10 +699,10 @@ def _matched_row(ctx: Context, run: ModelRun, peer: str, holder: dict[str, Any],
                               f"budget ({deadline_s:.0f} s)", None)
     if not peak_gbps:
         return (labels, None, "not run: the planner needs the peak H2D, which is probed on a GPU only", None)
-    pinned = config.offloaded_bytes
-    if pinned > probe_host().usable:
+    pinned, usable = config.offloaded_bytes, probe_host().usable
+    if pinned > usable:
         return (labels, None, f"not run: its pinned copy ({pinned / GB:.0f} GB) is more than the host has available "
-                              f"beside the peer's ({probe_host().usable / GB:.0f} GB)", None)
+                              f"beside the peer's ({usable / GB:.0f} GB)", None)
     mine: dict[str, Any] = {}
     try:
         blocks = [block for name in config.lists for block in getattr(run.master, name)]
