@@ -54,7 +54,8 @@ peer's pinned blocks; during the first session, one more pinned copy of the firs
 rows' own, freed before the first peer. Every phase prints a line with the time, host RSS and GPU
 memory to stderr (a killed run shows where it was) and the phases go into the notes. Peers are set up strongest first;
 the 14B model runs only FastVideo, SGLang and diffusers block (``BENCHMARK_MODEL_PEERS=all`` runs
-all). The section has ``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
+all on every model, ``BENCHMARK_MODEL_PEERS=mmgp,accelerate`` only those two). The section has
+``BENCHMARK_MODELS_BUDGET_S`` seconds (default 360); at each model's start
 what is left is split evenly over the models still to run, and a peer starts only while the slowest
 peer of that model so far would still finish within the model's share. Skipped peers have rows
 saying why. A peer that is not bit-equal gets, in its note, the first traced op where its forward
@@ -169,7 +170,7 @@ LOADED = "resident+copies"  # the first session's configuration: the resident fo
 LINK = "h2d link"  # the first session's link probe: one pinned copy per forward (benchmarks/link_probe.py)
 BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
 ENV_MODELS = "BENCHMARK_MODELS"
-ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all": every peer on every model, also where a model's spec names fewer
+ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all" or peer names: those peers on every model, whatever its spec names
 ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
 # Seconds from the section's start within which every peer must finish (one that would not, judged by the
 # slowest peer of the model so far, is not set up; its rows say so): one model, its peers and the
@@ -581,6 +582,21 @@ def _first_session(ctx: Context, run: ModelRun) -> Interleaved:
     return _session(ctx, run, names, clocks, rounds + (INITIAL_EXTRA_ROUNDS if ctx.cuda else 0))
 
 
+def named_peers() -> tuple[str, ...] | None:
+    """The peers ``BENCHMARK_MODEL_PEERS`` names (every peer for ``all``), or None: each model's own choice."""
+    value = os.environ.get(ENV_PEERS, "").strip()
+    if not value:
+        return None
+    known = tuple(peer.name for peer in peer_setups.PEERS)
+    if value == "all":
+        return known
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"{ENV_PEERS}: unknown peer(s) {', '.join(unknown)}; known: all, {', '.join(known)}")
+    return names
+
+
 # One row of the table: (labels, figures, reason it was skipped, error it raised).
 PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception | None]
 
@@ -588,10 +604,13 @@ PendingRow = tuple[dict[str, Any], dict[str, Any] | None, str | None, Exception 
 def _peer_skip_reason(ctx: Context, run: ModelRun, peer: peer_setups.Peer, deadline_s: float) -> str | None:
     if not ctx.cuda:
         return "needs a CUDA device"
-    wanted = run.spec.peers
-    if wanted is not None and peer.name not in wanted and os.environ.get(ENV_PEERS, "").strip() != "all":
+    named = named_peers()
+    if named is not None:
+        if peer.name not in named:
+            return f"not run: {ENV_PEERS} names only {', '.join(named)}"
+    elif run.spec.peers is not None and peer.name not in run.spec.peers:
         return (f"not run on {run.spec.name} so that the section fits one GPU command (each peer pins its "
-                f"own copy of the blocks and needs its rounds); only {', '.join(wanted)} run here; "
+                f"own copy of the blocks and needs its rounds); only {', '.join(run.spec.peers)} run here; "
                 f"{ENV_PEERS}=all runs it")
     elapsed = run.log.elapsed_s()
     if elapsed > deadline_s:
@@ -1058,6 +1077,7 @@ def _run_model(ctx: Context, spec: ModelSpec, log: PhaseLog, peak: float | None,
 
 
 def run(ctx: Context) -> None:
+    named_peers()  # a misspelt peer name fails here, before any model is built
     diffusers, reason = try_import("diffusers")
     specs = selected_models(ctx)
     if diffusers is None:

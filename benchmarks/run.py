@@ -57,7 +57,8 @@ ENVIRONMENT = {
     "BENCHMARK_BUDGETS_WORKLOADS": "budgets: only these workloads, in this order (W1,W2,W3,W4,wan-1.3b,flux); "
                                    "the full section fits two GPU commands: W1,W2,W3,W4 then flux,wan-1.3b",
     "BENCHMARK_MODELS": "models: only these models (wan-1.3b,flux,wan-14b; default all, --quick: wan-1.3b)",
-    "BENCHMARK_MODEL_PEERS": "models: 'all' runs every peer on every model (default: fewer on the 14B model)",
+    "BENCHMARK_MODEL_PEERS": "models: 'all', or peer names (fastvideo,sglang,mmgp,diffusers,diffusers leaf,"
+                             "accelerate): those peers on every model (default: fewer on the 14B model)",
     "BENCHMARK_MODELS_BUDGET_S": "models: seconds within which every peer must finish (default 360); a peer "
                                  "that would not is skipped and its rows say so",
 }

@@ -437,6 +437,24 @@ def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch
         ctx.close()
 
 
+def test_named_peers_run_on_every_model_and_only_they(monkeypatch: pytest.MonkeyPatch) -> None:
+    by_name = {peer.name: peer for peer in peers.PEERS}
+    ctx = _cuda_ctx()
+    try:
+        monkeypatch.setenv(models.ENV_PEERS, " accelerate, diffusers leaf ")
+        assert models.named_peers() == ("accelerate", "diffusers leaf")
+        run = _run_for(models.MODELS["wan-14b"], 0.0)  # its own choice leaves accelerate out
+        assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
+        assert models._peer_skip_reason(ctx, run, by_name["diffusers leaf"], 480.0) is None
+        reason = models._peer_skip_reason(ctx, run, by_name["fastvideo"], 480.0)
+        assert reason == "not run: BENCHMARK_MODEL_PEERS names only accelerate, diffusers leaf"
+        monkeypatch.setenv(models.ENV_PEERS, "accelerate,sglng")
+        with pytest.raises(ValueError, match="unknown peer.*sglng.*known: all, fastvideo, sglang"):
+            models.run(ctx)
+    finally:
+        ctx.close()
+
+
 def test_a_spent_time_budget_skips_the_remaining_peers_with_a_reason() -> None:
     run = _run_for(models.MODELS["flux"], 500.0)
     ctx = _cuda_ctx()
