@@ -166,6 +166,30 @@ def test_all_with_only_empty_lists_is_refused() -> None:
         enable_layerwise_offload(model, device="cpu", block_lists="all")
 
 
+def test_named_lists_that_are_all_empty_are_refused_and_one_empty_beside_blocks_runs() -> None:
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    model.empty = nn.ModuleList()
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(OffloadConfigError,
+                       match=r"^fastoffload: block_lists names only empty nn.ModuleLists \(empty\); there are no"):
+        enable_layerwise_offload(model, device="cpu", block_lists=["empty"])
+    assert all(torch.equal(p, before[name]) and p.numel() for name, p in model.named_parameters())
+    group = enable_layerwise_offload(model, device="cpu", block_lists=["empty", "blocks"])
+    assert group is not None and len(group.states) == 2
+
+
+def test_calibrating_an_offload_that_holds_no_block_is_refused_with_the_reason() -> None:
+    model = nn.Module()
+    model.blocks = nn.ModuleList()  # FastVideo's rule: an empty first list with nothing after it offloads nothing
+    group = enable_layerwise_offload(model, device="cpu")
+    assert group is not None and not group.blocks
+    with pytest.raises(OffloadConfigError, match=r"^fastoffload: nothing to calibrate: this offload holds no block "
+                                                 r"\(the block list 'blocks' is empty\)"):
+        group.calibrate(lambda: None)
+    assert group.costs is None
+
+
 def _tiny_flux(seed: int) -> nn.Module:
     diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
     torch.manual_seed(seed)

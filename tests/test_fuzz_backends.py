@@ -9,8 +9,11 @@ every parameter holds its exact value, and the engine is idle between steps. At 
 while offloaded or after a disable, is freed with its last reference (the cycle collector switched off).
 
 The models vary: 1 to 6 blocks of mixed kinds (a Linear with a buffer that counts calls, a weight tied
-inside the block, a block with no parameters, LayerNorm-heavy blocks), weights tied across two blocks
-(refused unless both stay resident), and parameters outside the block list. ``FASTOFFLOAD_FUZZ_SEEDS``
+inside the block, a block with no parameters, LayerNorm-heavy blocks, a bf16 weight big enough for the
+codec), weights tied across two blocks (refused unless both stay resident), parameters outside the block
+list, and often a second list that runs after the first. Enable picks the lists (FastVideo's first one,
+``"all"``, the second alone, or both in another order than they run) and, now and then, ``compress``
+(True or "auto"; the python backend refuses True). ``FASTOFFLOAD_FUZZ_SEEDS``
 (a count) and ``FASTOFFLOAD_FUZZ_STEPS`` run it longer than CI does (the defaults take ~10-20 s on one core);
 ``FASTOFFLOAD_FUZZ_FIRST_SEED`` starts the seeds past the ones an earlier run covered.
 """
@@ -34,6 +37,7 @@ from fastoffload_ext.planning import BlockCosts, module_packed_bytes
 from ._models import offload_hook
 
 D = 8
+CODED_WIDTH = 320  # a (D, 320) bf16 weight is 5 KiB, over the codec's 4 KiB minimum
 BACKENDS = ["ext", "python"]
 SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "48"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "50"))
@@ -74,6 +78,8 @@ class FuzzBlock(nn.Module):
         elif kind == "norms":
             self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(4))
             self.gate = nn.Parameter(torch.randn(D))
+        elif kind == "coded":  # bf16 and over the codec's minimum size: compress=True/"auto" code it
+            self.w = nn.Parameter(torch.randn(D, CODED_WIDTH).to(torch.bfloat16))
         # "empty": no parameter at all, only buffers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,43 +98,62 @@ class FuzzBlock(nn.Module):
         elif self.kind == "norms":
             for norm in self.norms:
                 x = norm(x) * self.gate
+        elif self.kind == "coded":
+            x = x + (x @ self.w.float()).unflatten(-1, (CODED_WIDTH // D, D)).sum(-2) * 0.01
         else:
             x = x * 0.5
         return x
 
 
 class FuzzModel(nn.Module):
-    def __init__(self, kinds: list[str], tie: tuple[int, int] | None) -> None:
+    """``blocks`` (FastVideo's rule finds it), then ``tail``, a second list that runs after it (Flux's
+    single-stream blocks; often empty), which ``block_lists`` puts in the ring."""
+
+    def __init__(self, kinds: list[str], tie: tuple[int, int] | None, tail: list[str]) -> None:
         super().__init__()
         self.proj_in = nn.Linear(D, D)
         self.blocks = nn.ModuleList(FuzzBlock(kind) for kind in kinds)
+        self.tail = nn.ModuleList(FuzzBlock(kind) for kind in tail)
         self.scale = nn.Parameter(torch.randn(D))
         if tie is not None:  # a Linear weight tied across two blocks
             i, j = tie
             self.blocks[j].lin.weight = self.blocks[i].lin.weight
 
+    @property
+    def chain(self) -> list[FuzzBlock]:
+        """Every block of both lists, in the order they run."""
+        return [*self.blocks, *self.tail]
+
+    def prefix(self, index: int) -> str:
+        """The state-dict prefix of ``chain[index]``."""
+        return f"blocks.{index}." if index < len(self.blocks) else f"tail.{index - len(self.blocks)}."
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj_in(x)
-        for block in self.blocks:
+        for block in self.chain:
             x = block(x)
         return x * self.scale
 
 
-def _kinds(rng: random.Random) -> tuple[list[str], tuple[int, int] | None]:
+KINDS = ["linear", "linear", "tied", "norms", "empty", "odd", "coded"]
+
+
+def _kinds(rng: random.Random) -> tuple[list[str], tuple[int, int] | None, list[str]]:
     n = rng.randint(1, 6)
-    kinds = [rng.choice(["linear", "linear", "tied", "norms", "empty", "odd"]) for _ in range(n)]
+    kinds = [rng.choice(KINDS) for _ in range(n)]
     linears = [i for i, k in enumerate(kinds) if k == "linear"]
     tie = tuple(rng.sample(linears, 2)) if len(linears) >= 2 and rng.random() < 0.25 else None
-    return kinds, tie  # type: ignore[return-value]
+    tail = [rng.choice(KINDS) for _ in range(rng.choice([0, 0, 1, 2, 3]))]
+    return kinds, tie, tail  # type: ignore[return-value]
 
 
 def _pair(rng: random.Random) -> tuple[FuzzModel, FuzzModel]:
-    kinds, tie = _kinds(rng)
+    kinds, tie, tail = _kinds(rng)
     seed = rng.randrange(1 << 30)
     torch.manual_seed(seed)
-    model = FuzzModel(kinds, tie)
+    model = FuzzModel(kinds, tie, tail)
     torch.manual_seed(seed)
-    twin = FuzzModel(kinds, tie)
+    twin = FuzzModel(kinds, tie, tail)
     return model, twin
 
 
@@ -142,8 +167,9 @@ class Driver:
         self.model.requires_grad_(False)
         self.twin.requires_grad_(False)
         self.gen = torch.Generator().manual_seed(seed)
-        self.log: list[str] = [f"kinds={[b.kind for b in self.model.blocks]}"]
-        self.block_bytes = [module_packed_bytes(b) for b in self.model.blocks]
+        self.log: list[str] = [f"kinds={[b.kind for b in self.model.blocks]}, tail={[b.kind for b in self.model.tail]}"]
+        # Packed bytes of each block of the chain as built (a re-plan's cost table; a budget's scale).
+        self.block_bytes = [module_packed_bytes(b) for b in self.model.chain]
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -156,7 +182,7 @@ class Driver:
         if group is None:
             return []
         hooked = {id(s.module_ref) for s in group.states}
-        return [i for i, b in enumerate(self.model.blocks) if id(b) in hooked]
+        return [i for i, b in enumerate(self.model.chain) if id(b) in hooked]
 
     def x(self) -> torch.Tensor:
         return torch.randn(2, 3, D, generator=self.gen)
@@ -166,16 +192,16 @@ class Driver:
         if group is None:
             return
         for i in self.offloaded():
-            if offload_hook(self.model.blocks[i]).state_dict_hooks._loading:
+            if offload_hook(self.model.chain[i]).state_dict_hooks._loading:
                 continue  # a load raised inside it: real until its next load, scope or re-plan finishes it
-            for name, p in self.model.blocks[i].named_parameters():
+            for name, p in self.model.chain[i].named_parameters():
                 assert p.numel() == 0, f"blocks.{i}.{name} holds {tuple(p.shape)} between steps"
         if group.engine is not None:
             slots = [group.engine.slot_state(s) for s in range(group.engine.num_slots)]
             assert "in_use" not in slots, slots
             materialized = [i for i, state in zip(group.offloaded_indices, group.states)
                             if group.engine.is_materialized(state.handle)]
-            assert all(offload_hook(self.model.blocks[i]).state_dict_hooks._loading for i in materialized), materialized
+            assert all(offload_hook(group.blocks[i]).state_dict_hooks._loading for i in materialized), materialized
 
     def check_state_dict(self) -> None:
         got, want = self.model.state_dict(), self.twin.state_dict()
@@ -200,8 +226,15 @@ class Driver:
     # ---- operations ---------------------------------------------------------------------------
 
     def op_enable(self) -> None:
-        rng, n = self.rng, len(self.model.blocks)
+        rng = self.rng
         kwargs: dict[str, Any] = dict(device="cpu", backend=self.backend, cyclic=rng.random() < 0.7)
+        lists = rng.choices([None, "all", ["tail", "blocks"], ["tail"]], [0.7, 0.15, 0.07, 0.08])[0]
+        if lists is not None:
+            kwargs["block_lists"] = lists  # ["tail", "blocks"]: a ring in another order than the blocks run
+        n = len(self.model.blocks) if lists is None else \
+            len(self.model.tail) + (0 if lists == ["tail"] else len(self.model.blocks))
+        if rng.random() < 0.25:
+            kwargs["compress"] = rng.choice([True, "auto"])  # the python backend refuses True
         choice = rng.random()
         if choice < 0.3:
             kwargs["resident_blocks"] = rng.randint(0, n)
@@ -230,8 +263,8 @@ class Driver:
         fault_at = None
         fault: type[BaseException] | None = None
         roll = self.rng.random()
-        if roll < 0.2 and len(self.model.blocks):
-            fault_at = self.rng.randrange(len(self.model.blocks))
+        if roll < 0.2 and len(self.model.chain):
+            fault_at = self.rng.randrange(len(self.model.chain))
             fault = self.rng.choice([Fault, Interrupt])
         x = self.x()
         grad_input = mode == "grad" and self.rng.random() < 0.5
@@ -241,15 +274,15 @@ class Driver:
         refused_at = None
         if mode == "grad":
             for i in self.offloaded():
-                if any(p.requires_grad for p in self.model.blocks[i].parameters()):
+                if any(p.requires_grad for p in self.model.chain[i].parameters()):
                     refused_at = i
                     break
         stop = min([i for i in (fault_at, refused_at) if i is not None], default=None)
         refused = stop is not None and stop == refused_at
         if stop is not None:
-            self.twin.blocks[stop].fault = Fault if refused else fault
+            self.twin.chain[stop].fault = Fault if refused else fault
         if fault_at is not None:
-            self.model.blocks[fault_at].fault = fault
+            self.model.chain[fault_at].fault = fault
         try:
             out = self._run(self.model, x, mode, grad_input)
             err = None
@@ -257,7 +290,7 @@ class Driver:
             out, err = None, e
         finally:
             if fault_at is not None:
-                self.model.blocks[fault_at].fault = None
+                self.model.chain[fault_at].fault = None
         try:
             want = self._run(self.twin, x, mode, grad_input)
             want_err = None
@@ -265,7 +298,7 @@ class Driver:
             want, want_err = None, e
         finally:
             if stop is not None:
-                self.twin.blocks[stop].fault = None
+                self.twin.chain[stop].fault = None
         if want_err is None:
             assert err is None, f"offloaded forward raised {err!r}; resident ran"
             assert torch.equal(out[0], want[0])
@@ -297,9 +330,9 @@ class Driver:
 
     def op_mutate(self) -> None:
         offloaded = self.offloaded()
-        n = len(self.model.blocks)
+        n = len(self.model.chain)
         index = self.rng.randrange(n)
-        params = [name for name, _ in self.twin.blocks[index].named_parameters()]
+        params = [name for name, _ in self.twin.chain[index].named_parameters()]
         if not params:
             self.log.append(f"mutate(block {index}): no parameters")
             return
@@ -312,13 +345,13 @@ class Driver:
 
         def edit(model: nn.Module) -> None:
             with torch.no_grad():
-                model.blocks[index].get_parameter(name).mul_(factor)
+                model.chain[index].get_parameter(name).mul_(factor)
 
         edit(self.twin)
         if index not in offloaded:
             edit(self.model)
             return
-        hook = offload_hook(self.model.blocks[index])
+        hook = offload_hook(self.model.chain[index])
         try:
             with hook.mutate_params_scope():
                 if nested:
@@ -333,10 +366,10 @@ class Driver:
 
     def op_edit_outside(self) -> None:
         """An in-place edit of a parameter outside the blocks (the caller's own), or of a resident block's."""
-        names = [n for n, _ in self.twin.named_parameters() if not n.startswith("blocks.")]
-        resident = set(range(len(self.model.blocks))) - set(self.offloaded())
-        names += [n for n, _ in self.twin.named_parameters()
-                  if n.startswith("blocks.") and int(n.split(".")[1]) in resident]
+        names = [n for n, _ in self.twin.named_parameters() if not n.startswith(("blocks.", "tail."))]
+        resident = set(range(len(self.model.chain))) - set(self.offloaded())
+        names += [n for i in sorted(resident) for n, _ in self.twin.named_parameters()
+                  if n.startswith(self.twin.prefix(i))]
         name = self.rng.choice(names)
         self.log.append(f"edit({name} += 1)")
 
@@ -368,7 +401,7 @@ class Driver:
 
     def op_load_interrupted(self) -> None:
         """A load that raises part-way, inside block k (its offload pre-hook has run), on both twins."""
-        index = self.rng.randrange(len(self.model.blocks))
+        index = self.rng.randrange(len(self.model.chain))
         fault = self.rng.choice([Fault, Interrupt])
         source = {k: torch.randn(v.shape, generator=self.gen).to(v.dtype) if v.is_floating_point() else v.clone()
                   for k, v in self.twin.state_dict().items()}
@@ -378,23 +411,23 @@ class Driver:
             raise fault("interrupted while loading")
 
         for model in (self.model, self.twin):
-            handle = model.blocks[index].register_load_state_dict_pre_hook(interrupt)
+            handle = model.chain[index].register_load_state_dict_pre_hook(interrupt)
             with pytest.raises(fault):
                 model.load_state_dict(dict(source))
             handle.remove()
 
     def op_block_load(self) -> None:
-        index = self.rng.randrange(len(self.model.blocks))
+        index = self.rng.randrange(len(self.model.chain))
         source = {k: torch.randn(v.shape, generator=self.gen).to(v.dtype) if v.is_floating_point() else v.clone()
-                  for k, v in self.twin.blocks[index].state_dict().items()}
+                  for k, v in self.twin.chain[index].state_dict().items()}
         self.log.append(f"blocks[{index}].load_state_dict({len(source)} keys)")
         for model in (self.model, self.twin):
-            model.blocks[index].load_state_dict(dict(source))
+            model.chain[index].load_state_dict(dict(source))
 
     def op_requires_grad(self) -> None:
         target = self.rng.choice(["model", "outside", "block"])
         flag = self.rng.random() < 0.5
-        index = self.rng.randrange(len(self.model.blocks))
+        index = self.rng.randrange(len(self.model.chain))
         self.log.append(f"requires_grad_({target}, {flag}, block={index})")
 
         def apply(model: nn.Module) -> None:
@@ -404,7 +437,7 @@ class Driver:
                 model.proj_in.requires_grad_(flag)
                 model.scale.requires_grad_(flag)
             else:
-                model.blocks[index].requires_grad_(flag)
+                model.chain[index].requires_grad_(flag)
 
         self.both(apply)
 
@@ -417,8 +450,8 @@ class Driver:
         offloaded = self.offloaded()
         assert stats["offloaded_blocks"] == len(group.states)
         assert stats["resident"] == list(group.resident)
-        assert sorted(set(range(len(self.model.blocks))) - set(group.resident)) == sorted(group.offloaded_indices)
-        want = sum(p.numel() * p.element_size() for i in offloaded for p in self.twin.blocks[i].parameters())
+        assert sorted(set(range(len(group.blocks))) - set(group.resident)) == sorted(group.offloaded_indices)
+        want = sum(p.numel() * p.element_size() for i in offloaded for p in self.twin.chain[i].parameters())
         assert stats["weight_bytes"] == want, (stats["weight_bytes"], want)
 
     def op_replan(self) -> None:
@@ -426,9 +459,10 @@ class Driver:
         if group is None or group.plan is None:
             self.log.append("replan: no plan")
             return
-        n = len(self.model.blocks)
-        compute = [self.rng.choice([0.01, 0.1, 1.0, 3.0]) for _ in range(n)]
-        costs = BlockCosts(compute, self.block_bytes, self.rng.choice([1e-3, 1e-2, 1.0]))
+        chain = [id(block) for block in self.model.chain]
+        sizes = [self.block_bytes[chain.index(id(block))] for block in group.blocks]  # the ring's blocks, its order
+        compute = [self.rng.choice([0.01, 0.1, 1.0, 3.0]) for _ in sizes]
+        costs = BlockCosts(compute, sizes, self.rng.choice([1e-3, 1e-2, 1.0]))
         self.log.append(f"replan({compute})")
         try:
             group.replan(costs)
@@ -444,9 +478,9 @@ class Driver:
         index = self.rng.choice(offloaded)
         what = self.rng.choice(["forward", "load", "rebind", "new_param"])
         self.log.append(f"scope(block {index}: {what})")
-        hook = offload_hook(self.model.blocks[index])
+        hook = offload_hook(self.model.chain[index])
         x = self.x()
-        params = [name for name, _ in self.twin.blocks[index].named_parameters()]
+        params = [name for name, _ in self.twin.chain[index].named_parameters()]
         with hook.mutate_params_scope():
             if what == "forward":
                 with torch.no_grad():
@@ -458,11 +492,11 @@ class Driver:
                     model.load_state_dict(dict(source))
             elif params:
                 name = self.rng.choice(params)
-                want = self.twin.blocks[index].get_parameter(name)
+                want = self.twin.chain[index].get_parameter(name)
                 new = torch.randn(want.shape, generator=self.gen).to(want.dtype)
                 for model in (self.model, self.twin):
                     owner, _, leaf = name.rpartition(".")
-                    module = model.blocks[index].get_submodule(owner)
+                    module = model.chain[index].get_submodule(owner)
                     param = module.get_parameter(leaf)
                     if what == "rebind":
                         param.data = new.clone()
@@ -471,7 +505,7 @@ class Driver:
 
     def op_block_calls(self) -> None:
         """Blocks called one by one, out of order, skipped and repeated (a sampler that reuses blocks)."""
-        n = len(self.model.blocks)
+        n = len(self.model.chain)
         order = [self.rng.randrange(n) for _ in range(self.rng.randint(1, 2 * n))]
         mode = self.rng.choice(["no_grad", "inference_mode"])
         self.log.append(f"block_calls({order}, {mode})")
@@ -479,16 +513,16 @@ class Driver:
         with getattr(torch, mode)():
             got, want = x, x
             for i in order:
-                got, want = self.model.blocks[i](got), self.twin.blocks[i](want)
+                got, want = self.model.chain[i](got), self.twin.chain[i](want)
                 assert torch.equal(got, want), i
 
     def op_state_dicts(self) -> None:
         """state_dict with keep_vars, and a block's own state_dict."""
-        index = self.rng.randrange(len(self.model.blocks))
+        index = self.rng.randrange(len(self.model.chain))
         self.log.append(f"state_dicts(block {index})")
         got, want = self.model.state_dict(keep_vars=True), self.twin.state_dict(keep_vars=True)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-        got, want = self.model.blocks[index].state_dict(), self.twin.blocks[index].state_dict()
+        got, want = self.model.chain[index].state_dict(), self.twin.chain[index].state_dict()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
     def op_calibrate(self) -> None:
@@ -497,7 +531,7 @@ class Driver:
             return
         self.log.append("calibrate()")
         x = self.x()
-        for block in self.model.blocks:
+        for block in self.model.chain:
             block.counting = False
 
         def step() -> None:
@@ -513,7 +547,7 @@ class Driver:
             assert self.group is group
             self.log.append("  refused: " + str(error)[:100])
         finally:
-            for block in self.model.blocks:
+            for block in self.model.chain:
                 block.counting = True
 
     def op_disable(self) -> None:
@@ -525,8 +559,9 @@ class Driver:
         self.check_params()
 
     OPS = [("op_enable", 3), ("op_forward", 6), ("op_mutate", 3), ("op_edit_outside", 1), ("op_load", 2),
-           ("op_block_load", 1), ("op_requires_grad", 2), ("op_stats", 1), ("op_replan", 2), ("op_disable", 2), ("op_scope_work", 2), ("op_calibrate", 1),
-           ("op_block_calls", 2), ("op_state_dicts", 1), ("op_load_interrupted", 1)]
+           ("op_block_load", 1), ("op_requires_grad", 2), ("op_stats", 1), ("op_replan", 2), ("op_disable", 2),
+           ("op_scope_work", 2), ("op_calibrate", 1), ("op_block_calls", 2), ("op_state_dicts", 1),
+           ("op_load_interrupted", 1)]
 
     def step(self) -> None:
         names, weights = zip(*self.OPS)

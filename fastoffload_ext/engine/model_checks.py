@@ -68,6 +68,10 @@ def find_block_lists(model: nn.Module, block_lists: str | Sequence[str] | None) 
                                      "there are no blocks to offload")
         return chosen
     names = _check_names(block_lists, lists)
+    if not any(len(lists[name]) for name in names):
+        raise OffloadConfigError(f"fastoffload: block_lists names only empty nn.ModuleLists ({', '.join(names)}); there "
+                                 "are no blocks to offload. Name a list that holds the blocks, or pass "
+                                 "block_lists=None")
     return [(name, lists[name]) for name in names]
 
 

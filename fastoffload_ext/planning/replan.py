@@ -109,6 +109,11 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
     times ``step`` on the layout now applied: that time is what later steps are compared with
     (``OffloadPlan.drifted``)."""
     _check_current(group)
+    if not group.blocks:
+        lists = ", ".join(repr(name) for name in getattr(group, "list_names", [group.list_name]))
+        raise OffloadConfigError(f"fastoffload: nothing to calibrate: this offload holds no block (the block list "
+                                 f"{lists} is empty), so there is no cost to measure; calibrate a model whose "
+                                 "block list has blocks")
     settings = group.enable_kwargs
     given = settings.get("activation_reserve")
     sizes = _block_bytes(group)
