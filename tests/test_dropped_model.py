@@ -115,6 +115,27 @@ def test_an_offload_streamed_from_a_checkpoint_is_freed_without_the_collector(tm
         _assert_freed(refs)
 
 
+def test_a_checkpoint_offload_with_a_parameter_on_the_model_itself_is_freed_without_the_collector(
+        tmp_path: Path) -> None:
+    # Wan's transformer keeps scale_shift_table on the model itself, outside every child module. The record of
+    # what enable replaced while it read such tensors held the model, and the group's states held that record
+    # until the model died: it never did.
+    with no_collector():
+        reference = ckpt.reference_stack(5)
+        torch.manual_seed(3)
+        reference.scale_shift_table = torch.nn.Parameter(torch.randn(2, 32, dtype=torch.bfloat16))
+        path = ckpt.write_single(reference, tmp_path / "model.safetensors")
+        model = ckpt.meta_stack(5)
+        model.scale_shift_table = torch.nn.Parameter(torch.empty(2, 32, dtype=torch.bfloat16, device="meta"))
+        fo.enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * ckpt.block_bytes(reference))
+        assert torch.equal(model.scale_shift_table, reference.scale_shift_table)
+        x = ckpt.inputs()
+        assert torch.equal(_forward(model, x), _forward(reference, x))
+        refs = _refs(model)
+        del model
+        _assert_freed(refs)
+
+
 @pytest.mark.parametrize("backend", ["ext", "python"])
 def test_a_block_kept_after_its_model_was_dropped_still_runs_bit_exact(backend: str) -> None:
     with no_collector():

@@ -38,6 +38,7 @@ from ._models import offload_hook
 
 D = 8
 CODED_WIDTH = 320  # a (D, 320) bf16 weight is 5 KiB, over the codec's 4 KiB minimum
+WIDE_WIDTH = 4096  # 64 KiB: big beside the pinned pool's per-region slack (the checkpoint fuzz's disk tier)
 BACKENDS = ["ext", "python"]
 SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "48"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "50"))
@@ -78,8 +79,9 @@ class FuzzBlock(nn.Module):
         elif kind == "norms":
             self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(4))
             self.gate = nn.Parameter(torch.randn(D))
-        elif kind == "coded":  # bf16 and over the codec's minimum size: compress=True/"auto" code it
-            self.w = nn.Parameter(torch.randn(D, CODED_WIDTH).to(torch.bfloat16))
+        elif kind in ("coded", "wide"):  # bf16 and over the codec's minimum size: compress=True/"auto" code it
+            width = CODED_WIDTH if kind == "coded" else WIDE_WIDTH
+            self.w = nn.Parameter(torch.randn(D, width).to(torch.bfloat16))
         # "empty": no parameter at all, only buffers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +100,8 @@ class FuzzBlock(nn.Module):
         elif self.kind == "norms":
             for norm in self.norms:
                 x = norm(x) * self.gate
-        elif self.kind == "coded":
-            x = x + (x @ self.w.float()).unflatten(-1, (CODED_WIDTH // D, D)).sum(-2) * 0.01
+        elif self.kind in ("coded", "wide"):
+            x = x + (x @ self.w.float()).unflatten(-1, (self.w.shape[1] // D, D)).sum(-2) * 0.01
         else:
             x = x * 0.5
         return x

@@ -579,6 +579,8 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
             was_on_cuda: bool) -> LayerwiseOffloadGroup:
     """Resident blocks to the device, the group onto the model; returns the group now on the model."""
     _resident_to_device(group, options)
+    if group.checkpoint is not None:
+        group.checkpoint.commit()  # nothing is rolled back from here on; its record would keep the model alive
     setattr(model, GROUP_ATTRIBUTE, group)
     guard_adapters(model)  # a LoRA merge runs on the blocks' real weights
     group.free_with(model)  # a model dropped without a disable frees its host copy and slots at once

@@ -371,6 +371,13 @@ class CheckpointSource:
         logger.info("Start-up from %s, ms per phase: %s", self.checkpoint.source,
                     ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.phases.items()))
 
+    def commit(self) -> None:
+        """Enable succeeded: forgets the tensors load_resident replaced. Kept, the record would hold the
+        model's modules from the group's blocks (hook, state, source), and the group is held until the
+        model dies: the model could never be freed."""
+        self._undo.clear()
+        self._replaced.clear()
+
     def roll_back(self) -> None:
         """Puts back every tensor that load_resident replaced (the offloaded blocks undo their own)."""
         for module, kind, key, old in reversed(self._undo):
