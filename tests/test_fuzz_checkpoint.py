@@ -112,6 +112,8 @@ class CheckpointDriver:
                                                                chunk_bytes=rng.choice([4096, 8 << 20])))
         if rng.random() < 0.3:
             kwargs["resident_blocks"] = rng.randint(0, len(self.kinds))
+        elif rng.random() < 0.3:  # the planner picks what stays on the device; with a disk tier it counts the reads
+            kwargs["device_budget"] = int(largest * rng.uniform(1.5, len(self.kinds) + 2))
         if rng.random() < 0.4:
             kwargs["compress"] = rng.choice([True, "auto"])
         self.log.append(f"enable({ {k: v for k, v in kwargs.items() if k != 'weights'} })")
@@ -232,7 +234,30 @@ class CheckpointDriver:
             assert group.engine.disk_stats()["staging_count"] >= 1
             assert stats["disk_blocks"] == len(disk)
 
-    OPS = [("op_forward", 6), ("op_block_calls", 2), ("op_mutate", 2), ("op_load", 2), ("op_stats", 1)]
+    def op_calibrate(self) -> None:
+        """A calibration step, and the re-plan it makes for a planned group: refused where the new layout
+        would need a block from disk in host memory, and then nothing changes."""
+        group = self.group
+        self.log.append("calibrate()")
+        x = self.x()
+        for block in self.model.chain:
+            block.counting = False
+
+        def step() -> None:
+            with torch.no_grad():
+                self.model(x)
+
+        try:
+            group.calibrate(step, repeats=1)
+        except (OffloadConfigError, OffloadStateError) as error:
+            self.log.append(f"  refused: {_error_text(error)}")
+            assert self.group is group
+        finally:
+            for block in self.model.chain:
+                block.counting = True
+
+    OPS = [("op_forward", 6), ("op_block_calls", 2), ("op_mutate", 2), ("op_load", 2), ("op_stats", 1),
+           ("op_calibrate", 1)]
 
     def run(self, steps: int) -> None:
         try:
