@@ -3,6 +3,7 @@ FluxTransformer2DModel at a tiny config), bit-exact on both backends, with devic
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -177,6 +178,21 @@ def test_named_lists_that_are_all_empty_are_refused_and_one_empty_beside_blocks_
     assert all(torch.equal(p, before[name]) and p.numel() for name, p in model.named_parameters())
     group = enable_layerwise_offload(model, device="cpu", block_lists=["empty", "blocks"])
     assert group is not None and len(group.states) == 2
+
+
+def test_enable_says_which_block_lists_it_leaves_where_they_are(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Module()
+    model.double = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    model.single = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(3))
+    model.empty = nn.ModuleList()
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.engine.layerwise"):
+        enable_layerwise_offload(model, device="cpu")
+    assert "not offloaded: single (3 blocks, 768 B) (block_lists='all' offloads every list)" in caplog.text
+    disable_layerwise_offload(model)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.engine.layerwise"):
+        enable_layerwise_offload(model, device="cpu", block_lists="all")
+    assert "Layerwise offload enabled" in caplog.text and "not offloaded" not in caplog.text
 
 
 def test_calibrating_an_offload_that_holds_no_block_is_refused_with_the_reason() -> None:

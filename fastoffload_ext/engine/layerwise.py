@@ -77,7 +77,7 @@ from fastoffload_ext.engine.guards import remove_guards
 from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup, get_offload_group
 from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.model_checks import (check_devices, check_repeated_blocks, check_tied_parameters,
-                                                 check_weight_hooks)
+                                                 check_weight_hooks, lists_left_out)
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, CheckedArguments,
                                             OffloadOptions, check_arguments, resolve_device, validate_arguments)
@@ -90,6 +90,7 @@ from fastoffload_ext.integrations.peft import guard_adapters
 from fastoffload_ext.storage.options import DiskOptions
 from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
+from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.plan import OffloadPlan
 from fastoffload_ext.planning.schedule import acquire_targets, release_target
 
@@ -587,7 +588,12 @@ def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOpti
     ModelForwards.attach(model)  # what a later layout change waits for (threads.py)
     if was_on_cuda and options.device.type == "cuda":
         torch.cuda.empty_cache()
-    logger.info("Layerwise offload enabled: %r", group)
+    left_out = lists_left_out(model, group.list_names)
+    if left_out:
+        logger.info("Layerwise offload enabled: %r; not offloaded: %s (block_lists='all' offloads every list)", group,
+                    ", ".join(f"{name} ({count} blocks, {format_bytes(size)})" for name, count, size in left_out))
+    else:
+        logger.info("Layerwise offload enabled: %r", group)
     if group.plan is None:
         return group
     from fastoffload_ext.planning import replan as replanning
