@@ -415,9 +415,39 @@ def _scenario_replan(rank: int, device: str, queue: Any, control: Path) -> None:
     queue.put((rank, "done", result))
 
 
-SCENARIOS = {"main": _scenario_main, "codec": _scenario_codec, "failures": _scenario_failures, "small_shm": _scenario_small_shm,
-             "interrupts": _scenario_interrupts, "out_of_step": _scenario_out_of_step, "values": _scenario_values,
-             "taken_name": _scenario_taken_name, "replan": _scenario_replan}
+def _scenario_dropped(rank: int, device: str, queue: Any, control: Path) -> None:
+    """Each rank drops its shared offload in turn (the owner first), the collector off: each is freed with its
+    last reference, and the other rank, still offloaded from the same pages, stays exact."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    model, _, x, want = _model(device)
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext", share_host_copy=True)
+    result: dict[str, Any] = {"shared": group.share is not None, "exact": _exact(model, x, want)}
+    refs = [weakref.ref(model), weakref.ref(group), weakref.ref(group.engine)]
+    group = None
+    gc.collect()
+    gc.disable()
+    try:
+        for turn in range(WORLD):
+            dist.barrier()
+            if turn == rank:
+                del model
+                result["freed"] = [ref() is None for ref in refs]
+            elif turn < rank:
+                result["exact_after_other_dropped"] = _exact(model, x, want)
+        dist.barrier()
+    finally:
+        gc.enable()
+    queue.put((rank, "dropped", result))
+
+
+SCENARIOS = {"main": _scenario_main, "codec": _scenario_codec, "failures": _scenario_failures,
+             "small_shm": _scenario_small_shm, "interrupts": _scenario_interrupts, "out_of_step": _scenario_out_of_step,
+             "values": _scenario_values, "taken_name": _scenario_taken_name, "replan": _scenario_replan,
+             "dropped": _scenario_dropped}
 
 
 def _worker(rank: int, init_file: str, scenario: str, device: str, queue: Any, control: str) -> None:
@@ -539,6 +569,15 @@ _FIGURES = ("shared_owner", "shared_bytes", "shared_owned_bytes", "host_reserved
 
 def test_two_ranks_share_one_host_copy(tmp_path: Path) -> None:
     _run_main(tmp_path, "cpu")
+
+
+def test_a_dropped_shared_offload_is_freed_without_the_collector_and_the_other_rank_runs_on(tmp_path: Path) -> None:
+    with _Ranks(tmp_path, "dropped") as ranks:
+        dropped = ranks.expect("dropped", range(WORLD))
+    for rank in range(WORLD):
+        assert dropped[rank]["shared"] and dropped[rank]["exact"]
+        assert dropped[rank]["freed"] == [True, True, True], (rank, dropped[rank])
+    assert dropped[1]["exact_after_other_dropped"]  # the owner dropped its model first
 
 
 def _round_up(nbytes: int, alignment: int = 256) -> int:
