@@ -19,10 +19,12 @@ list, and often a second list that runs after the first. Enable picks the lists 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -157,6 +159,23 @@ def _pair(rng: random.Random) -> tuple[FuzzModel, FuzzModel]:
     torch.manual_seed(seed)
     twin = FuzzModel(kinds, tie, tail)
     return model, twin
+
+
+@contextlib.contextmanager
+def uncounted_step(model: FuzzModel, x: torch.Tensor) -> Iterator[Callable[[], None]]:
+    """A no-grad forward of ``model`` on ``x`` to calibrate with, the blocks' call counters off meanwhile (a
+    calibration runs it as often as it needs, the twin not at all)."""
+    def step() -> None:
+        with torch.no_grad():
+            model(x)
+
+    for block in model.chain:
+        block.counting = False
+    try:
+        yield step
+    finally:
+        for block in model.chain:
+            block.counting = True
 
 
 class Driver:
@@ -532,25 +551,15 @@ class Driver:
         if group is None:
             return
         self.log.append("calibrate()")
-        x = self.x()
-        for block in self.model.chain:
-            block.counting = False
-
-        def step() -> None:
-            with torch.no_grad():
-                self.model(x)
-
-        try:
-            group.calibrate(step, repeats=1)
-        except OffloadConfigError as error:
-            # A block that a scope grew (new parameters) can leave no layout within the budget: the re-plan
-            # refuses with the numbers and changes nothing.
-            assert "is too small for" in str(error), error
-            assert self.group is group
-            self.log.append("  refused: " + str(error)[:100])
-        finally:
-            for block in self.model.chain:
-                block.counting = True
+        with uncounted_step(self.model, self.x()) as step:
+            try:
+                group.calibrate(step, repeats=1)
+            except OffloadConfigError as error:
+                # A block that a scope grew (new parameters) can leave no layout within the budget: the re-plan
+                # refuses with the numbers and changes nothing.
+                assert "is too small for" in str(error), error
+                assert self.group is group
+                self.log.append("  refused: " + str(error)[:100])
 
     def op_disable(self) -> None:
         if self.group is None:

@@ -35,7 +35,7 @@ from fastoffload_ext.planning.tiers import STAGING_SLACK, region_bytes
 from fastoffload_ext.storage import DiskOptions
 
 from ._models import offload_hook
-from .test_fuzz_backends import D, Fault, FuzzModel, Interrupt
+from .test_fuzz_backends import D, Fault, FuzzModel, Interrupt, uncounted_step
 
 SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "16"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "40"))
@@ -239,22 +239,12 @@ class CheckpointDriver:
         would need a block from disk in host memory, and then nothing changes."""
         group = self.group
         self.log.append("calibrate()")
-        x = self.x()
-        for block in self.model.chain:
-            block.counting = False
-
-        def step() -> None:
-            with torch.no_grad():
-                self.model(x)
-
-        try:
-            group.calibrate(step, repeats=1)
-        except (OffloadConfigError, OffloadStateError) as error:
-            self.log.append(f"  refused: {_error_text(error)}")
-            assert self.group is group
-        finally:
-            for block in self.model.chain:
-                block.counting = True
+        with uncounted_step(self.model, self.x()) as step:
+            try:
+                group.calibrate(step, repeats=1)
+            except (OffloadConfigError, OffloadStateError) as error:
+                self.log.append(f"  refused: {_error_text(error)}")
+                assert self.group is group
 
     OPS = [("op_forward", 6), ("op_block_calls", 2), ("op_mutate", 2), ("op_load", 2), ("op_stats", 1),
            ("op_calibrate", 1)]
