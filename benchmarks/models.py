@@ -90,7 +90,8 @@ run at tiny configs on the host (device="cpu"), resident and ext only.
 CUDA graphs (on a GPU): the first session also times the resident model and ext with default settings each
 captured whole in a CUDA graph and replayed (``benchmarks/graph_rows.py``): ``resident, CUDA graph``, its
 ``floor, CUDA graph`` and ``ext, CUDA graph``, which shows what ext reaches where an eager forward is bound by the
-host. Its ``pass`` uses the same targets, against the graph's floor.
+host. Its ``pass`` uses the same targets, against the graph's floor. ``BENCHMARK_MODELS_GRAPHS=0`` leaves them
+out (one skipped row says so), for a run that is after the peers' rows.
 
 The link (on a GPU): the peak H2D that sets every floor is one probe before the section, and the link drifts
 between machines and within a run. The first session times one more configuration, a 256 MiB pinned copy
@@ -172,6 +173,7 @@ BIG_MODEL_BYTES = 8 * 1024**3  # above this: fewer iterations per round
 ENV_MODELS = "BENCHMARK_MODELS"
 ENV_PEERS = "BENCHMARK_MODEL_PEERS"  # "all" or peer names: those peers on every model, whatever its spec names
 ENV_BUDGET = "BENCHMARK_MODELS_BUDGET_S"
+ENV_GRAPHS = "BENCHMARK_MODELS_GRAPHS"  # "0": no CUDA-graph rows (a run that is after the peers' rows)
 # Seconds from the section's start within which every peer must finish (one that would not, judged by the
 # slowest peer of the model so far, is not set up; its rows say so): one model, its peers and the
 # benchmark's start-up fit a GPU command of about 420 s.
@@ -432,6 +434,7 @@ class ModelRun:
     link: LinkProbe | None = None  # the link's speed in each round of the first session
     graphs: graph_rows.GraphRows | None = None  # the CUDA-graph configurations of the first session (freed after it)
     graph_error: Exception | None = None  # why they could not be built
+    graph_skip: str | None = None  # why they were not built (BENCHMARK_MODELS_GRAPHS=0)
     source: dict[str, torch.Tensor] | None = None  # the host copy every peer's model is bound to
     source_print: list[float] = field(default_factory=list)
     # Torch's numerics switches when the references were computed; every peer runs under them too.
@@ -480,9 +483,17 @@ def _prepare(ctx: Context, spec: ModelSpec, enable: Callable[..., Any], log: Pha
     names = [f"{config}|{label}" for label in run.inputs for config in ["resident", *(c.name for c in run.configs)]]
     _measure_reserves(ctx, run, {name: run.forwards[name] for name in names}, _iterations(ctx, run)[0] + 1)
     log.mark(f"{spec.name}: ext and resident checked")
-    if ctx.cuda:
+    run.graph_skip = graphs_skipped(ctx)
+    if ctx.cuda and run.graph_skip is None:
         _build_graphs(ctx, run, enable)
     return run
+
+
+def graphs_skipped(ctx: Context) -> str | None:
+    """Why the CUDA-graph rows are left out of a GPU run (``BENCHMARK_MODELS_GRAPHS=0``), or None."""
+    if ctx.cuda and os.environ.get(ENV_GRAPHS, "1").strip() == "0":
+        return f"{ENV_GRAPHS}=0: the CUDA-graph rows were not built (the peers' rounds get their time)"
+    return None
 
 
 def _build_graphs(ctx: Context, run: ModelRun, enable: Callable[..., Any]) -> None:
@@ -935,6 +946,8 @@ def _graph_rows(run: ModelRun, result: Interleaved, label: str, base: dict[str, 
                 peak_gbps: float | None) -> list[PendingRow]:
     if run.graph_error is not None:
         return [({**base, "backend": graph_rows.EXT}, None, None, run.graph_error)]
+    if run.graph_skip is not None:
+        return [({**base, "backend": graph_rows.EXT}, None, run.graph_skip, None)]
     if run.graphs is None or f"{graph_rows.EXT}|{label}" not in result.rounds:
         return []
     target = TIGHT_TARGET if label in run.spec.tight else EXT_TARGET

@@ -59,6 +59,8 @@ ENVIRONMENT = {
     "BENCHMARK_MODELS": "models: only these models (wan-1.3b,flux,wan-14b; default all, --quick: wan-1.3b)",
     "BENCHMARK_MODEL_PEERS": "models: 'all', or peer names (fastvideo,sglang,mmgp,diffusers,diffusers leaf,"
                              "accelerate): those peers on every model (default: fewer on the 14B model)",
+    "BENCHMARK_MODELS_GRAPHS": "models: 0 leaves out the CUDA-graph rows (their capture and rounds), for a run "
+                               "that is after the peers' rows",
     "BENCHMARK_MODELS_BUDGET_S": "models: seconds within which every peer must finish (default 360); a peer "
                                  "that would not is skipped and its rows say so",
 }

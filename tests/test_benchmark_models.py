@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
-from benchmarks import model_rows, models, peer_diff, peers  # noqa: E402
+from benchmarks import graph_rows, model_rows, models, peer_diff, peers  # noqa: E402
+from benchmarks.interleave import Interleaved  # noqa: E402
 from benchmarks.phases import PhaseLog  # noqa: E402
 from benchmarks.utils import GB, Context, MiB, Options, read_journal  # noqa: E402
 from tests._fastvideo import import_fastvideo, root_logging_kept  # noqa: E402
@@ -433,6 +434,22 @@ def test_a_large_model_runs_only_the_strongest_peers_unless_told_all(monkeypatch
         assert "BENCHMARK_MODEL_PEERS=all runs it" in reason
         monkeypatch.setenv(models.ENV_PEERS, "all")
         assert models._peer_skip_reason(ctx, run, by_name["accelerate"], 480.0) is None
+    finally:
+        ctx.close()
+
+
+def test_graph_rows_left_out_on_request_leave_one_row_that_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = _cuda_ctx()
+    try:
+        monkeypatch.delenv(models.ENV_GRAPHS, raising=False)
+        assert models.graphs_skipped(ctx) is None
+        monkeypatch.setenv(models.ENV_GRAPHS, "0")
+        run = _run_for(models.MODELS["flux"], 0.0)
+        run.graph_skip = models.graphs_skipped(ctx)
+        rows = models._graph_rows(run, Interleaved({}), "1024 (transfer-bound)", {"model": "flux"}, 55.0)
+        assert rows == [({"model": "flux", "backend": graph_rows.EXT}, None,
+                         "BENCHMARK_MODELS_GRAPHS=0: the CUDA-graph rows were not built (the peers' rounds get their "
+                         "time)", None)]
     finally:
         ctx.close()
 
