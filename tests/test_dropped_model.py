@@ -136,6 +136,29 @@ def test_a_checkpoint_offload_with_a_parameter_on_the_model_itself_is_freed_with
         _assert_freed(refs)
 
 
+def test_a_lazy_component_offloaded_from_a_checkpoint_is_freed_by_its_release(tmp_path: Path) -> None:
+    # A pipeline that swaps its transformer in and out: the loader enables offload from weights= each time.
+    reference = ckpt.reference_stack(5)
+    reference.scale_shift_table = torch.nn.Parameter(torch.randn(2, 32, dtype=torch.bfloat16))
+    path = ckpt.write_single(reference, tmp_path / "model.safetensors")
+    built: list[weakref.ref] = []
+
+    def load() -> torch.nn.Module:
+        model = ckpt.meta_stack(5)
+        model.scale_shift_table = torch.nn.Parameter(torch.empty(2, 32, dtype=torch.bfloat16, device="meta"))
+        fo.enable_layerwise_offload(model, device="cpu", weights=path, host_budget=4 * ckpt.block_bytes(reference))
+        built.append(weakref.ref(model))
+        return model
+
+    proxy = fo.LazyModule("transformer", load)
+    x = ckpt.inputs()
+    for _ in range(2):
+        assert torch.equal(_forward(proxy, x), _forward(reference, x))
+        assert proxy.release() is True
+        assert built[-1]() is None
+    assert len(built) == 2
+
+
 @pytest.mark.parametrize("backend", ["ext", "python"])
 def test_a_block_kept_after_its_model_was_dropped_still_runs_bit_exact(backend: str) -> None:
     with no_collector():
