@@ -372,9 +372,9 @@ class CheckpointSource:
                     ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.phases.items()))
 
     def commit(self) -> None:
-        """Enable succeeded: forgets the tensors load_resident replaced. Kept, the record would hold the
-        model's modules from the group's blocks (hook, state, source), and the group is held until the
-        model dies: the model could never be freed."""
+        """Enable succeeded: forgets the tensors load_resident replaced. The group's finalizer holds the
+        states until the model dies and the states reach this source, so a record that names the model
+        (a tensor on the model itself) would keep it alive for good."""
         self._undo.clear()
         self._replaced.clear()
 
