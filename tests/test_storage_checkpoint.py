@@ -9,6 +9,7 @@ import torch
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext._backend import require_ext
 from fastoffload_ext.errors import CheckpointError, OffloadConfigError
+from fastoffload_ext.planning.tiers import STAGING_SLACK, region_bytes
 from fastoffload_ext.storage import DiskOptions, open_checkpoint
 from tests._checkpoints import inputs, meta_stack, reference_stack, write_sharded, write_single
 from tests._models import OFFLOAD_DEVICES, Stack, params_equal
@@ -219,3 +220,41 @@ def test_disable_to_meta_after_a_submodule_was_wrapped(tmp_path: Path) -> None:
     got, want = dict(model.blocks.named_parameters()), dict(reference.blocks.named_parameters())
     assert got.keys() == want.keys()
     assert all(got[k].is_meta and got[k].shape == want[k].shape and got[k].dtype == want[k].dtype for k in want)
+
+
+def test_a_diffusers_transformer_saved_with_save_pretrained_streams_from_its_folder(tmp_path: Path) -> None:
+    """The path a user takes with a real DiT: save_pretrained's folder, a model built without memory
+    (accelerate's init_empty_weights; buffers stay on the CPU), part of it on disk. Bit-exact against the
+    loaded model, and freed with its last reference (Wan keeps scale_shift_table on the model itself)."""
+    import gc
+    import weakref
+
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
+                  text_dim=32, freq_dim=256, ffn_dim=512, num_layers=4, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    torch.manual_seed(0)
+    reference = diffusers.WanTransformer3DModel(**config).eval()
+    reference.save_pretrained(tmp_path / "transformer")
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = diffusers.WanTransformer3DModel(**config).eval()
+    block = sum(p.numel() * p.element_size() for p in reference.blocks[0].parameters())
+    # Room for the staging ring's two buffers and one block: the other three stay on disk.
+    budget = 2 * (block + STAGING_SLACK) + region_bytes(block)
+    group = enable_layerwise_offload(model, device="cpu", weights=tmp_path / "transformer", host_budget=budget)
+    assert group.disk_blocks() == 3
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(1, 16, 3, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 16, 32, generator=g))
+    with torch.inference_mode():
+        want = reference(*args, return_dict=False)[0]
+        for _ in range(2):
+            assert torch.equal(model(*args, return_dict=False)[0], want)
+    gc.collect()
+    gc.disable()
+    try:
+        refs = [weakref.ref(model), weakref.ref(group)]
+        del model, group
+        assert [ref() is None for ref in refs] == [True, True]
+    finally:
+        gc.enable()
