@@ -126,7 +126,7 @@ class CheckpointDriver:
             return False
         assert group is not None
         # Every block resident (an int covering them all): read onto the device at enable, no engine.
-        self.spill = group.engine.spill_path or None if group.engine is not None else None
+        self.spill = (group.engine.spill_path or None) if group.engine is not None else None
         disk = [i for i, state in enumerate(group.states) if state.on_disk]
         self.log.append(f"  disk tier: {disk}, spill={bool(self.spill)}")
         return True
