@@ -9,6 +9,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 namespace fastoffload {
@@ -683,6 +684,9 @@ void OffloadEngine::materialize(size_t block) {
   check_bindings(block);
   ring_.forget_block(block);
   const StoredBlock& stored = store_.block(block);
+  // Ordinary tensors inside inference_mode() too (a load_state_dict() there): a parameter bound to an inference
+  // tensor would count no versions and refuse requires_grad_() (see Binder::build_views).
+  c10::InferenceMode normal_tensors(false);
   at::Tensor buffer = at::empty({static_cast<int64_t>(std::max<size_t>(stored.bytes, 1))},
                                 at::TensorOptions().dtype(at::kByte).device(device_));
   if (stored.bytes > 0) buffer.narrow(0, 0, static_cast<int64_t>(stored.bytes)).copy_(store_.raw_bytes(block, verify_));
@@ -734,6 +738,7 @@ void OffloadEngine::restore(size_t block, at::Device target) {
   std::vector<at::Tensor> values;
   values.reserve(stored.layout.size());
   const bool live = running || materialized_[block];
+  c10::InferenceMode normal_tensors(false);  // the caller's parameters from now on: ordinary tensors (see materialize)
   // Decoded once for the whole block when it is stored compressed.
   const at::Tensor host = live                ? at::Tensor()
                           : stored.on_disk ? store_.read_block(block, *reader_)

@@ -574,12 +574,21 @@ class Driver:
            ("op_scope_work", 2), ("op_calibrate", 1), ("op_block_calls", 2), ("op_state_dicts", 1),
            ("op_load_interrupted", 1)]
 
+    # Operations a caller may run inside a grad mode of its own: what they rebuild must be ordinary tensors still.
+    MODED_OPS = ("op_mutate", "op_load", "op_block_load", "op_disable", "op_enable", "op_load_interrupted")
+
     def step(self) -> None:
         names, weights = zip(*self.OPS)
         op = self.rng.choices(names, weights)[0]
         if self.group is None and self.rng.random() < 0.5:
             op = "op_enable"  # most steps run on an offloaded model
-        getattr(self, op)()
+        mode = self.rng.choice(["plain", "plain", "no_grad", "inference_mode"]) if op in self.MODED_OPS else "plain"
+        if mode != "plain":
+            self.log.append(f"under {mode}:")
+        with getattr(torch, mode)() if mode != "plain" else contextlib.nullcontext():
+            getattr(self, op)()
+        inference = [name for name, p in self.model.named_parameters() if p.is_inference()]
+        assert inference == [name for name, p in self.twin.named_parameters() if p.is_inference()], inference
         self.check_idle()
         self.check_state_dict()
 

@@ -16,6 +16,7 @@ for ``test_fuzz_backends.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -248,14 +249,36 @@ class CheckpointDriver:
 
     OPS = [("op_forward", 6), ("op_block_calls", 2), ("op_mutate", 2), ("op_load", 2), ("op_stats", 1),
            ("op_calibrate", 1)]
+    # Operations a caller may run inside a grad mode of its own: they must still leave ordinary tensors behind.
+    MODED_OPS = ("enable", "op_mutate", "op_load", "disable")
+
+    def moded(self, op: str) -> contextlib.AbstractContextManager[Any]:
+        mode = self.rng.choice(["plain", "plain", "no_grad", "inference_mode"]) if op in self.MODED_OPS else "plain"
+        if mode == "plain":
+            return contextlib.nullcontext()
+        self.log.append(f"under {mode}:")
+        return getattr(torch, mode)()
+
+    def check_ordinary(self) -> None:
+        inference = [name for name, p in self.model.named_parameters() if p.is_inference()]
+        assert not inference, f"inference tensors bound to {inference}"
 
     def run(self, steps: int) -> None:
         try:
-            if not any(self.enable() for _ in range(4)):  # each refusal was checked; a seed rarely has four
+            for _ in range(4):  # each refusal is checked; a seed rarely has four
+                with self.moded("enable"):
+                    enabled = self.enable()
+                if enabled:
+                    break
+            else:
                 return
+            self.check_ordinary()
             names, weights = zip(*self.OPS)
             for _ in range(steps):
-                getattr(self, self.rng.choices(names, weights)[0])()
+                op = self.rng.choices(names, weights)[0]
+                with self.moded(op):
+                    getattr(self, op)()
+                self.check_ordinary()
                 self.check()
             gc.collect()
             gc.disable()
@@ -265,7 +288,9 @@ class CheckpointDriver:
             group = None
             if self.rng.random() < 0.5:
                 self.log.append("disable(cpu)")
-                fo.disable_layerwise_offload(self.model, device="cpu")
+                with self.moded("disable"):
+                    fo.disable_layerwise_offload(self.model, device="cpu")
+                self.check_ordinary()
                 for (name, p), q in zip(self.model.named_parameters(), self.twin.parameters()):
                     assert p.device.type == "cpu" and torch.equal(p, q), name
             else:

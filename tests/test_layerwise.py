@@ -228,6 +228,43 @@ def test_disable_inside_inference_mode_gives_back_ordinary_parameters(backend: s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rebuild", ["enable", "replace", "scope", "load_state_dict", "interrupted load"])
+def test_an_offload_made_or_rebuilt_inside_inference_mode_keeps_ordinary_parameters(backend: str, rebuild: str) -> None:
+    model, reference, x = _setup(3, "cpu")
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    if rebuild != "enable":
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    with torch.inference_mode():
+        if rebuild in ("enable", "replace"):
+            fo.enable_layerwise_offload(model, rebuild == "replace", device="cpu", backend=backend)
+        elif rebuild == "scope":
+            with offload_hook(model.blocks[1]).mutate_params_scope():
+                model.blocks[1].o.weight.mul_(2.0)
+        elif rebuild == "load_state_dict":
+            model.load_state_dict(reference.state_dict() | {"blocks.1.o.weight": reference.blocks[1].o.weight * 2})
+        else:  # raises inside block 1's load, after its offload hook made the block real (until its next load)
+            def interrupt(*args: object) -> None:
+                raise KeyboardInterrupt
+
+            handle = model.blocks[1].o.register_load_state_dict_pre_hook(interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                model.load_state_dict(reference.state_dict())
+            handle.remove()
+    if rebuild in ("scope", "load_state_dict"):
+        with torch.no_grad():
+            reference.blocks[1].o.weight.mul_(2.0)
+    assert [name for name, p in model.named_parameters() if p.is_inference()] == []
+    # An inference tensor would refuse this outside inference_mode.
+    model.blocks[1].o.weight.requires_grad_(True)
+    model.blocks[1].o.weight.requires_grad_(False)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_on_detach_through_the_hook_manager(backend: str) -> None:
     model, reference, x = _setup(2, "cpu")
     fo.enable_layerwise_offload(model, device="cpu", backend=backend)

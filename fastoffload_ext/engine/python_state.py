@@ -86,6 +86,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         # never reused)
         self._placeholders: dict[str, tuple[torch.Tensor, int]] = {}
         self._depth = 0  # acquires not yet released: they nest (a re-entrant block, a forward inside a mutation)
+        self._kept = False  # materialized by a rebuild that failed: the parameters hold the block's values
         self._detached = False
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -107,12 +108,13 @@ class LayerwiseOffloadState(SeedEntryPoints):
             if param.layout != torch.strided:
                 raise OffloadStateError(f"fastoffload: parameter '{name}' has layout {param.layout}; only dense "
                                         "(strided) tensors can be offloaded. Convert it with .to_dense() first")
-        host = {name: self._host_copy(param.data) for name, param in named}
-        self.module_ref = module
-        self.cpu_named_parameters.update(host)
-        self._placeholders.clear()
-        for name, param in named:
-            self._bind_placeholder(name, param)
+        with torch.inference_mode(False):  # ordinary host copies and placeholders (see the module docstring)
+            host = {name: self._host_copy(param.data) for name, param in named}
+            self.module_ref = module
+            self.cpu_named_parameters.update(host)
+            self._placeholders.clear()
+            for name, param in named:
+                self._bind_placeholder(name, param)
         self._versions = {name: param._version for name, param in named}
         self._offloaded = dict(named)
         self._detached = False
@@ -140,6 +142,11 @@ class LayerwiseOffloadState(SeedEntryPoints):
         """Whether the parameters the block holds have its current values now: running, inside
         mutate_params_scope(), or kept materialized by a rebuild that failed."""
         return self._depth > 0 and not self._detached
+
+    def is_running(self) -> bool:
+        """Whether a forward holds the block's device copies now, which its release drops (not a scope's or a kept
+        materialization's tensors)."""
+        return self._depth > 0 and not self._detached and not getattr(self, "mutating", False) and not self._kept
 
     def offloaded_parameters(self) -> dict[str, nn.Parameter]:
         """Each offloaded parameter object by its name when offloaded (empty once restored; a state built by hand
@@ -169,7 +176,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self._check_binding(name, param, self.cpu_named_parameters[name])
 
     def _check_grad(self) -> None:
-        for name, param in self.module_ref.named_parameters():
+        # The offloaded parameters only (those the host copy holds), as on the compiled core: one the block took
+        # since (an adapter added after enable) is an ordinary tensor until a rebuild, and trains as one.
+        for name, param in self._every_offloaded():
             if param.requires_grad:
                 raise OffloadStateError(GRAD_ERROR.format(where=f"block {type(self.module_ref).__name__}", name=name))
 
@@ -242,6 +251,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.gate.end(id(self))
             return
         self._depth = 0
+        self._kept = False
         _ordinary(self._bind_placeholders)
         self.gpu_named_parameters.clear()
         self.gate.end(id(self))
@@ -270,7 +280,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.acquire()
 
     def end_mutation(self) -> None:
-        with self.gate.exclusive():
+        # Ordinary tensors, inside inference_mode() too (a load_state_dict() there): an inference tensor bound to a
+        # parameter would refuse requires_grad_() and count no versions from then on, as on the compiled core.
+        with self.gate.exclusive(), torch.inference_mode(False):
             if self._detached:
                 # Disabled inside the scope: the parameters are ordinary tensors holding the scope's values,
                 # and a rebuild would turn them into placeholders on a model with no offload left.
@@ -288,6 +300,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
                 # Its acquire nests from here on, so the gate is not held in between.
                 self.cpu_named_parameters.update(host)
                 self.gpu_named_parameters.update(loaded)
+                self._kept = True
                 self.gate.end(id(self))
                 raise
             # A parameter moved out of the block since enable (``model.extra = block.up``) is no longer this block's
@@ -295,6 +308,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             for name, param in moved:
                 param.data = self._current_value(param, host[name], self.device)
             self._depth = 0
+            self._kept = False
             self.gate.end(id(self))
 
     def binding_refusal(self) -> Exception | None:
@@ -350,6 +364,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self._offloaded = {}
             self._placeholders.clear()
             self._depth = 0
+            self._kept = False
             self._detached = True
             self.gate.forget(id(self))
 
