@@ -170,6 +170,53 @@ def test_a_sequence_of_adapter_operations_stays_bit_exact(backend: str) -> None:
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_adapter_added_after_enable_trains_inside_the_offloaded_blocks(device: str, backend: str) -> None:
+    # Its weights are the blocks' own ordinary tensors (the host copy holds the frozen base weights only), so
+    # gradients and optimizer steps reach them as on the resident model.
+    model, reference = _pair(device, backend, "offload-then-adapter")
+    g = torch.Generator().manual_seed(5)
+    x, text = torch.randn(1, 16, 3, 8, 8, generator=g).to(device), torch.randn(1, 16, 32, generator=g).to(device)
+    optimizers = []
+    for m in (model, reference):
+        trained = [p for name, p in m.named_parameters() if "lora_" in name]
+        assert trained and all(p.requires_grad for p in trained)
+        optimizers.append(torch.optim.SGD(trained, lr=0.1))
+    for step in range(2):
+        grads = []
+        for m, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            m(x, torch.tensor([500], device=device), text, return_dict=False)[0].square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
+            optimizer.step()
+        assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        assert any(".blocks." in f".{k}" for k in grads[0])  # adapters inside the offloaded blocks trained
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fused_adapter_that_a_forward_unmerges_stays_unmerged(device: str, backend: str) -> None:
+    # peft unmerges a merged layer inside its forward when the adapters are disabled: in an offloaded block
+    # that writes the running step's weights, which the block's release must keep.
+    model, reference = _pair(device, backend, "adapter-then-offload")
+    for m in (model, reference):
+        m.fuse_lora()
+        m.disable_lora()
+    for step in range(3):
+        assert torch.equal(_forward(model, device), _forward(reference, device)), step
+        assert _same_state(model, reference), step
+    assert not any(layer.merged for layer in model.modules() if isinstance(layer, BaseTunerLayer))
+    for m in (model, reference):
+        m.enable_lora()
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("merge", ["fuse_lora", "peft layer merge"])
 def test_a_merge_into_a_block_that_refuses_changes_nothing(backend: str, merge: str) -> None:

@@ -110,6 +110,14 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         slot = self.engine.slot_of(self.handle)
         return bool(self.engine.is_materialized(self.handle)) or (slot >= 0 and self.engine.slot_state(slot) == "in_use")
 
+    def is_running(self) -> bool:
+        """Whether a forward holds the block's slot now: its parameters are views of the slot, which the release
+        drops (not a scope's or a kept materialization's own tensors)."""
+        if not self._attached() or self.engine.is_materialized(self.handle):
+            return False
+        slot = self.engine.slot_of(self.handle)
+        return slot >= 0 and self.engine.slot_state(slot) == "in_use"
+
     def acquire(self) -> None:
         self.engine.acquire(self.handle)
 

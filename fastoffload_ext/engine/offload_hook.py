@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -130,6 +131,34 @@ class LayerwiseOffloadHook(ForwardHook):
         # Where other compute runs before the next offloaded block, its copies start in the slot just freed.
         for target in getattr(state, "release_targets", ()):
             target.prefetch()
+
+    def keep_running_changes(self) -> None:
+        """Make what is written into the running block's weights from now until its release last.
+
+        While a forward runs the block, its parameters are views of a device slot (ext) or device copies
+        (python), which the release drops: an in-place change made there (peft unmerging a fused adapter in a
+        forward with the adapters disabled) would be gone from the next step on, with the layer recording
+        it as done. This makes the block's next release take the values its parameters hold at that moment
+        and rebuild the host copy from them, as a ``mutate_params_scope()`` would have. The state's
+        ``release`` is shadowed for that one call, so no forward pays for the check.
+        """
+        state = self.state
+        if "release" in vars(state):
+            return  # asked for already in this forward
+        hook = weakref.ref(self)  # the state holds the shadow until the release: no cycle back through the hook
+
+        def release_then_rebuild() -> None:
+            del state.release  # type: ignore[misc]
+            live = [(param, param.detach().clone()) for param in state.offloaded_parameters().values()]
+            state.release()
+            owner = hook()
+            if owner is None:
+                return
+            with owner.mutate_params_scope(), torch.no_grad():
+                for param, value in live:
+                    param.copy_(value)
+
+        state.release = release_then_rebuild  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def mutate_params_scope(self) -> Iterator[None]:

@@ -11,7 +11,11 @@ a peft imported after the enable is covered by then) wraps ``merge()`` and ``unm
 layer classes: a layer that holds an offload placeholder merges inside its block's
 ``mutate_params_scope()``, where the block's weights are real device tensors, and the block's host
 copy is rebuilt from them afterwards. peft's ``merge_and_unload()`` and ``merge_adapter()`` go through
-these. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
+these. A merge or unmerge inside a forward that is running the block (peft unmerges a fused layer in its
+forward when the adapters are disabled) writes the running step's weights: the block's release then
+rebuilds the host copy from them (``LayerwiseOffloadHook.keep_running_changes``), or, where the block cannot
+be rebuilt, the call refuses before peft changes anything. An adapter added after the enable is an ordinary
+tensor of its block until a rebuild takes it into the host copy, and trains as one. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
 class:
 
 - ``fuse_lora()``/``unfuse_lora()`` keep one block's scope open at a time, so each block is materialized
@@ -189,10 +193,17 @@ def _blockwise(owners: dict[int, BlockOffloadState]) -> Iterator[None]:
 def _in_block_scope(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not _holds_placeholder(layer):  # real weights: not offloaded, a resident block, or inside a scope
-            return function(layer, *args, **kwargs)
         session: _Blockwise | None = getattr(_session, "blockwise", None)
         state = session.owners.get(id(layer)) if session is not None else None
+        if not _holds_placeholder(layer):
+            # Real weights: not offloaded, a resident block, inside a scope, or a forward running the block, where
+            # peft itself unmerges (a forward with the adapters disabled on a fused layer). There the weights are
+            # the running step's, dropped at its release: the release rebuilds the host copy from them.
+            found = None if state is not None and state is session.open else _find(layer)
+            if found is not None and getattr(found[1], "is_running", lambda: False)():
+                _check_mergeable(found[0], [found[1]], f"{type(layer).__name__}.{function.__name__}()")
+                _hook(found[1]).keep_running_changes()
+            return function(layer, *args, **kwargs)
         if session is not None and state is not None:
             session.enter(state)
             return function(layer, *args, **kwargs)
