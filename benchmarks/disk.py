@@ -166,8 +166,6 @@ def sequential_read(path: Path, mode: str = "direct", limit: int | None = None,
     "buffered"."""
     import threading
 
-    import torch
-
     from fastoffload_ext._backend import require_ext
     file_size = path.stat().st_size
     if spans is None:

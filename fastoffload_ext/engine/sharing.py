@@ -69,7 +69,6 @@ import secrets
 import socket
 from typing import Any
 
-import torch
 from torch import nn
 
 from fastoffload_ext.codec import codec_settings
