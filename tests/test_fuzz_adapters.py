@@ -7,7 +7,8 @@ with a scale and a subset of the adapters, ``unfuse_lora``, ``delete_adapters``,
 own ``merge()``/``unmerge()`` on one layer, edits inside ``mutate_params_scope``, partial
 ``load_state_dict`` calls, ``requires_grad_`` on the adapters, disables and re-enables (``is_replace``
 included), and forwards under ``inference_mode``, ``no_grad`` and grad mode (the input's gradient
-compared; an adapter that trains inside an offloaded block is refused, as documented).
+compared; an adapter that trains inside an offloaded block is refused, as documented), some of them raising
+inside a block.
 
 An operation either runs on both and leaves them equal, or the offloaded model refuses it with
 :class:`OffloadStateError` and nothing changes (the twin is put back from a copy taken before it).
@@ -358,10 +359,29 @@ class AdapterDriver:
         self.log.append(f"forward({mode})")
         self.compare_forwards(mode)
 
+    def op_forward_fault(self) -> None:
+        """A forward that raises inside a block, after its attention layers ran (peft may have unmerged them)."""
+        index = self.rng.randrange(self.layers)
+        fault = self.rng.choice([RuntimeError, KeyboardInterrupt])
+        mode = self.rng.choice(["inference_mode", "no_grad"])
+        self.log.append(f"forward({mode}) raising {fault.__name__} in blocks.{index}.ffn")
+        args = self.inputs()
+
+        def raising(*_: Any) -> None:
+            raise fault("injected")
+
+        for model in (self.twin, self.model):
+            handle = model.blocks[index].ffn.register_forward_hook(raising)
+            try:
+                with pytest.raises(fault):
+                    self._run(model, args, mode)
+            finally:
+                handle.remove()
+
     OPS = [("op_enable", 2), ("op_disable", 1), ("op_add", 3), ("op_load", 1), ("op_set_adapters", 2),
            ("op_toggle", 1), ("op_fuse", 3), ("op_unfuse", 2), ("op_layer_merge", 2), ("op_delete", 1),
            ("op_unload", 1), ("op_requires_grad", 1), ("op_scope_edit", 2), ("op_load_state_dict", 1),
-           ("op_forward", 3)]
+           ("op_forward", 3), ("op_forward_fault", 1)]
 
     def step(self) -> None:
         names, weights = zip(*self.OPS)
