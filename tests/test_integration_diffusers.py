@@ -10,6 +10,7 @@ import subprocess
 import sys
 from copy import deepcopy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -168,6 +169,65 @@ def test_projection_fusion_is_refused_while_offloaded_and_nothing_is_fused(backe
     model.fuse_qkv_projections()
     reference.fuse_qkv_projections()
     assert params_equal(model, reference)
+
+
+def _cache_config(name: str) -> Any:
+    from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    # A first-block threshold this high skips the other blocks on most steps of the tiny model.
+    return FirstBlockCacheConfig(threshold=0.5) if name == "first block" else TaylorSeerCacheConfig()
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("cache", ["first block", "TaylorSeer"])
+@pytest.mark.parametrize("order", ["cache, then offload", "offload, then cache"])
+def test_diffusers_caches_on_the_offloaded_transformer_are_bit_exact(device: str, cache: str, order: str) -> None:
+    """A cache skips blocks or whole forwards from one step to the next: the offload loads what runs."""
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    reference.transformer.enable_cache(_cache_config(cache))
+    if order == "cache, then offload":
+        pipe.transformer.enable_cache(_cache_config(cache))
+    offload_transformer(pipe, device=device)
+    if order == "offload, then cache":
+        pipe.transformer.enable_cache(_cache_config(cache))
+    for _ in range(2):  # the second request starts from the cache state and the cyclic prefetch the first left
+        with torch.inference_mode():
+            expected = reference(**call_arguments(steps=4)).frames.cpu()
+            assert torch.equal(pipe(**call_arguments(steps=4)).frames.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_layerwise_casting_enabled_before_the_offload_moves_the_storage_dtype_bit_exact(device: str,
+                                                                                        backend: str) -> None:
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    uncast = tiny_pipeline(device)
+    full = offload_transformer(uncast, device=device, backend=backend)["transformer"].stats()
+    for p in (reference, pipe):
+        p.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    stats = offload_transformer(pipe, device=device, backend=backend)["transformer"].stats()
+    assert stats["weight_bytes"] < full["weight_bytes"] / 2  # float8 instead of float32, norms skipped
+    assert torch.equal(_video(pipe), _video(reference))
+    assert torch.equal(_video(pipe), _video(reference))
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_layerwise_casting_enabled_while_offloaded_is_refused_and_nothing_is_cast(backend: str,
+                                                                                  expected: torch.Tensor) -> None:
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu", backend=backend)
+    model = pipe.transformer
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: WanTransformer3DModel\.enable_layerwise_casting\(\) "
+                                                r"on the layerwise-offloaded WanTransformer3DModel would cast the "
+                                                r"offloaded blocks' placeholders .*nothing was cast\. Enable layerwise "
+                                                r"casting before offloading the model"):
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert {name: p.dtype for name, p in model.named_parameters()} == dtypes
+    assert torch.equal(_video(pipe), expected)
+    disable_layerwise_offload(model, device="cpu")  # the refusal goes with the offload
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert model.blocks[0].attn1.to_q.weight.dtype == torch.float8_e4m3fn
 
 
 def test_bound_restores_the_slot_after_an_error() -> None:

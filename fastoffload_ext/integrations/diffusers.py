@@ -22,6 +22,11 @@ device, and defines the pipeline's device operations on the offloaded model:
   it to the CPU after every call) and stays on its offload device.
 - ``pipe.enable_sequential_cpu_offload()`` would put accelerate's per-parameter hooks on the
   offloaded blocks; it raises :class:`OffloadStateError` instead.
+- ``model.fuse_qkv_projections()`` and ``model.enable_layerwise_casting()`` rewrite weights that offloaded
+  blocks hold as placeholders; they raise :class:`OffloadStateError` before anything changes. Layerwise
+  casting enabled before the offload works, bit-exact to the resident model with the same casting, and its
+  blocks then move in the storage dtype. diffusers' caches (``enable_cache`` with first-block cache,
+  TaylorSeer, ...) work in either order.
 
 The three pipeline methods are defined once on diffusers' ``DiffusionPipeline`` class, for every
 pipeline that holds an offloaded model in any component slot: ``DiffusionPipeline.from_pipe`` builds a
@@ -82,6 +87,12 @@ FUSE_ERROR = ("fastoffload: {what} on the layerwise-offloaded {model} would buil
               "fastoffload_ext.disable_layerwise_offload(model, device=...), fuse, and offload it again")
 # diffusers' projection fusion: the model's method runs each attention module's; both refuse while offloaded.
 _FUSING_METHODS = ("fuse_qkv_projections", "fuse_projections")
+LAYERWISE_CASTING_ERROR = (
+    "fastoffload: {what} on the layerwise-offloaded {model} would cast the offloaded blocks' placeholders to the "
+    "storage dtype (their weights live in the offload engine's host copy, which a cast does not reach), and the next "
+    "forward would refuse them; nothing was cast. Enable layerwise casting before offloading the model (its blocks are "
+    "then stored and moved in the storage dtype), or undo the offload first: "
+    "fastoffload_ext.disable_layerwise_offload(model, device=...), enable the casting, and offload it again")
 SEQUENTIAL_ERROR = ("fastoffload: enable_sequential_cpu_offload would put accelerate's per-parameter hooks on "
                     "the layerwise-offloaded {names}, whose blocks this engine already streams. Use "
                     "enable_model_cpu_offload() (it keeps the layerwise offload) or undo the offload first with "
@@ -217,33 +228,41 @@ def guard_device_moves(model: nn.Module) -> None:
         object.__setattr__(model, method, _guarded(model, method, getattr(model, method)))
 
 
-def _refusing_fusion(model: nn.Module, owner: nn.Module, method: str) -> Callable[..., Any]:
+def _refusing(model: nn.Module, owner: nn.Module, method: str, message: str) -> Callable[..., Any]:
     # Weak references, as in _guarded: the function sits on ``owner``, inside ``model``.
     model_ref, owner_ref = weakref.ref(model), weakref.ref(owner)
     unbound = getattr(type(owner), method)
 
-    def fuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
         model, owner = model_ref(), owner_ref()
         if model is None or owner is None:
             raise OffloadStateError(DEAD_MODULE_ERROR)
         if get_offload_group(model) is not None:
-            raise OffloadStateError(FUSE_ERROR.format(what=f"{type(owner).__name__}.{method}()",
-                                                      model=type(model).__name__))
+            raise OffloadStateError(message.format(what=f"{type(owner).__name__}.{method}()",
+                                                   model=type(model).__name__))
         return unbound(owner, *args, **kwargs)
 
-    return mark(fuse)  # taken off at disable
+    return mark(refuse)  # taken off at disable
 
 
 def guard_fusions(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
-    """Make diffusers' projection fusion (``fuse_qkv_projections`` on the model, ``fuse_projections`` on
-    each attention module of the offloaded block lists) refuse while ``model`` is offloaded, before anything
-    is fused: it concatenates ``to_q``/``to_k``/``to_v`` weights through ``.data``, which for an offloaded
-    block are empty placeholders, and the next forward would fail on the empty fused layer."""
+    """Make diffusers' weight rewrites refuse while ``model`` is offloaded, before anything changes:
+
+    - projection fusion (``fuse_qkv_projections`` on the model, ``fuse_projections`` on each attention module
+      of the offloaded block lists) concatenates ``to_q``/``to_k``/``to_v`` weights through ``.data``, which for
+      an offloaded block are empty placeholders, and the next forward would fail on the empty fused layer;
+    - ``enable_layerwise_casting`` casts every layer's weights to the storage dtype, which for an offloaded
+      block casts its placeholders and not its host copy, and the next forward would refuse the cast. Enabled
+      before the offload it works: the blocks are stored and moved in the storage dtype.
+    """
     owners = [model, *(module for name in group.list_names for module in getattr(model, name).modules())]
     for owner in owners:
         for method in _FUSING_METHODS:
             if callable(getattr(type(owner), method, None)) and method not in owner.__dict__:
-                object.__setattr__(owner, method, _refusing_fusion(model, owner, method))
+                object.__setattr__(owner, method, _refusing(model, owner, method, FUSE_ERROR))
+    method = "enable_layerwise_casting"
+    if callable(getattr(type(model), method, None)) and method not in model.__dict__:
+        object.__setattr__(model, method, _refusing(model, model, method, LAYERWISE_CASTING_ERROR))
 
 
 def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
