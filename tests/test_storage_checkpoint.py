@@ -250,6 +250,10 @@ def test_a_diffusers_transformer_saved_with_save_pretrained_streams_from_its_fol
         want = reference(*args, return_dict=False)[0]
         for _ in range(2):
             assert torch.equal(model(*args, return_dict=False)[0], want)
+    # Saved again while offloaded, three blocks read back from the disk tier: the same weights.
+    model.save_pretrained(tmp_path / "again")
+    saved, expected = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "again").state_dict(), reference.state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
     gc.collect()
     gc.disable()
     try:
