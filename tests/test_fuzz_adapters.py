@@ -127,8 +127,10 @@ class AdapterDriver:
         if group is None:
             return
         for state in group.states:  # an adapter added since the enable is the block's own until a rebuild
+            held = {id(p) for p in state.module_ref.parameters()}
             for name, p in state.offloaded_parameters().items():
                 assert p.numel() == 0, f"{name} holds {tuple(p.shape)} between steps"
+                assert id(p) in held, f"the host copy still holds {name}, which its block no longer has"
         if group.engine is not None:
             slots = [group.engine.slot_state(s) for s in range(group.engine.num_slots)]
             assert "in_use" not in slots, slots

@@ -16,7 +16,8 @@ from peft import LoraConfig  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from fastoffload_ext import LayerwiseOffloadHook, disable_layerwise_offload, enable_layerwise_offload  # noqa: E402
+from fastoffload_ext import (LayerwiseOffloadHook, disable_layerwise_offload, enable_layerwise_offload,  # noqa: E402
+                             get_offload_group)
 from fastoffload_ext.errors import OffloadStateError  # noqa: E402
 from fastoffload_ext.integrations.diffusers import offload_transformer  # noqa: E402
 from tests._models import OFFLOAD_DEVICES, params_equal  # noqa: E402
@@ -233,6 +234,51 @@ def test_a_merge_into_a_block_that_refuses_changes_nothing(backend: str, merge: 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     assert not any(layer.merged for layer in layers)
     assert [dict(m.scaling) for m in layers] == scales
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("remove", ["delete_adapters", "unload_lora", "peft merge_and_unload"])
+def test_removed_adapter_weights_leave_the_host_copy(backend: str, remove: str) -> None:
+    """Held by the blocks' host copy (added before the offload), a removed adapter's weights would still be copied
+    every step and, trainable, refuse every grad-mode forward with nothing left to freeze them through."""
+    from peft import get_peft_model
+
+    model, reference = _pair("cpu", backend, "adapter-then-offload")
+    for m in (model, reference):
+        _add(m, "b", seed=2)
+    for m in (model, reference):  # b is added after the enable, so a rebuild takes it into the host copy
+        m.fuse_lora(adapter_names=["a", "b"])
+        m.unfuse_lora()
+    group = get_offload_group(model)
+    with_adapters = group.stats()["weight_bytes"]
+    if remove == "peft merge_and_unload":
+        config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_k"], init_lora_weights=False)
+        torch.manual_seed(3)
+        wrapped = get_peft_model(model, config)
+        torch.manual_seed(3)
+        wrapped_reference = get_peft_model(reference, config)
+        for m in (wrapped, wrapped_reference):
+            m.merge_and_unload()
+    else:
+        for m in (model, reference):
+            getattr(m, remove)(*(["a"] if remove == "delete_adapters" else []))
+    assert group.stats()["weight_bytes"] < with_adapters
+    held = {id(p) for p in model.parameters()}
+    assert all(id(p) in held for state in group.states for p in state.offloaded_parameters().values())
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 16, 3, 8, 8, generator=g).requires_grad_(True)
+    text = torch.randn(1, 16, 32, generator=g)
+    grads = []
+    for m in (model, reference):  # guidance-style: the gradient of the input through the frozen blocks
+        x.grad = None
+        m(x, torch.tensor([500]), text, return_dict=False)[0].square().sum().backward()
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(_forward(model, "cpu"), _forward(reference, "cpu"))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
 
 
 def test_merges_go_straight_to_peft_after_disable() -> None:

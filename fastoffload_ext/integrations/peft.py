@@ -15,7 +15,10 @@ these. A merge or unmerge inside a forward that is running the block (peft unmer
 forward when the adapters are disabled) writes the running step's weights: the block's release then
 rebuilds the host copy from them (``LayerwiseOffloadHook.keep_running_changes``), or, where the block cannot
 be rebuilt, the call refuses before peft changes anything. An adapter added after the enable is an ordinary
-tensor of its block until a rebuild takes it into the host copy, and trains as one. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
+tensor of its block until a rebuild takes it into the host copy, and trains as one. Removing adapters
+(diffusers' ``delete_adapters()`` and ``unload_lora()``, peft's ``delete_adapter()``, ``unload()`` and
+``merge_and_unload()``) rebuilds the blocks whose host copy held the removed weights (``settle_removed``),
+so they are neither kept in host memory nor copied every step. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
 class:
 
 - ``fuse_lora()``/``unfuse_lora()`` keep one block's scope open at a time, so each block is materialized
@@ -60,7 +63,10 @@ __all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft"]
 _LAYER_METHODS = ("merge", "unmerge")
 _MERGING_METHODS = ("fuse_lora", "unfuse_lora")
 _ADDING_METHODS = ("add_adapter", "load_lora_adapter")
+_REMOVING_METHODS = ("delete_adapters", "unload_lora")  # diffusers' model methods
 _COMBINING_METHODS = ("add_weighted_adapter",)  # on peft's tuner classes
+# On peft's tuner classes: behind PeftModel.delete_adapter(), unload() and merge_and_unload().
+_TUNER_REMOVING_METHODS = ("delete_adapter", "_unload_and_optionally_merge")
 _HOTSWAP_FUNCTIONS = ("prepare_model_for_compiled_hotswap", "hotswap_adapter_from_state_dict")  # peft.utils.hotswap
 _PATCHED = "_fastoffload_patched"  # on a function this module put on a class
 _SAFE_INITS = (True, False, "gaussian")  # LoRA initializations that never read the base weight
@@ -100,7 +106,8 @@ def patch_peft() -> None:
             if callable(function) and not getattr(function, _PATCHED, False):
                 setattr(cls, method, _in_block_scope(function))
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
-    wrappers = {"inject_adapter": _injecting, **dict.fromkeys(_COMBINING_METHODS, _combining)}
+    wrappers = {"inject_adapter": _injecting, **dict.fromkeys(_COMBINING_METHODS, _combining),
+                **dict.fromkeys(_TUNER_REMOVING_METHODS, _tuner_removing)}
     for cls in _subclasses(tuner) if tuner is not None else ():
         for method, wrap in wrappers.items():
             function = cls.__dict__.get(method)
@@ -300,6 +307,52 @@ def _adding(function: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def settle_removed(model: nn.Module) -> None:
+    """Rebuild each offloaded block of ``model`` whose host copy still holds a parameter the block no longer has
+    (the weights of a deleted or unloaded adapter): without it they would stay in host memory, be copied to the
+    device every step, and, left trainable, make every grad-mode forward refuse with no way to freeze them. A block
+    that cannot be rebuilt (shared between ranks, read from disk) keeps them, as it keeps a parameter moved out."""
+    group = get_offload_group(model)
+    for state in group.states if group is not None else ():
+        held = {id(param) for param in state.module_ref.parameters()}
+        if all(id(param) in held for param in state.offloaded_parameters().values()):
+            continue
+        refusal = getattr(state, "mutation_refusal", None)
+        if callable(refusal) and refusal() is not None:
+            continue
+        with _hook(state).mutate_params_scope():
+            pass  # the rebuild takes what the block holds now
+
+
+def _removing(function: Callable[..., Any]) -> Callable[..., Any]:
+    """diffusers' ``delete_adapters()`` and ``unload_lora()``: the offloaded blocks then drop the removed weights."""
+    @functools.wraps(function)
+    def call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(model, *args, **kwargs)
+        finally:
+            settle_removed(model)
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _tuner_removing(function: Callable[..., Any]) -> Callable[..., Any]:
+    """peft's tuner ``delete_adapter()`` and ``_unload_and_optionally_merge()`` (``unload()``, ``merge_and_unload()``):
+    the offloaded blocks then drop the removed weights."""
+    @functools.wraps(function)
+    def call(tuner: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(tuner, *args, **kwargs)
+        finally:
+            found = _offloaded_in(getattr(tuner, "model", None))
+            if found is not None:
+                settle_removed(found[0])
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
 def _offloaded_in(model: Any) -> tuple[nn.Module, LayerwiseOffloadGroup] | None:
     """The offloaded model that ``model`` is or holds (a PeftModel around it), with its group; None: none."""
     for module in model.modules() if isinstance(model, nn.Module) else ():
@@ -370,7 +423,8 @@ def guard_adapters(model: nn.Module) -> None:
     """Make LoRA merges on ``model`` run on its blocks' real weights while it is offloaded (see the module doc)."""
     _models.add(model)
     patch_peft()
-    wrappers = {**dict.fromkeys(_MERGING_METHODS, _merging), **dict.fromkeys(_ADDING_METHODS, _adding)}
+    wrappers = {**dict.fromkeys(_MERGING_METHODS, _merging), **dict.fromkeys(_ADDING_METHODS, _adding),
+                **dict.fromkeys(_REMOVING_METHODS, _removing)}
     for method, wrap in wrappers.items():
         owner = next((cls for cls in type(model).__mro__ if method in cls.__dict__), None)
         function = owner.__dict__[method] if owner is not None else None
