@@ -18,8 +18,8 @@ be rebuilt, the call refuses before peft changes anything. An adapter added afte
 tensor of its block until a rebuild takes it into the host copy, and trains as one. Removing adapters
 (diffusers' ``delete_adapters()`` and ``unload_lora()``, peft's ``delete_adapter()``, ``unload()`` and
 ``merge_and_unload()``) rebuilds the blocks whose host copy held the removed weights (``settle_removed``),
-so they are neither kept in host memory nor copied every step. ``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's
-class:
+so they are neither kept in host memory nor copied every step. ``guard_adapters(model)`` (run by the
+enable) wraps diffusers' adapter methods on the model's class:
 
 - ``fuse_lora()``/``unfuse_lora()`` keep one block's scope open at a time, so each block is materialized
   and rebuilt once, however many layers it holds.
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import sys
 import threading
 import weakref
@@ -58,7 +59,9 @@ from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
 
-__all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft"]
+__all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft", "settle_removed"]
+
+logger = logging.getLogger(__name__)
 
 _LAYER_METHODS = ("merge", "unmerge")
 _MERGING_METHODS = ("fuse_lora", "unfuse_lora")
@@ -324,14 +327,30 @@ def settle_removed(model: nn.Module) -> None:
             pass  # the rebuild takes what the block holds now
 
 
+def _then_settle(model: Any, run: Callable[[], Any]) -> Any:
+    """``run()``, then :func:`settle_removed` on the offloaded model that ``model`` is or holds, also after ``run``
+    raised part-way (some weights may be gone by then); a failure to settle then does not hide ``run``'s error."""
+    try:
+        result = run()
+    except BaseException:
+        found = _offloaded_in(model)
+        if found is not None:
+            try:
+                settle_removed(found[0])
+            except Exception:
+                logger.exception("fastoffload: rebuilding the blocks after a failed adapter removal failed")
+        raise
+    found = _offloaded_in(model)
+    if found is not None:
+        settle_removed(found[0])
+    return result
+
+
 def _removing(function: Callable[..., Any]) -> Callable[..., Any]:
     """diffusers' ``delete_adapters()`` and ``unload_lora()``: the offloaded blocks then drop the removed weights."""
     @functools.wraps(function)
     def call(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(model, *args, **kwargs)
-        finally:
-            settle_removed(model)
+        return _then_settle(model, lambda: function(model, *args, **kwargs))
 
     setattr(call, _PATCHED, True)
     return call
@@ -342,12 +361,7 @@ def _tuner_removing(function: Callable[..., Any]) -> Callable[..., Any]:
     the offloaded blocks then drop the removed weights."""
     @functools.wraps(function)
     def call(tuner: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(tuner, *args, **kwargs)
-        finally:
-            found = _offloaded_in(getattr(tuner, "model", None))
-            if found is not None:
-                settle_removed(found[0])
+        return _then_settle(getattr(tuner, "model", None), lambda: function(tuner, *args, **kwargs))
 
     setattr(call, _PATCHED, True)
     return call
