@@ -281,6 +281,33 @@ def test_removed_adapter_weights_leave_the_host_copy(backend: str, remove: str) 
     assert params_equal(model, reference)
 
 
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pipelines_lora_loading_fusing_and_unloading_runs_bit_exact(device: str, backend: str) -> None:
+    """diffusers' pipeline-level calls, with their defaults: load_lora_weights asks for low_cpu_mem_usage=True."""
+    donor = _transformer("cpu")
+    _add(donor)
+    lora = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(donor, adapter_name="a").items()}
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    group = offload_transformer(pipe, device=device, backend=backend)["transformer"]
+    bare = group.stats()["weight_bytes"]
+
+    def video(p: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return p(**call_arguments()).frames.cpu()
+
+    for p in (reference, pipe):
+        p.load_lora_weights(dict(lora), adapter_name="x")
+    assert torch.equal(video(pipe), video(reference))
+    for p in (reference, pipe):
+        p.fuse_lora(lora_scale=0.8)
+        p.unload_lora_weights()
+    assert torch.equal(video(pipe), video(reference))
+    assert group.stats()["weight_bytes"] == bare  # the fused weights stay; the adapter's own are gone
+    disable_layerwise_offload(pipe.transformer)
+    assert params_equal(pipe.transformer, reference.transformer)
+
+
 def test_merges_go_straight_to_peft_after_disable() -> None:
     model, reference = _pair("cpu", "ext", "adapter-then-offload")
     disable_layerwise_offload(model)
@@ -337,9 +364,7 @@ REFUSED_ADDS: dict[str, Callable[[nn.Module], Any]] = {
                                                adapter_name="b"),
     "hotswap": lambda m: m.load_lora_adapter({f"transformer.{k}": v for k, v in get_peft_model_state_dict(
         m, adapter_name="a").items()}, adapter_name="a", prefix="transformer", hotswap=True),
-    # The adapter's weights made on the meta device inside the blocks, and padded for a compiled hotswap.
-    "low_cpu_mem_usage": lambda m: m.load_lora_adapter(_saved(m), adapter_name="c", prefix="transformer",
-                                                       low_cpu_mem_usage=True),
+    # The adapter's weights padded for a compiled hotswap.
     "enable_lora_hotswap": lambda m: (m.enable_lora_hotswap(target_rank=8, check_compiled="ignore"),
                                       m.load_lora_adapter(_saved(m), adapter_name="c", prefix="transformer")),
     # peft's own entry points: its injection (get_peft_model, inject_adapter_in_model) and its hotswap functions.

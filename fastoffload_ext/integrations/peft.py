@@ -25,8 +25,9 @@ enable) wraps diffusers' adapter methods on the model's class:
   and rebuilt once, however many layers it holds.
 - ``add_adapter()`` and ``load_lora_adapter()`` refuse what would read or copy the offloaded base weights
   (DoRA, initializations computed from the base weight such as PiSSA or OLoRA, ``modules_to_save``
-  inside the block list, a hotswap into offloaded adapter weights, adapter weights made on the meta
-  device) before anything changes.
+  inside the block list, a hotswap into offloaded adapter weights) before anything changes. A load asked
+  for with ``low_cpu_mem_usage=True`` (diffusers' pipelines ask by default) runs the ordinary way: its
+  weights would be made on the meta device inside the offloaded blocks, and the values are the same.
 
 peft's own entry points get the same refusals, on its classes and functions (``patch_peft()``): the
 injection behind ``get_peft_model``, ``inject_adapter_in_model`` and ``PeftModel.add_adapter`` checks
@@ -282,9 +283,6 @@ def _adding_refusal(model: nn.Module, group: LayerwiseOffloadGroup, method: str,
     if getattr(model, "_prepare_lora_hotswap_kwargs", None) is not None:
         return ("rebuild the adapter's weights padded for a compiled hotswap (enable_lora_hotswap()); enable the "
                 "hotswap before enable_layerwise_offload")
-    if kwargs.get("low_cpu_mem_usage"):
-        return ("create the adapter's weights on the meta device inside the offloaded blocks (low_cpu_mem_usage=True); "
-                "load it with low_cpu_mem_usage=False")
     weights = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
     if isinstance(weights, dict) and any("lora_magnitude_vector" in key for key in weights):
         return "load a DoRA adapter, whose magnitude is computed from the base weights"
@@ -300,6 +298,13 @@ def _adding(function: Callable[..., Any]) -> Callable[..., Any]:
             if why is not None:
                 raise OffloadStateError(ADD_REFUSED.format(what=f"{type(model).__name__}.{function.__name__}()",
                                                            model=type(model).__name__, why=why))
+            if kwargs.get("low_cpu_mem_usage"):
+                # diffusers' pipelines ask for it by default (load_lora_weights): the adapter's weights made on the
+                # meta device inside the offloaded blocks, then assigned from the state dict. Loaded the ordinary way
+                # they hold the same values, and an adapter is small.
+                kwargs = {**kwargs, "low_cpu_mem_usage": False}
+                logger.debug("fastoffload: %s.%s() on an offloaded model loads with low_cpu_mem_usage=False",
+                             type(model).__name__, function.__name__)
         try:
             return function(model, *args, **kwargs)
         finally:
