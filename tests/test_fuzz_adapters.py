@@ -258,8 +258,10 @@ class AdapterDriver:
         donor.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=False),
                           adapter_name="donor")
         lora = {f"transformer.{k}": v.to(self.dtype) for k, v in get_peft_model_state_dict(donor, adapter_name="donor").items()}
-        self.both(f"load_lora_adapter({name}, {targets})",
-                  lambda m: m.load_lora_adapter(dict(lora), adapter_name=name, prefix="transformer"))
+        low_memory = self.rng.random() < 0.5  # what diffusers' pipelines ask for by default
+        self.both(f"load_lora_adapter({name}, {targets}, low_cpu_mem_usage={low_memory})",
+                  lambda m: m.load_lora_adapter(dict(lora), adapter_name=name, prefix="transformer",
+                                                low_cpu_mem_usage=low_memory))
         if name in getattr(self.twin, "peft_config", {}):
             self.adapters.append(name)
 
