@@ -335,19 +335,18 @@ def settle_removed(model: nn.Module) -> None:
 def _then_settle(model: Any, run: Callable[[], Any]) -> Any:
     """``run()``, then :func:`settle_removed` on the offloaded model that ``model`` is or holds, also after ``run``
     raised part-way (some weights may be gone by then); a failure to settle then does not hide ``run``'s error."""
+    found = _offloaded_in(model)
+    if found is None:
+        return run()
     try:
         result = run()
     except BaseException:
-        found = _offloaded_in(model)
-        if found is not None:
-            try:
-                settle_removed(found[0])
-            except Exception:
-                logger.exception("fastoffload: rebuilding the blocks after a failed adapter removal failed")
+        try:
+            settle_removed(found[0])
+        except Exception:
+            logger.exception("fastoffload: rebuilding the blocks after a failed adapter removal failed")
         raise
-    found = _offloaded_in(model)
-    if found is not None:
-        settle_removed(found[0])
+    settle_removed(found[0])
     return result
 
 
