@@ -308,6 +308,40 @@ def test_a_pipelines_lora_loading_fusing_and_unloading_runs_bit_exact(device: st
     assert params_equal(pipe.transformer, reference.transformer)
 
 
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_lora_device_switches_adapters_as_on_the_resident_pipeline(device: str, backend: str) -> None:
+    """diffusers' documented switch between two adapters (move one to the CPU, the other to the device) on an
+    offloaded transformer: the offloaded adapter weights stay in the host copy, and every step is bit-exact."""
+    loras = {}
+    for name, seed in (("x", 1), ("y", 2)):
+        donor = _transformer("cpu")
+        _add(donor, "a", seed=seed)
+        loras[name] = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(donor, adapter_name="a").items()}
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    group = offload_transformer(pipe, device=device, backend=backend)["transformer"]
+
+    def video(p: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            return p(**call_arguments()).frames.cpu()
+
+    for p in (reference, pipe):
+        for name, lora in loras.items():
+            p.load_lora_weights(dict(lora), adapter_name=name)
+    held = group.stats()["weight_bytes"]
+    for active, parked in (("x", "y"), ("y", "x"), ("x", "y")):
+        for p in (reference, pipe):
+            p.set_lora_device(adapter_names=[parked], device="cpu")
+            p.set_lora_device(adapter_names=[active], device=device)
+            p.set_adapters(active)
+        assert torch.equal(video(pipe), video(reference)), active
+    proj = pipe.transformer.proj_out  # outside the block list: resident, moved as diffusers moves it
+    assert proj.lora_A["y"].weight.device.type == "cpu" and proj.lora_A["x"].weight.device == torch.device(device)
+    assert group.stats()["weight_bytes"] == held
+    disable_layerwise_offload(pipe.transformer)
+    assert params_equal(pipe.transformer, reference.transformer)
+
+
 def test_merges_go_straight_to_peft_after_disable() -> None:
     model, reference = _pair("cpu", "ext", "adapter-then-offload")
     disable_layerwise_offload(model)

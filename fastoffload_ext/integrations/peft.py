@@ -18,8 +18,10 @@ be rebuilt, the call refuses before peft changes anything. An adapter added afte
 tensor of its block until a rebuild takes it into the host copy, and trains as one. Removing adapters
 (diffusers' ``delete_adapters()`` and ``unload_lora()``, peft's ``delete_adapter()``, ``unload()`` and
 ``merge_and_unload()``) rebuilds the blocks whose host copy held the removed weights (``settle_removed``),
-so they are neither kept in host memory nor copied every step. ``guard_adapters(model)`` (run by the
-enable) wraps diffusers' adapter methods on the model's class:
+so they are neither kept in host memory nor copied every step. A pipeline's ``set_lora_device()`` leaves the
+adapter weights that an offloaded block's host copy holds where they are: they already wait in host memory and
+reach the device with their block, and moving their placeholders would make the next forward refuse them.
+``guard_adapters(model)`` (run by the enable) wraps diffusers' adapter methods on the model's class:
 
 - ``fuse_lora()``/``unfuse_lora()`` keep one block's scope open at a time, so each block is materialized
   and rebuilt once, however many layers it holds.
@@ -59,6 +61,7 @@ from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
+from fastoffload_ext.pipeline.lazy import is_lazy_module
 
 __all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft", "settle_removed"]
 
@@ -72,6 +75,8 @@ _COMBINING_METHODS = ("add_weighted_adapter",)  # on peft's tuner classes
 # On peft's tuner classes: behind PeftModel.delete_adapter(), unload() and merge_and_unload().
 _TUNER_REMOVING_METHODS = ("delete_adapter", "_unload_and_optionally_merge")
 _HOTSWAP_FUNCTIONS = ("prepare_model_for_compiled_hotswap", "hotswap_adapter_from_state_dict")  # peft.utils.hotswap
+_PLACING = ("diffusers.loaders.lora_base", "LoraBaseMixin", "set_lora_device")  # diffusers' pipeline method
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector")  # what set_lora_device moves of each adapter
 _PATCHED = "_fastoffload_patched"  # on a function this module put on a class
 _SAFE_INITS = (True, False, "gaussian")  # LoRA initializations that never read the base weight
 _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every model guard_adapters saw
@@ -437,10 +442,69 @@ def _hotswapping(function: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _place_adapters(model: nn.Module, group: LayerwiseOffloadGroup, adapter_names: Any, device: Any) -> None:
+    """What diffusers' ``set_lora_device`` does to one model, except to the adapter weights an offloaded block's
+    host copy holds: those stay offloaded (their block takes them to the device each step)."""
+    base = _peft_base_layer()
+    offloaded = {id(param) for state in group.states for param in state.offloaded_parameters().values()}
+    for layer in model.modules():
+        if base is None or not isinstance(layer, base):
+            continue
+        for adapter in adapter_names:
+            for part in _ADAPTER_PARTS:
+                held = getattr(layer, part, None)
+                if not isinstance(held, nn.ModuleDict | nn.ParameterDict) or adapter not in held:
+                    continue
+                value = held[adapter]
+                weights = value.parameters() if isinstance(value, nn.Module) else (value,)
+                if not any(id(param) in offloaded for param in weights):
+                    held[adapter] = value.to(device)
+
+
+def _placing(function: Callable[..., Any]) -> Callable[..., Any]:
+    """diffusers' pipeline ``set_lora_device()``: its components that are offloaded models are hidden from it for the
+    call, and their adapters placed by :func:`_place_adapters`."""
+    @functools.wraps(function)
+    def call(pipe: Any, adapter_names: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        found = {}
+        for name in getattr(pipe, "_lora_loadable_modules", ()):
+            held = vars(pipe).get(name)
+            model = held
+            if is_lazy_module(held):  # asking a lazy component must not load it
+                model = held.materialize() if held.is_materialized else None
+            offloaded = _offloaded_in(model)
+            if offloaded is not None:
+                found[name] = (held, model, offloaded[1])
+        if not found:
+            return function(pipe, adapter_names, device, *args, **kwargs)
+        for name in found:
+            object.__setattr__(pipe, name, None)
+        try:
+            result = function(pipe, adapter_names, device, *args, **kwargs)
+        finally:
+            for name, (held, _, _) in found.items():
+                object.__setattr__(pipe, name, held)
+        for _, model, group in found.values():
+            _place_adapters(model, group, adapter_names, device)
+        return result
+
+    setattr(call, _PATCHED, True)
+    return call
+
+
+def _patch_placing() -> None:
+    module_name, class_name, method = _PLACING
+    owner = getattr(sys.modules.get(module_name), class_name, None)
+    function = owner.__dict__.get(method) if isinstance(owner, type) else None
+    if callable(function) and not getattr(function, _PATCHED, False):
+        setattr(owner, method, _placing(function))
+
+
 def guard_adapters(model: nn.Module) -> None:
     """Make LoRA merges on ``model`` run on its blocks' real weights while it is offloaded (see the module doc)."""
     _models.add(model)
     patch_peft()
+    _patch_placing()
     wrappers = {**dict.fromkeys(_MERGING_METHODS, _merging), **dict.fromkeys(_ADDING_METHODS, _adding),
                 **dict.fromkeys(_REMOVING_METHODS, _removing)}
     for method, wrap in wrappers.items():
