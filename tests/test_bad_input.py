@@ -216,6 +216,18 @@ def _nested_parameter(backend: str) -> Callable[[Env], Any]:
     return run
 
 
+def _wrapper_subclass_parameter(backend: str) -> Callable[[Env], Any]:
+    """A parameter whose values live in inner tensors (how torchao and quanto hold quantized weights)."""
+    def run(env: Env) -> None:
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        weight = env.model.blocks[1].o.weight.detach()
+        _refused_after(env, lambda: setattr(env.model.blocks[1].o, "weight", nn.Parameter(
+            TwoTensor(weight.clone(), weight.clone()), requires_grad=False)), backend=backend)
+
+    return run
+
+
 def _norm_on_the_block_itself(backend: str, norm: Callable[[nn.Module], Any]) -> Callable[[Env], Any]:
     def run(env: Env) -> None:
         _refused_after(env, lambda: setattr(env.model.blocks, "1", norm(nn.Linear(16, 16))),
@@ -521,6 +533,13 @@ CASES = [
     *[Case(f"nested_tensor_parameter-{backend}", _nested_parameter(backend), ValueError,
            exact("fastoffload: parameter blocks.1.o.weight is a nested tensor; only dense (strided) tensors can be "
                  "offloaded. Hold its values as dense tensors, or keep that module outside the block list"))
+      for backend in ("ext", "python")],
+    *[Case(f"wrapper_subclass_parameter-{backend}", _wrapper_subclass_parameter(backend), ValueError,
+           exact("fastoffload: parameter blocks.1.o.weight is of type TwoTensor, a tensor subclass that keeps its "
+                 "values in inner tensors (a torchao or quanto quantized weight, for example) rather than in bytes of "
+                 "its own, which are what this engine offloads. Keep that module outside the block list, or store the "
+                 "blocks in a plain low-precision dtype (diffusers' enable_layerwise_casting before the offload moves "
+                 "them in float8)"))
       for backend in ("ext", "python")],
     *[Case(f"{kind}_on_the_block_itself-{backend}",
            _norm_on_the_block_itself(backend, getattr(nn.utils, kind)), ValueError,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fastoffload_ext.errors import OffloadConfigError
 
@@ -186,6 +187,18 @@ def tied_block_indices(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[i
     return tuple(sorted({index for held in owners.values() if len(held) > 1 for index in held if index >= 0}))
 
 
+def _keeps_values_inside(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a wrapper tensor subclass: its values live in inner tensors, and it has no bytes of
+    its own to copy (reading its storage raises)."""
+    if is_traceable_wrapper_subclass(param):
+        return True
+    try:
+        param.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return not param.is_nested and param.layout == torch.strided
+    return False
+
+
 def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> None:
     """Every offloaded block is a module that runs (not a container) and has initialized parameters."""
     for index, block in enumerate(blocks, start=offset):
@@ -207,6 +220,13 @@ def check_block_kinds(blocks: list[nn.Module], list_name: str, offset: int) -> N
                                          "lazy module such as nn.LazyLinear, which sizes its weights on its first "
                                          "forward); run one forward on the model before enabling offload, so the "
                                          "weights exist")
+            if _keeps_values_inside(param):
+                raise OffloadConfigError(f"fastoffload: parameter {list_name}.{index}.{name} is of type "
+                                         f"{type(param).__name__}, a tensor subclass that keeps its values in inner "
+                                         "tensors (a torchao or quanto quantized weight, for example) rather than in "
+                                         "bytes of its own, which are what this engine offloads. Keep that module "
+                                         "outside the block list, or store the blocks in a plain low-precision dtype "
+                                         "(diffusers' enable_layerwise_casting before the offload moves them in float8)")
 
 
 def check_repeated_blocks(blocks: Sequence[nn.Module], names: Sequence[str], offloaded: Collection[int]) -> None:
