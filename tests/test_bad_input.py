@@ -712,6 +712,27 @@ def test_bad_input(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
         assert mismatches(env.model, before) == []
 
 
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_a_wrapper_subclass_outside_the_block_list_runs_exactly(backend: str) -> None:
+    """A quantized weight (a tensor subclass with inner tensors) outside the blocks stays resident and works; only
+    one inside an offloaded block is refused (the table's wrapper_subclass_parameter rows)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model, reference = make_pair(N_BLOCKS)
+    for m in (model, reference):
+        weight = m.proj_out.weight.detach()
+        m.proj_out.weight = nn.Parameter(TwoTensor(weight.clone(), weight.clone() * 2), requires_grad=False)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = reference(x)
+        assert fo.enable_layerwise_offload(model, device="cpu", backend=backend) is not None
+        for _ in range(2):
+            got = model(x)
+            assert isinstance(got, TwoTensor) and torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model.blocks, reference.blocks)
+
+
 def test_lazy_loader_failure_names_the_component() -> None:
     """A pipeline with several deferred components must say whose load failed: the loader's own
     exception (same type, same object) propagates with the module name in a note."""

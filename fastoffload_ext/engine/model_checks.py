@@ -117,11 +117,12 @@ def storage_key(param: torch.Tensor) -> tuple[object, ...]:
     it has no bytes, which every empty tensor shares)."""
     try:
         storage = param.untyped_storage()
+        address = storage.data_ptr()
     except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
         return ("object", id(param))
     if storage.nbytes() == 0 or param.device.type == "meta":
         return ("object", id(param))
-    return (param.device.type, param.device.index, storage.data_ptr())
+    return (param.device.type, param.device.index, address)
 
 
 def _tie_text(where: str, param: torch.Tensor, other_where: str, other: torch.Tensor) -> str:
