@@ -65,6 +65,47 @@ def test_regional_compile_one_graph_per_block_no_recompiles(backend: str) -> Non
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", ["compile, then offload", "offload, then compile"])
+def test_a_block_compiled_with_fullgraph_runs_its_hooks_outside_the_graph(backend: str, order: str) -> None:
+    """``block.compile(fullgraph=True)`` (what diffusers' ``compile_repeated_blocks(fullgraph=True)`` does) before or
+    after the offload: the hooks run around the compiled region, which holds the block's body as one graph and never
+    recompiles as the slots rotate; disabling the offload gives the block its own compiled call back."""
+    model, reference = make_pair(4)
+    x = torch.randn(2, 3, 16)
+    recorder = RecordingBackend()
+    if order == "compile, then offload":
+        for block in model.blocks:
+            block.compile(backend=recorder, fullgraph=True)
+    own = [block.__dict__.get("_compiled_call_impl") for block in model.blocks]
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    if order == "offload, then compile":
+        for block in model.blocks:
+            block.compile(backend=recorder, fullgraph=True)
+        own = [fo.ModuleHookManager.get_from(block).compiled_call for block in model.blocks]
+    with torch.no_grad():
+        want = reference(x)
+        assert torch.equal(model(x), want)
+        graphs_after_first_step = len(recorder.graphs)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+    assert len(recorder.graphs) == graphs_after_first_step == 1  # one body graph, shared by the four blocks
+    ops = " ".join(recorder.ops(recorder.graphs[0]))
+    assert ops.count("linear") == 4 and ops.count("layer_norm") == 2 and "gelu" in ops
+    with torch.no_grad():
+        with pytest.raises(Exception):  # raised inside the compiled region: the block's release still runs
+            model.blocks[1](torch.randn(2, 3, 15))
+        assert torch.equal(model(x), want)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    for block, compiled in zip(model.blocks, own):
+        assert "compile" not in block.__dict__ and fo.ModuleHookManager.get_from(block) is None
+        assert compiled is not None and block.__dict__["_compiled_call_impl"] is compiled
+    with torch.no_grad():
+        assert torch.equal(model(x), want)  # the blocks' own compiled calls, after the offload
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_whole_model_compile_breaks_only_at_hooks(backend: str) -> None:
     """Compiling the whole model: the hooks are the only breaks, and the block bodies still compile.
 

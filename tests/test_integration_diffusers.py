@@ -230,6 +230,25 @@ def test_layerwise_casting_enabled_while_offloaded_is_refused_and_nothing_is_cas
     assert model.blocks[0].attn1.to_q.weight.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("order", ["compile, then offload", "offload, then compile"])
+def test_regional_compilation_of_the_offloaded_transformer_is_bit_exact(device: str, backend: str, order: str) -> None:
+    """diffusers' ``compile_repeated_blocks()`` compiles each block's forward; the offload hooks run around it, and the
+    compiled blocks read the weights each step loads (bit-equal to the resident model compiled the same way)."""
+    reference, pipe = tiny_pipeline(device), tiny_pipeline(device)
+    reference.transformer.compile_repeated_blocks(fullgraph=True)
+    if order == "compile, then offload":
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    offload_transformer(pipe, device=device, backend=backend)
+    if order == "offload, then compile":
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    for _ in range(2):
+        assert torch.equal(_video(pipe), _video(reference))
+    disable_layerwise_offload(pipe.transformer)
+    assert params_equal(pipe.transformer, reference.transformer)
+
+
 @pytest.mark.parametrize("backend", ["ext", "python"])
 def test_save_pretrained_of_the_offloaded_transformer_saves_its_weights(backend: str, tmp_path: Path) -> None:
     from diffusers import WanTransformer3DModel

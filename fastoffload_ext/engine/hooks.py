@@ -13,6 +13,14 @@ a wrapper that runs the hooks around the original forward:
 
 There is one hook per name per module (``ForwardHook.name()`` is the key).
 
+A module compiled on its own (``module.compile(...)``, which diffusers' ``compile_repeated_blocks()`` calls on
+each block) runs its forward inside the compiled region, where the hooks would be graph breaks, and
+``fullgraph=True`` refuses any. So while a manager is attached, the hooks run outside that region: the
+module's compiled call is wrapped to run them around it, and inside it the forward wrapper passes straight
+to the original forward, which compiles as one graph. A ``compile()`` made after the manager is attached is
+caught by an instance attribute in front of ``nn.Module.compile``; removing the manager puts back the
+compiled call and the method.
+
 Fast path: a block's forward runs once per block per step, and on a host-bound model every
 microsecond of Python around it adds to the step. A hook may offer ``eager_points``, two argument-free
 callables with exactly the effect of its ``pre_forward`` (arguments unchanged) and ``post_forward``
@@ -122,6 +130,10 @@ def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> A
         # Another thread removed the manager (a disable) after this call looked up `forward`:
         # the module's own forward is back in place.
         return module.forward(*args, **kwargs)
+    if getattr(manager, "hooks_ran_outside", False):  # a manager of another class has no such attribute
+        # Called from the module's compiled region, whose wrapper has run the hooks: this traces as plain code.
+        forward = manager.instance_forward
+        return forward(*args, **kwargs) if forward is not None else manager.class_forward(module, *args, **kwargs)
     hooks = manager.forward_hooks
     if len(hooks) == 1 and not _is_compiling() and _eval_frame_callback() is None:
         for only in hooks.values():
@@ -161,6 +173,51 @@ def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> A
     return _run_post_hooks(module, ran, output)
 
 
+def _compiled_with_hooks(module_ref: weakref.ref, compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A compiled module's call while a manager is attached: the hooks run here, outside the compiled region, and
+    the forward wrapper inside it passes straight to the original forward."""
+    module: nn.Module | None = module_ref()
+    if module is None:
+        raise OffloadStateError(DEAD_MODULE_ERROR)
+    manager: ModuleHookManager | None = getattr(module, ModuleHookManager.module_hook_attribute, None)
+    if manager is None or manager.hooks_ran_outside:
+        return compiled(*args, **kwargs)
+    ran: list[ForwardHook] = []
+    try:
+        for hook in tuple(manager.forward_hooks.values()):
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+            ran.append(hook)
+        manager.hooks_ran_outside = True
+        try:
+            output = compiled(*args, **kwargs)
+        finally:
+            manager.hooks_ran_outside = False
+    except BaseException:
+        for hook in reversed(ran):
+            try:
+                hook.post_forward(module, None)
+            except Exception:
+                logger.exception("post_forward of %s failed while cleaning up after an error", hook.name())
+        raise
+    return _run_post_hooks(module, ran, output)
+
+
+def _compile_outside_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> None:
+    """``module.compile(...)`` while a manager is attached: nn.Module's own, then its compiled call wrapped."""
+    module: nn.Module | None = module_ref()
+    if module is None:
+        raise OffloadStateError(DEAD_MODULE_ERROR)
+    manager = ModuleHookManager.get_from(module)
+    if manager is not None:
+        manager.unwrap_compiled()
+    type(module).compile(module, *args, **kwargs)
+    if manager is not None and ModuleHookManager.get_from(module) is manager:
+        manager.wrap_compiled()
+
+
+_COMPILED_CALL = "_compiled_call_impl"  # where nn.Module.compile() keeps the compiled call
+
+
 class ModuleHookManager:
     """The hooks of one module, stored on it as ``module._hook_manager``."""
 
@@ -175,6 +232,10 @@ class ModuleHookManager:
         # strong reference back to the module would be a cycle.
         self.instance_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self.class_forward: Callable[..., Any] = type(module).forward
+        # True while a compiled call's wrapper runs the compiled region, having run the hooks itself.
+        self.hooks_ran_outside = False
+        self.compiled_call: Callable[..., Any] | None = None  # the module's own compiled call, while wrapped
+        self.instance_compile: Callable[..., Any] | None = module.__dict__.get("compile")
 
     @property
     def original_forward(self) -> Callable[..., Any]:
@@ -208,7 +269,29 @@ class ModuleHookManager:
             manager = cls(module)
             setattr(module, cls.module_hook_attribute, manager)
             module.forward = functools.partial(_forward_with_hooks, weakref.ref(module))
+            if manager.instance_compile is None:  # another wrapper set on the instance is left as it is
+                module.compile = functools.partial(_compile_outside_hooks, weakref.ref(module))
+            manager.wrap_compiled()
         return manager
+
+    def wrap_compiled(self) -> None:
+        """Puts the hooks around the module's compiled call, if it has one (see the module docstring)."""
+        module = self.module
+        compiled = getattr(module, _COMPILED_CALL, None) if module is not None else None
+        if compiled is None or self.compiled_call is not None:
+            return
+        self.compiled_call = compiled
+        setattr(module, _COMPILED_CALL, functools.partial(_compiled_with_hooks, weakref.ref(module), compiled))
+
+    def unwrap_compiled(self) -> None:
+        """Gives the module its own compiled call back, if :meth:`wrap_compiled` wrapped one."""
+        module = self.module
+        if self.compiled_call is None or module is None:
+            return
+        current = getattr(module, _COMPILED_CALL, None)
+        if isinstance(current, functools.partial) and current.func is _compiled_with_hooks:
+            setattr(module, _COMPILED_CALL, self.compiled_call)
+        self.compiled_call = None
 
     @staticmethod
     def remove_from_manager(module: nn.Module) -> None:
@@ -220,6 +303,10 @@ class ModuleHookManager:
             module.forward = manager.instance_forward
         else:
             module.__dict__.pop("forward", None)  # the class's forward again
+        manager.unwrap_compiled()
+        compile_method = module.__dict__.get("compile")
+        if isinstance(compile_method, functools.partial) and compile_method.func is _compile_outside_hooks:
+            del module.__dict__["compile"]  # nn.Module's own again
         delattr(module, ModuleHookManager.module_hook_attribute)
 
     def _check_manager_attached(self) -> None:
