@@ -155,14 +155,25 @@ def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> A
                     raise
                 points[1]()
                 return output
+    return _run_hooks_around(module, manager, None, args, kwargs)
+
+
+def _run_hooks_around(module: nn.Module, manager: ModuleHookManager, call: Callable[..., Any] | None,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Every hook's ``pre_forward`` in order, ``call`` (None: the module's own forward) with the arguments they
+    give, every ``post_forward`` in reverse; when anything raises, the pre-hooks that ran get
+    ``post_forward(module, None)``, newest first."""
     ran: list[ForwardHook] = []
     try:
         # A snapshot: another thread may remove a hook while this forward runs.
         for hook in tuple(manager.forward_hooks.values()):
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
             ran.append(hook)
-        forward = manager.instance_forward
-        output = forward(*args, **kwargs) if forward is not None else manager.class_forward(module, *args, **kwargs)
+        if call is None:
+            forward = manager.instance_forward
+            output = forward(*args, **kwargs) if forward is not None else manager.class_forward(module, *args, **kwargs)
+        else:
+            output = call(*args, **kwargs)
     except BaseException:
         for hook in reversed(ran):
             try:
@@ -182,24 +193,15 @@ def _compiled_with_hooks(module_ref: weakref.ref, compiled: Callable[..., Any], 
     manager: ModuleHookManager | None = getattr(module, ModuleHookManager.module_hook_attribute, None)
     if manager is None or manager.hooks_ran_outside:
         return compiled(*args, **kwargs)
-    ran: list[ForwardHook] = []
-    try:
-        for hook in tuple(manager.forward_hooks.values()):
-            args, kwargs = hook.pre_forward(module, *args, **kwargs)
-            ran.append(hook)
+
+    def inside(*args: Any, **kwargs: Any) -> Any:
         manager.hooks_ran_outside = True
         try:
-            output = compiled(*args, **kwargs)
+            return compiled(*args, **kwargs)
         finally:
             manager.hooks_ran_outside = False
-    except BaseException:
-        for hook in reversed(ran):
-            try:
-                hook.post_forward(module, None)
-            except Exception:
-                logger.exception("post_forward of %s failed while cleaning up after an error", hook.name())
-        raise
-    return _run_post_hooks(module, ran, output)
+
+    return _run_hooks_around(module, manager, inside, args, kwargs)
 
 
 def _compile_outside_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> None:
