@@ -12,7 +12,7 @@ import torch._dynamo
 
 import fastoffload_ext as fo
 
-from ._models import make_pair, params_equal, place_outside_blocks
+from ._models import make_pair, offload_hook, params_equal, place_outside_blocks
 
 BACKENDS = ["ext", "python"]
 
@@ -103,6 +103,46 @@ def test_a_block_compiled_with_fullgraph_runs_its_hooks_outside_the_graph(backen
         assert compiled is not None and block.__dict__["_compiled_call_impl"] is compiled
     with torch.no_grad():
         assert torch.equal(model(x), want)  # the blocks' own compiled calls, after the offload
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_blocks_through_edits_loads_replacement_and_training(backend: str) -> None:
+    """Blocks compiled with ``fullgraph=True`` (before the offload) through what users do while offloaded: an edit in
+    ``mutate_params_scope()``, a partial ``load_state_dict``, an ``is_replace`` re-enable and a grad-mode forward
+    with frozen blocks, each step bit-equal to the resident twin compiled the same way."""
+    model, reference = make_pair(3)
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    for m in (model, reference):
+        for block in m.blocks:
+            block.compile(backend="eager", fullgraph=True)
+    x = torch.randn(2, 3, 16)
+
+    def same() -> None:
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    same()
+    with offload_hook(model.blocks[1]).mutate_params_scope():
+        model.blocks[1].up.weight.mul_(0.5)
+    reference.blocks[1].up.weight.data.mul_(0.5)
+    same()
+    update = {name: torch.randn_like(value) for name, value in reference.state_dict().items() if ".2." in name}
+    for m in (model, reference):
+        m.load_state_dict(update, strict=False)
+    same()
+    fo.enable_layerwise_offload(model, is_replace=True, device="cpu", backend=backend, prefetch_depth=2)
+    same()
+    grads = []
+    for m in (model, reference):
+        leaf = x.clone().requires_grad_(True)
+        m(leaf).square().sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+    same()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
