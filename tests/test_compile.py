@@ -31,6 +31,19 @@ class RecordingBackend:
         return [str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_module", "call_method")]
 
 
+def _steps_without_recompiles(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor,
+                              recorder: RecordingBackend) -> int:
+    """Four steps bit-equal to ``reference``, the last three with recompiles made errors; the graphs the first made."""
+    with torch.no_grad():
+        want = reference(x)
+        assert torch.equal(model(x), want)
+        graphs_after_first_step = len(recorder.graphs)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                assert torch.equal(model(x), want)
+    return graphs_after_first_step
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -46,13 +59,7 @@ def test_regional_compile_one_graph_per_block_no_recompiles(backend: str) -> Non
     recorder = RecordingBackend()
     for block in model.blocks:
         block.compile(backend=recorder)
-    with torch.no_grad():
-        want = reference(x)
-        assert torch.equal(model(x), want)
-        graphs_after_first_step = len(recorder.graphs)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(3):
-                assert torch.equal(model(x), want)
+    graphs_after_first_step = _steps_without_recompiles(model, reference, x, recorder)
     assert len(recorder.graphs) == graphs_after_first_step  # slots rotate, nothing recompiles
     # The body of a block is a single graph holding all of its work: the hooks break the trace only
     # around it, never inside.
@@ -82,17 +89,12 @@ def test_a_block_compiled_with_fullgraph_runs_its_hooks_outside_the_graph(backen
         for block in model.blocks:
             block.compile(backend=recorder, fullgraph=True)
         own = [fo.ModuleHookManager.get_from(block).compiled_call for block in model.blocks]
-    with torch.no_grad():
-        want = reference(x)
-        assert torch.equal(model(x), want)
-        graphs_after_first_step = len(recorder.graphs)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(3):
-                assert torch.equal(model(x), want)
+    graphs_after_first_step = _steps_without_recompiles(model, reference, x, recorder)
     assert len(recorder.graphs) == graphs_after_first_step == 1  # one body graph, shared by the four blocks
     ops = " ".join(recorder.ops(recorder.graphs[0]))
     assert ops.count("linear") == 4 and ops.count("layer_norm") == 2 and "gelu" in ops
     with torch.no_grad():
+        want = reference(x)
         with pytest.raises(Exception):  # raised inside the compiled region: the block's release still runs
             model.blocks[1](torch.randn(2, 3, 15))
         assert torch.equal(model(x), want)
