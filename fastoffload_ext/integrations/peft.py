@@ -105,7 +105,9 @@ def _subclasses(cls: type) -> list[type]:
 
 def patch_peft() -> None:
     """Wraps ``merge``/``unmerge`` of every peft layer class defined so far, the injection and weighted
-    combination of every tuner class, and peft's hotswap functions (each once); a no-op until peft is imported."""
+    combination of every tuner class, and peft's hotswap functions (each once); a no-op until peft is imported.
+    Also diffusers' pipeline ``set_lora_device()``, once diffusers' LoRA loaders are imported."""
+    _patch_placing()
     base = _peft_base_layer()
     if base is None:
         return
@@ -504,7 +506,6 @@ def guard_adapters(model: nn.Module) -> None:
     """Make LoRA merges on ``model`` run on its blocks' real weights while it is offloaded (see the module doc)."""
     _models.add(model)
     patch_peft()
-    _patch_placing()
     wrappers = {**dict.fromkeys(_MERGING_METHODS, _merging), **dict.fromkeys(_ADDING_METHODS, _adding),
                 **dict.fromkeys(_REMOVING_METHODS, _removing)}
     for method, wrap in wrappers.items():
