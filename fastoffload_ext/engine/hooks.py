@@ -237,7 +237,6 @@ class ModuleHookManager:
         # True while a compiled call's wrapper runs the compiled region, having run the hooks itself.
         self.hooks_ran_outside = False
         self.compiled_call: Callable[..., Any] | None = None  # the module's own compiled call, while wrapped
-        self.instance_compile: Callable[..., Any] | None = module.__dict__.get("compile")
 
     @property
     def original_forward(self) -> Callable[..., Any]:
@@ -271,7 +270,7 @@ class ModuleHookManager:
             manager = cls(module)
             setattr(module, cls.module_hook_attribute, manager)
             module.forward = functools.partial(_forward_with_hooks, weakref.ref(module))
-            if manager.instance_compile is None:  # another wrapper set on the instance is left as it is
+            if "compile" not in module.__dict__:  # another wrapper set on the instance is left as it is
                 module.compile = functools.partial(_compile_outside_hooks, weakref.ref(module))
             manager.wrap_compiled()
         return manager

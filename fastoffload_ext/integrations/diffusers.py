@@ -47,7 +47,7 @@ import functools
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -291,14 +291,32 @@ def _component_names(pipe: Any) -> tuple[str, ...]:
     return tuple(key for key in pipe.config.keys() if not key.startswith("_") and key in slots)
 
 
-def _offloaded_model(pipe: Any, name: str) -> nn.Module | None:
-    """``pipe.<name>`` when it is an offloaded model; a lazy component counts only while loaded (asking
-    must not load it)."""
+def loaded_component(pipe: Any, name: str) -> Any:
+    """``pipe.<name>``, with a lazy component's module when it is loaded and None when it is not (asking must
+    not load it)."""
     component = getattr(pipe, name, None)
     if is_lazy_module(component):
-        if not component.is_materialized:
-            return None
-        component = component.materialize()
+        return component.materialize() if component.is_materialized else None
+    return component
+
+
+@contextlib.contextmanager
+def hidden_components(pipe: Any, names: Iterable[str]) -> Iterator[None]:
+    """The pipeline's slots ``names`` hold None for the ``with`` body, so that a pipeline method that walks its
+    components passes them by; each holds what it held before afterwards, also when the body raised."""
+    hidden = {name: getattr(pipe, name) for name in names}
+    for name in hidden:
+        object.__setattr__(pipe, name, None)
+    try:
+        yield
+    finally:
+        for name, component in hidden.items():
+            object.__setattr__(pipe, name, component)
+
+
+def _offloaded_model(pipe: Any, name: str) -> nn.Module | None:
+    """``pipe.<name>`` when it is an offloaded model; a lazy component counts only while loaded."""
+    component = loaded_component(pipe, name)
     if isinstance(component, nn.Module) and get_offload_group(component) is not None:
         return component
     return None
@@ -344,16 +362,10 @@ def _pipeline_methods() -> dict[str, Callable[..., Callable[..., Any]]]:
 
     def enable_model_cpu_offload(original: Callable[..., Any]) -> Callable[..., Any]:
         def keeping_layerwise(pipe: Any, *args: Any, **kwargs: Any) -> Any:
-            hidden = {name: getattr(pipe, name) for name in _offloaded_names(pipe)}
             # Hidden from the pipeline's components for the call: diffusers first moves every component
             # to the CPU, then hooks each one in its offload sequence.
-            for name in hidden:
-                object.__setattr__(pipe, name, None)
-            try:
+            with hidden_components(pipe, _offloaded_names(pipe)):
                 return original(pipe, *args, **kwargs)
-            finally:
-                for name, model in hidden.items():
-                    object.__setattr__(pipe, name, model)
         return keeping_layerwise
 
     def enable_sequential_cpu_offload(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -61,7 +61,6 @@ from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
-from fastoffload_ext.pipeline.lazy import is_lazy_module
 
 __all__ = ["ADD_REFUSED", "MERGE_REFUSED", "guard_adapters", "patch_peft", "settle_removed"]
 
@@ -468,25 +467,20 @@ def _placing(function: Callable[..., Any]) -> Callable[..., Any]:
     call, and their adapters placed by :func:`_place_adapters`."""
     @functools.wraps(function)
     def call(pipe: Any, adapter_names: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        # Imported here: the diffusers integration imports the engine, which imports this module.
+        from fastoffload_ext.integrations.diffusers import hidden_components, loaded_component
+
         found = {}
         for name in getattr(pipe, "_lora_loadable_modules", ()):
-            held = vars(pipe).get(name)
-            model = held
-            if is_lazy_module(held):  # asking a lazy component must not load it
-                model = held.materialize() if held.is_materialized else None
+            model = loaded_component(pipe, name)
             offloaded = _offloaded_in(model)
             if offloaded is not None:
-                found[name] = (held, model, offloaded[1])
+                found[name] = (model, offloaded[1])
         if not found:
             return function(pipe, adapter_names, device, *args, **kwargs)
-        for name in found:
-            object.__setattr__(pipe, name, None)
-        try:
+        with hidden_components(pipe, found):
             result = function(pipe, adapter_names, device, *args, **kwargs)
-        finally:
-            for name, (held, _, _) in found.items():
-                object.__setattr__(pipe, name, held)
-        for _, model, group in found.values():
+        for model, group in found.values():
             _place_adapters(model, group, adapter_names, device)
         return result
 
