@@ -99,12 +99,13 @@ def peer_values(result: Interleaved, name: str, label: str, config: ExtConfig, p
     values: dict[str, Any] = {"ms": result.median_ms(name), "spread": result.spread(name),
                               "x_resident": result.ratio(name, f"resident|{label}"), "vs_ext": config.name}
     per_round = result.ratios(name, f"{config.name}|{label}")
-    x_ext, values["range"] = ratio(per_round)
+    x_ext, values["x_ext_range"] = ratio(per_round)
     values["x_ext"], values["x_ext_max"] = x_ext, max(per_round)
     values["pass"] = x_ext > 1.0  # the ext configuration that moves the same lists is faster (the summary names ties)
     transfer = transfer_ms(peer_bytes, peak_gbps)
     if transfer:
-        values["x_floor"] = ratio([p / f for p, f in zip(result.rounds[name], floors(resident, transfer))])[0]
+        values["x_floor"], values["range"] = ratio([p / f for p, f in zip(result.rounds[name],
+                                                                          floors(resident, transfer))])
         leads, resident_leads = result.leads.get(name), result.leads.get(f"resident|{label}")
         if leads and resident_leads:  # its step after a readback, as for ext (benchmarks/steady.py)
             values["x_floor_readback"] = ratio([p / f for p, f in zip(leads, floors(resident_leads, transfer))])[0]
@@ -179,7 +180,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
             else:
                 answer = "yes"
             lines.append(f"{model} {tokens}: fastest peer vs {ext['backend']}: {best['backend']} {best['ms']:.2f} ms"
-                         f"{exact}, {best.get('x_ext', float('nan')):.3f}x {ext['backend']} {best.get('range', '')}; "
+                         f"{exact}, {best.get('x_ext', float('nan')):.3f}x {ext['backend']} {best.get('x_ext_range', '')}; "
                          f"{ext['backend']} faster than every peer offloading the same lists: {answer}"
                          + _matched_clause(group, ext["backend"], str(best["backend"])))
     return lines

@@ -153,6 +153,7 @@ TABLES = {
             Column("x_link_floor", "x floor at round link", ".3f"),
             Column("x_floor_readback", "x floor after readback", ".3f"),
             Column("x_ext", "x ext", ".2f"),
+            Column("x_ext_range", "[x ext range]"),
             Column("vs_ext", "vs ext"),
             Column("bound_ms", "sched bound ms", ".1f"),
             Column("x_bound", "x sched bound", ".3f"),
