@@ -11,6 +11,7 @@ from torch import nn
 from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.messages import COPY_ERROR, STALE_GROUP_ERROR
+from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
@@ -59,6 +60,7 @@ class LayerwiseOffloadGroup:
         self.original_devices: list[torch.device] = []
         self.checkpoint: Any = None  # storage.source.CheckpointSource when built with weights=
         self.model_hooks: Any = None  # state_dict.ModelStateDictHooks: a refused load_state_dict changes nothing
+        self.run_order: RunOrderWatch | None = None  # the order the first pass ran the blocks in
 
     def free_with(self, model: nn.Module) -> None:
         """Frees the host copy and the device slots as soon as ``model`` is collected while still offloaded
@@ -84,6 +86,9 @@ class LayerwiseOffloadGroup:
         }
         result.update(self._engine_stats() if self.engine is not None else self._python_stats(result["host_bytes"]))
         result["plan"] = self.plan.as_dict() if self.plan is not None else None
+        # "ring": the blocks ran in the order enable ringed them; "rewired": in another, which the prefetches now
+        # follow; "watching": no full pass yet; "not learned": passes that skipped or repeated blocks (run_order.py).
+        result["run_order"] = self.run_order.outcome if self.run_order is not None else "ring"
         return result
 
     def calibrate(self, step: Callable[[], Any], *, replan: bool = True, repeats: int = 5,

@@ -82,6 +82,7 @@ from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, CheckedArguments,
                                             OffloadOptions, check_arguments, resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
+from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.engine.state_dict import ModelStateDictHooks
 from fastoffload_ext.engine.threads import ModelForwards, layout_change
@@ -202,6 +203,7 @@ class _Enable:
             raise
         _attach_blocks(group, options)
         _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic, options.offloaded_indices)
+        group.run_order = _watch_run_order(group, options)
         group.model_hooks = _model_hooks(model, group)
         return _finish(model, group, options, was_on_cuda)
 
@@ -539,6 +541,30 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
             target = release_target(i, positions, prefetch_depth, cyclic)
             state.release_targets = [] if target is None else [states[target]]
 
+
+
+def _watch_run_order(group: LayerwiseOffloadGroup, options: OffloadOptions) -> RunOrderWatch | None:
+    """Learns the order the first forward runs the offloaded blocks in, and sets the prefetches to it when it
+    differs from the ring's (run_order.py). None with fewer than two offloaded blocks (nothing to order)."""
+    hooks = []
+    for state in group.states:
+        manager = ModuleHookManager.get_from(state.module_ref)
+        hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
+        if not isinstance(hook, LayerwiseOffloadHook):
+            return None
+        hooks.append(hook)
+    if len(hooks) < 2:
+        return None
+    names = _ring_names(options)
+    depth, cyclic = options.prefetch_depth, options.cyclic
+
+    def rewire(states: list[BlockOffloadState], positions: list[int]) -> None:
+        _wire_prefetch_targets(states, depth, cyclic, positions)
+
+    watch = RunOrderWatch(group.states, options.offloaded_indices, [names[i] for i in options.offloaded_indices],
+                          rewire, group.device, cyclic)
+    watch.watch(hooks)
+    return watch
 
 
 def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:

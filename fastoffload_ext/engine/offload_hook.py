@@ -18,6 +18,7 @@ from torch import nn
 from fastoffload_ext.engine.autograd import SavedTensorGuard
 from fastoffload_ext.engine.hooks import ForwardHook
 from fastoffload_ext.engine.messages import warn_caller
+from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
 
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 class LayerwiseOffloadHook(ForwardHook):
     """Loads a block's weights before its forward and drops them after (FastVideo's hook)."""
+
+    # Set on the hooks of a new offload until the first pass of its blocks has run (run_order.py).
+    run_order_watch: RunOrderWatch | None = None
 
     def __init__(self, state: BlockOffloadState) -> None:
         self.state = state
@@ -94,6 +98,9 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
+        watch = self.run_order_watch
+        if watch is not None:
+            watch.started(self.state)
         try:
             if self._one_call_entry is None or not self._one_call_entry():
                 self._acquire_then_prefetch()

@@ -1,0 +1,205 @@
+"""The first pass learns the order the forward runs the offloaded blocks in, and the prefetches follow it."""
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
+from fastoffload_ext.engine import run_order
+from tests._models import Block, offload_hook
+
+BACKENDS = ["ext", "python"]
+
+
+class Refiners(nn.Module):
+    """Lumina2-shaped: registers ``noise_refiner`` before ``context_refiner`` and runs ``context_refiner`` first.
+    ``skip_from`` > 0: every forward runs only the main blocks before that index (a cache that skips the rest)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.noise_refiner = nn.ModuleList(Block(d, 2) for _ in range(2))
+        self.context_refiner = nn.ModuleList(Block(d, 2) for _ in range(2))
+        self.layers = nn.ModuleList(Block(d, 2) for _ in range(4))
+        self.skip_from = 0
+        self.fail_at: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.context_refiner:
+            x = block(x)
+        for block in self.noise_refiner:
+            x = block(x)
+        for block in self.layers[:self.skip_from or None]:
+            x = block(x)
+        return x
+
+
+def _pair() -> tuple[Refiners, Refiners]:
+    torch.manual_seed(0)
+    model = Refiners()
+    torch.manual_seed(0)
+    return model, Refiners()
+
+
+def _targets(group) -> list[int]:
+    """Each offloaded block's prefetch target, as its ring position."""
+    position = {id(state): p for p, state in zip(group.offloaded_indices, group.states)}
+    return [position[id(state.prefetch_targets[0])] for state in group.states]
+
+
+def _watched(group) -> int:
+    return sum(1 for state in group.states if "run_order_watch" in offload_hook(state.module_ref).__dict__)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lists_run_in_another_order_than_registered_are_rewired_after_the_first_pass(
+        backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    model, reference = _pair()
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
+    # Ring positions: noise_refiner 0-1, context_refiner 2-3, layers 4-7.
+    assert group.stats()["run_order"] == "watching" and _watched(group) == 8
+    assert _targets(group) == [1, 2, 3, 4, 5, 6, 7, 0]
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.engine.run_order"), torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+    assert group.stats()["run_order"] == "rewired" and group.run_order.run_order == [2, 3, 0, 1, 4, 5, 6, 7]
+    # context_refiner.0 -> .1 -> noise_refiner.0 -> .1 -> layers.0 ... -> layers.3 -> context_refiner.0
+    assert _targets(group) == [1, 4, 3, 0, 5, 6, 7, 2]
+    assert _watched(group) == 0  # the hooks stopped reporting
+    assert [r.getMessage() for r in caplog.records] == [
+        "fastoffload: the forward ran the offloaded blocks in another order (context_refiner.0-1, noise_refiner.0-1, "
+        "layers.0-3) than the ring enable made (noise_refiner.0-1, context_refiner.0-1, layers.0-3); their prefetches "
+        "now follow the order they ran in (block_lists= in that order starts with it)"]
+    if group.engine is not None:
+        loads = group.stats()["sync_loads"]
+        with torch.inference_mode():
+            model(x)
+        assert group.stats()["sync_loads"] == loads  # every block was prefetched by the one before it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lists_named_in_the_order_they_run_keep_the_ring(backend: str) -> None:
+    model, reference = _pair()
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend,
+                                     block_lists=["context_refiner", "noise_refiner", "layers"])
+    before = _targets(group)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    assert group.stats()["run_order"] == "ring" and _targets(group) == before and _watched(group) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cyclic", [True, False])
+def test_a_run_that_starts_the_ring_elsewhere_is_the_same_cyclic_ring(backend: str, cyclic: bool) -> None:
+    model, reference = _pair()
+    x = torch.randn(2, 16)
+    # Ring: noise_refiner 0-1, layers 2-5, context_refiner 6-7; the forward runs 6, 7, 0, ..., 5.
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, cyclic=cyclic,
+                                     block_lists=["noise_refiner", "layers", "context_refiner"])
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    if cyclic:
+        assert group.stats()["run_order"] == "ring" and _targets(group) == [1, 2, 3, 4, 5, 6, 7, 0]
+    else:  # without the wrap-around, the block that runs first must be prefetched by the one that runs before it
+        assert group.stats()["run_order"] == "rewired"
+        targets = {i: [group.states.index(t) for t in state.prefetch_targets]
+                   for i, state in enumerate(group.states)}
+        assert targets == {6: [7], 7: [0], 0: [1], 1: [2], 2: [3], 3: [4], 4: [5], 5: []}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_passes_that_skip_blocks_teach_nothing_and_leave_the_ring(backend: str) -> None:
+    model, reference = _pair()
+    model.skip_from = reference.skip_from = 2  # layers 2 and 3 never run
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
+    before = _targets(group)
+    with torch.inference_mode():
+        for _ in range(run_order.MAX_PASSES):
+            assert group.stats()["run_order"] == "watching"
+            assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    assert group.stats()["run_order"] == "not learned" and _targets(group) == before and _watched(group) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forward_that_raises_in_the_first_pass_is_learned_from_the_next(backend: str) -> None:
+    model, reference = _pair()
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, 5))  # the first block's matmul refuses the width
+        assert group.stats()["run_order"] == "watching"
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    assert group.stats()["run_order"] == "rewired" and _targets(group) == [1, 4, 3, 0, 5, 6, 7, 2]
+    disable_layerwise_offload(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resident_blocks_stay_and_the_offloaded_ones_are_rewired_around_them(backend: str) -> None:
+    model, reference = _pair()
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all", resident_blocks=[0, 3, 5])
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+    assert group.offloaded_indices == (1, 2, 4, 6, 7) and group.stats()["run_order"] == "rewired"
+    # Ran: context_refiner.0 (2), noise_refiner.1 (1), layers.0 (4), layers.2 (6), layers.3 (7).
+    assert _targets(group) == [4, 1, 6, 7, 2]
+    disable_layerwise_offload(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_dropped_while_the_watch_waits_is_freed_without_the_cycle_collector(backend: str) -> None:
+    model, _ = _pair()
+    enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_names_are_described_as_runs() -> None:
+    names = ["a.0", "a.1", "a.2", "b.0", "a.3", "b.2", "b.1", "b.10"]
+    assert run_order._describe(names) == "a.0-2, b.0, a.3, b.2, b.1, b.10"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("learned_first", [True, False], ids=["eager step first", "graph first"])
+def test_a_cuda_graph_of_a_model_run_out_of_ring_order_replays_exactly(learned_first: bool) -> None:
+    from fastoffload_ext import OffloadedCUDAGraph
+
+    model, reference = _pair()
+    # Five offloaded blocks at depth 1 take three fixed slots, so a learned order meets the ring's assignment.
+    model.layers, reference.layers = model.layers[:1], reference.layers[:1]
+    reference.cuda()
+    x = torch.randn(2, 16, device="cuda")
+    group = enable_layerwise_offload(model, device="cuda", backend="ext", block_lists="all")
+    with torch.inference_mode():
+        expected = reference(x)
+        if learned_first:
+            assert torch.equal(model(x), expected)
+            assert group.stats()["run_order"] == "rewired"
+    graph = OffloadedCUDAGraph(model, x.clone())
+    assert group.stats()["run_order"] == "rewired"  # the warm-up steps learned it otherwise
+    for _ in range(3):
+        assert torch.equal(graph(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)  # an eager step after the replays
+    assert torch.equal(graph(x), expected)
