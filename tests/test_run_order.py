@@ -203,3 +203,50 @@ def test_a_cuda_graph_of_a_model_run_out_of_ring_order_replays_exactly(learned_f
     with torch.inference_mode():
         assert torch.equal(model(x), expected)  # an eager step after the replays
     assert torch.equal(graph(x), expected)
+
+
+class Shuffled(nn.Module):
+    """Runs its blocks in a fixed order of its own."""
+
+    def __init__(self, n: int, order: list[int], d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, 2) for _ in range(n))
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = self.blocks[i](x)
+        return x
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_run_orders_depths_and_resident_sets_are_exact_and_prefetched(seed: int) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 10, (1,), generator=rng))
+    order = torch.randperm(n, generator=rng).tolist()
+    depth = int(torch.randint(1, 4, (1,), generator=rng))
+    resident = [i for i in range(n) if torch.rand(1, generator=rng) < 0.3][:n - 1]
+    backend = BACKENDS[seed % 2]
+    torch.manual_seed(seed)
+    model = Shuffled(n, order)
+    torch.manual_seed(seed)
+    reference = Shuffled(n, order)
+    x = torch.randn(2, 8)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=depth,
+                                     resident_blocks=resident)
+    loads = []
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+            if group.engine is not None:
+                loads.append(group.stats()["sync_loads"])
+    ran = [i for i in order if i not in resident]
+    if len(ran) > 1:
+        state_at = dict(zip(group.offloaded_indices, group.states))
+        firsts = [state_at[ran[(k + 1) % len(ran)]] for k in range(len(ran))]
+        assert [state_at[i].prefetch_targets[0] for i in ran] == firsts
+    if loads:
+        assert loads[2] == loads[1]
+    disable_layerwise_offload(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(reference.named_parameters())[name]), name
