@@ -250,3 +250,44 @@ def test_random_run_orders_depths_and_resident_sets_are_exact_and_prefetched(see
     disable_layerwise_offload(model)
     for name, param in model.named_parameters():
         assert torch.equal(param, dict(reference.named_parameters())[name]), name
+
+
+def test_a_graph_s_fixed_slots_follow_the_learned_order() -> None:
+    from fastoffload_ext.engine.graphs import cyclic_slot_assignment, run_order_slot_assignment
+
+    torch.manual_seed(0)
+    model = Shuffled(4, [0, 2, 1, 3])
+    torch.manual_seed(0)
+    reference = Shuffled(4, [0, 2, 1, 3])
+    x = torch.randn(2, 8)
+    group = enable_layerwise_offload(model, device="cpu", backend="ext")
+    # Along the ring, blocks 0 and 2 share a slot, and 2 runs right after 0.
+    assert run_order_slot_assignment(group) == cyclic_slot_assignment(4, 1) == ([0, 1, 0, 1], 2)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    assignment, slots = run_order_slot_assignment(group)
+    assert slots == 2 and assignment == [0, 0, 1, 1]
+    assert [assignment[i] for i in [0, 2, 1, 3]] == [0, 1, 0, 1]  # any two in a row (wrapping) differ
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_set_up_before_a_single_list_s_order_was_learned_replays_exactly() -> None:
+    from fastoffload_ext import OffloadedCUDAGraph
+
+    # One list, run 0, 2, 1, 3: its fixed slots are fixed along the ring before the warm-up learns the order, so
+    # block 2's prefetch meets block 0 still running in its slot, and block 2 is loaded by its own acquire.
+    torch.manual_seed(0)
+    model = Shuffled(4, [0, 2, 1, 3], d=32)
+    torch.manual_seed(0)
+    reference = Shuffled(4, [0, 2, 1, 3], d=32).cuda()
+    x = torch.randn(2, 32, device="cuda")
+    group = enable_layerwise_offload(model, device="cuda", backend="ext")
+    with torch.inference_mode():
+        expected = reference(x)
+    graph = OffloadedCUDAGraph(model, x.clone())
+    assert group.stats()["run_order"] == "rewired"
+    for _ in range(3):
+        assert torch.equal(graph(x), expected)
+    with torch.inference_mode():
+        assert torch.equal(model(x), expected)
+    assert torch.equal(graph(x), expected)

@@ -65,6 +65,19 @@ def _device_budget(group: LayerwiseOffloadGroup) -> int | None:
     return applied if applied is not None else group.plan.device_budget
 
 
+def run_order_slot_assignment(group: LayerwiseOffloadGroup) -> tuple[list[int], int]:
+    """:func:`cyclic_slot_assignment` along the order the blocks run in: the ring's, or the one the first pass
+    learned where the prefetches follow another (engine/run_order.py). Indexed by the group's states."""
+    assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
+    watch = group.run_order
+    if watch is None or watch.outcome != "rewired" or watch.run_order is None:
+        return assignment, num_slots
+    by_state = [0] * len(assignment)
+    for k, rank in enumerate(watch.run_order):
+        by_state[rank] = assignment[k]
+    return by_state, num_slots
+
+
 def check_graph_slots(group: LayerwiseOffloadGroup, num_slots: int) -> None:
     """Refuses a capture whose ``num_slots`` fixed slots would take a budgeted group above its device budget.
 
@@ -259,7 +272,12 @@ class OffloadedCUDAGraph:
         self.pool = pool
         # Every offloaded block's engine handle: a replay checks their bindings, as an eager acquire does.
         self.handles = [state.handle for state in group.states]
-        assignment, num_slots = cyclic_slot_assignment(len(group.states), group.prefetch_depth)
+        watch = group.run_order
+        if watch is not None and watch.outcome == "watching" and len(group.list_names) > 1:
+            # A ring of several lists may run in another order than registered (engine/run_order.py): one eager
+            # pass learns it first, so that the fixed slots follow the order the blocks run in.
+            self._warm_up(1)
+        assignment, num_slots = run_order_slot_assignment(group)
         check_graph_slots(group, num_slots)
         eager_slots = self.engine.num_slots
         self.engine.set_slot_assignment(assignment, num_slots)
@@ -280,12 +298,7 @@ class OffloadedCUDAGraph:
     def recapture(self) -> None:
         """Warm up and capture again (after its weights changed, or an eager forward that raised part-way)."""
         self._check_attached()
-        side = torch.cuda.Stream(self.group.device)
-        side.wait_stream(torch.cuda.current_stream(self.group.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(self.warmup_steps):
-                self.model(*self.static_args, **self.static_kwargs)
-        torch.cuda.current_stream(self.group.device).wait_stream(side)
+        self._warm_up(self.warmup_steps)
         # compress="auto" decides now: a captured graph bakes in how each block travels.
         self.engine.settle_travel()
         self.engine.join_copies()
@@ -311,6 +324,15 @@ class OffloadedCUDAGraph:
         self.resumable = self.slots == before
         logger.info("Captured an offloaded forward: %d blocks in %d fixed slots", len(self.group.states),
                     self.num_slots)
+
+    def _warm_up(self, steps: int) -> None:
+        """``steps`` eager forwards on the static inputs, on a side stream (as torch's graph warm-up)."""
+        side = torch.cuda.Stream(self.group.device)
+        side.wait_stream(torch.cuda.current_stream(self.group.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(steps):
+                self.model(*self.static_args, **self.static_kwargs)
+        torch.cuda.current_stream(self.group.device).wait_stream(side)
 
     def replay(self) -> Any:
         """Replay with whatever the static inputs hold now; returns the static output."""
@@ -350,4 +372,4 @@ class OffloadedCUDAGraph:
 
 
 __all__ = ["OffloadedCUDAGraph", "capturable_group", "capture_graph", "check_graph_slots", "cyclic_slot_assignment",
-           "slot_snapshot"]
+           "run_order_slot_assignment", "slot_snapshot"]
