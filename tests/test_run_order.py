@@ -74,7 +74,8 @@ def test_lists_run_in_another_order_than_registered_are_rewired_after_the_first_
     assert [r.getMessage() for r in caplog.records] == [
         "fastoffload: the forward ran the offloaded blocks in another order (context_refiner.0-1, noise_refiner.0-1, "
         "layers.0-3) than the ring enable made (noise_refiner.0-1, context_refiner.0-1, layers.0-3); their prefetches "
-        "now follow the order they ran in (block_lists= in that order starts with it)"]
+        "now follow the order they ran in; block_lists=['context_refiner', 'noise_refiner', 'layers'] starts in that "
+        "order"]
     if group.engine is not None:
         loads = group.stats()["sync_loads"]
         with torch.inference_mode():
@@ -175,9 +176,12 @@ def test_a_model_dropped_while_the_watch_waits_is_freed_without_the_cycle_collec
         gc.enable()
 
 
-def test_names_are_described_as_runs() -> None:
+def test_names_are_described_as_runs_and_as_lists_where_each_ran_whole() -> None:
     names = ["a.0", "a.1", "a.2", "b.0", "a.3", "b.2", "b.1", "b.10"]
     assert run_order._describe(names) == "a.0-2, b.0, a.3, b.2, b.1, b.10"
+    assert run_order._lists_in_order(names) is None
+    assert run_order._lists_in_order(["b.0", "b.2", "a.1", "a.3", "c.0"]) == ["b", "a", "c"]  # resident ones left out
+    assert run_order._lists_in_order(["a.1", "a.0"]) is None
 
 
 @pytest.mark.cuda

@@ -102,9 +102,12 @@ class RunOrderWatch:
             self._end("not learned")
             return
         self._rewire([states[i] for i in order], [self._positions[i] for i in order])
+        ran = [self._names[i] for i in order]
+        lists = _lists_in_order(ran)
+        hint = f"; block_lists={lists!r} starts in that order" if lists is not None else ""
         logger.info("fastoffload: the forward ran the offloaded blocks in another order (%s) than the ring enable "
-                    "made (%s); their prefetches now follow the order they ran in (block_lists= in that order "
-                    "starts with it)", _describe([self._names[i] for i in order]), _describe(self._names))
+                    "made (%s); their prefetches now follow the order they ran in%s", _describe(ran),
+                    _describe(self._names), hint)
         self._end("rewired")
 
     def _end(self, outcome: str) -> None:
@@ -115,6 +118,25 @@ class RunOrderWatch:
                 del hook.__dict__["run_order_watch"]
         self._hooks = []
         self._seen, self._seen_set = [], set()
+
+
+def _lists_in_order(names: Sequence[str]) -> list[str] | None:
+    """The lists of ``names`` (``list.index``, in the order they ran) when each ran whole, in its own order, one
+    after the other: what ``block_lists`` would name; else None."""
+    lists: list[str] = []
+    last: tuple[str, int] | None = None
+    for name in names:
+        prefix, _, index = name.rpartition(".")
+        i = int(index)
+        if last is not None and last[0] == prefix:
+            if i < last[1]:
+                return None
+        elif prefix in lists:
+            return None
+        else:
+            lists.append(prefix)
+        last = (prefix, i)
+    return lists
 
 
 def _describe(names: Sequence[str]) -> str:
