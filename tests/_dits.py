@@ -290,10 +290,11 @@ def _qwenimage_inputs(g):
     }
 
 
-def _flux_ids(h, w):
+def _flux_ids(h, w, modality=0.0, offset=0.0):
     ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
+    ids[..., 0] = modality
+    ids[..., 1] = torch.arange(h)[:, None] + offset
+    ids[..., 2] = torch.arange(w)[None, :] + offset
     return ids.reshape(h * w, 3)
 
 
@@ -465,6 +466,555 @@ _IMAGE = [
 ]
 
 
+# More image and video DiTs.
+def _grid_ids(height, width):
+    """(height * width, 3) Flux-style image position ids: (0, row, column)."""
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = torch.arange(height)[:, None]
+    ids[..., 2] = torch.arange(width)[None, :]
+    return ids.reshape(height * width, 3)
+
+
+# 1. CogView4: (B, C, H, W) latents, SDXL-style size conditions; RoPE computed inside.
+def _cogview4_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500.0]),
+        "original_size": torch.tensor([[64.0, 64.0]]),
+        "target_size": torch.tensor([[64.0, 64.0]]),
+        "crop_coords": torch.tensor([[0.0, 0.0]]),
+    }
+
+
+COGVIEW4 = DiT(
+    name="cogview4",
+    cls_name="CogView4Transformer2DModel",
+    config=dict(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+        text_embed_dim=24, time_embed_dim=32, condition_dim=16, pos_embed_max_size=8, sample_size=8,
+        rope_axes_dim=(8, 8),
+    ),
+    inputs=_cogview4_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 2. CogView3Plus: same conditioning as CogView4, sincos positions instead of RoPE.
+def _cogview3plus_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500]),
+        "original_size": torch.tensor([[64.0, 64.0]]),
+        "target_size": torch.tensor([[64.0, 64.0]]),
+        "crop_coords": torch.tensor([[0.0, 0.0]]),
+    }
+
+
+COGVIEW3PLUS = DiT(
+    name="cogview3plus",
+    cls_name="CogView3PlusTransformer2DModel",
+    config=dict(
+        patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2, out_channels=4,
+        text_embed_dim=24, time_embed_dim=32, condition_dim=16, pos_embed_max_size=8, sample_size=8,
+    ),
+    inputs=_cogview3plus_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 3. Allegro: (B, C, F, H, W) latents; the pipeline passes a precomputed 3D RoPE ((cos, sin) per axis, positions).
+def _allegro_rope(head_dim, frames, grid_h, grid_w, interpolation_scale=(2.2, 2.0, 2.0)):
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+
+    freqs_t, freqs_h, freqs_w, pos_t, pos_h, pos_w = get_3d_rotary_pos_embed_allegro(
+        embed_dim=head_dim, crops_coords=((0, 0), (grid_h, grid_w)), grid_size=(grid_h, grid_w),
+        temporal_size=frames, interpolation_scale=interpolation_scale,
+    )
+    pos = torch.cartesian_prod(pos_t.long(), pos_h.long(), pos_w.long())
+    pos = pos.reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1).contiguous()
+    return (freqs_t, freqs_h, freqs_w), tuple(pos)
+
+
+def _allegro_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 8, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500]),
+        "encoder_attention_mask": _mask(8, 6),
+        "image_rotary_emb": _allegro_rope(24, 2, 4, 4),
+    }
+
+
+ALLEGRO = DiT(
+    name="allegro",
+    cls_name="AllegroTransformer3DModel",
+    config=dict(
+        patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4,
+        num_layers=3, cross_attention_dim=48, sample_height=8, sample_width=8, sample_frames=2, caption_channels=24,
+    ),
+    inputs=_allegro_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 4. LTX-2 (2.0 layout): patchified video tokens (B, F*H*W, C) and audio tokens (B, T, C); output is (video, audio).
+def _ltx2_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 2 * 4 * 4, 8),
+        "audio_hidden_states": _randn(g, 1, 4, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+        "audio_encoder_hidden_states": _randn(g, 1, 8, 16),
+        "timestep": torch.tensor([500.0]),
+        "sigma": torch.tensor([500.0]),
+        "encoder_attention_mask": _mask(8, 6),
+        "audio_encoder_attention_mask": _mask(8, 6),
+        "num_frames": 2,
+        "height": 4,
+        "width": 4,
+        "fps": 24.0,
+        "audio_num_frames": 4,
+    }
+
+
+LTX2 = DiT(
+    name="ltx2",
+    cls_name="LTX2VideoTransformer3DModel",
+    config=dict(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=8,
+        audio_cross_attention_dim=16, num_layers=3, caption_channels=16,
+    ),
+    inputs=_ltx2_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 5. Kandinsky 5: channels-last (B, F, H, W, C) latents, explicit RoPE positions; return_dict=False gives the tensor.
+def _kandinsky5_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 2, 8, 8, 4),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500.0]),
+        "pooled_projections": _randn(g, 1, 16),
+        "visual_rope_pos": [torch.arange(2), torch.arange(4), torch.arange(4)],
+        "text_rope_pos": torch.arange(8),
+        "scale_factor": (1.0, 2.0, 2.0),
+    }
+
+
+KANDINSKY5 = DiT(
+    name="kandinsky5",
+    cls_name="Kandinsky5Transformer3DModel",
+    config=dict(
+        in_visual_dim=4, in_text_dim=24, in_text_dim2=16, time_dim=32, out_visual_dim=4, patch_size=(1, 2, 2),
+        model_dim=32, ff_dim=64, num_text_blocks=2, num_visual_blocks=3, axes_dims=(4, 6, 6),
+    ),
+    inputs=_kandinsky5_inputs,
+    lists=("text_transformer_blocks", "visual_transformer_blocks"),
+)
+
+
+# 6. Bria (Flux-like, no pooled projection, no guidance): packed tokens (B, H*W, C*4), (N, 3) ids.
+def _bria_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 16, 16),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500.0]),
+        "img_ids": _grid_ids(4, 4),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+
+BRIA = DiT(
+    name="bria",
+    cls_name="BriaTransformer2DModel",
+    config=dict(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, axes_dims_rope=[4, 6, 6],
+    ),
+    inputs=_bria_inputs,
+    lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 7. OmniGen: 8 condition tokens (ids 2..5 replaced by a 4-token input image), a time token, 16 output-image tokens;
+# the processor's mask (causal over condition + time, image rows see everything) and positions.
+def _omnigen_inputs(g):
+    text, image = 8, 16
+    seq = text + 1 + image
+    mask = torch.zeros(seq, seq)
+    mask[: text + 1, : text + 1] = torch.tril(torch.ones(text + 1, text + 1))
+    mask[text + 1 :, :] = 1
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "timestep": torch.tensor([0.5]),
+        "input_ids": torch.randint(1, 64, (1, text), generator=g),
+        "input_img_latents": [_randn(g, 1, 4, 4, 4)],
+        "input_image_sizes": {0: [[2, 6]]},
+        "attention_mask": mask.unsqueeze(0),
+        "position_ids": torch.arange(seq).unsqueeze(0),
+    }
+
+
+OMNIGEN = DiT(
+    name="omnigen",
+    cls_name="OmniGenTransformer2DModel",
+    config=dict(
+        in_channels=4, patch_size=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, num_layers=3, pad_token_id=0, vocab_size=64, max_position_embeddings=8192,
+        original_max_position_embeddings=4096, rope_scaling={"short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+        pos_embed_max_size=8, time_step_dim=32,
+    ),
+    inputs=_omnigen_inputs,
+    lists=("layers",),
+)
+
+
+# 8. HunyuanDiT (v1.0/1.1 layout: style and image-meta-size conditions). 4 blocks: block 3 takes block 0's output as a
+# long skip (num_layers must be even for the skips to pair up). CLIP and T5 text lengths are fixed by the config.
+def _hunyuan_dit_inputs(g):
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "text_embedding_mask": _mask(8, 6),
+        "encoder_hidden_states_t5": _randn(g, 1, 8, 16),
+        "text_embedding_mask_t5": _mask(8, 5),
+        "image_meta_size": torch.tensor([[64.0, 64.0, 64.0, 64.0, 0.0, 0.0]]),
+        "style": torch.tensor([0]),
+        "image_rotary_emb": get_2d_rotary_pos_embed(16, ((0, 0), (4, 4)), (4, 4), output_type="pt"),
+    }
+
+
+HUNYUAN_DIT = DiT(
+    name="hunyuan_dit",
+    cls_name="HunyuanDiT2DModel",
+    config=dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, patch_size=2, sample_size=8, hidden_size=32,
+        num_layers=4, mlp_ratio=2.0, learn_sigma=True, cross_attention_dim=24, cross_attention_dim_t5=16,
+        pooled_projection_dim=16, text_len=8, text_len_t5=8, use_style_cond_and_image_meta_size=True,
+    ),
+    inputs=_hunyuan_dit_inputs,
+    lists=("blocks",),
+)
+
+
+# 9. PixArt (alpha layout: no resolution/aspect conditions since sample_size != 128); learn-sigma output (8 channels).
+def _pixart_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "encoder_attention_mask": _mask(8, 6),
+        "timestep": torch.tensor([500]),
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
+
+
+PIXART = DiT(
+    name="pixart",
+    cls_name="PixArtTransformer2DModel",
+    config=dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
+        cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=24,
+    ),
+    inputs=_pixart_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 10. Latte: (B, C, F, H, W) latents. The forward INTERLEAVES its lists: spatial 0, temporal 0, spatial 1, temporal 1,
+# ...; ``lists`` gives the list whose first block runs first. video_length must equal the frame count. No
+# encoder_attention_mask (as the pipeline): the forward does not repeat it per frame, so it breaks with 2 frames.
+def _latte_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 8, 8),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+    }
+
+
+LATTE = DiT(
+    name="latte",
+    cls_name="LatteTransformer3DModel",
+    config=dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=3,
+        cross_attention_dim=32, attention_bias=True, sample_size=8, patch_size=2, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        caption_channels=24, video_length=2,
+    ),
+    inputs=_latte_inputs,
+    lists=("transformer_blocks", "temporal_transformer_blocks"),
+)
+
+
+# 1. AuraFlow: 8x8 latent, patch 2 -> 16 tokens (pos_embed_max_size 16 = a 4x4 grid); 2 joint (MMDiT) blocks, then 3
+# single blocks. caption_projection_dim must equal the inner dim (2 x 16); 8 register tokens are prepended to the text.
+def _auraflow_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 8, 8),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([0.5]),
+    }
+
+
+AURAFLOW = DiT(
+    name="auraflow",
+    cls_name="AuraFlowTransformer2DModel",
+    config=dict(
+        sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=2, num_single_dit_layers=3,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=32,
+        out_channels=4, pos_embed_max_size=16,
+    ),
+    inputs=_auraflow_inputs,
+    lists=("joint_transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 2. EasyAnimate (V5.1 layout): 2 frames of a 4x4 latent, patch 2; blocks 0-1 are MMDiT blocks (own text FFN), block 2 a
+# plain one (mmdit_layers=2). The output is unpatchified with the INPUT channel count, so out_channels == in_channels.
+def _easyanimate_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 4, 4),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+    }
+
+
+EASYANIMATE = DiT(
+    name="easyanimate",
+    cls_name="EasyAnimateTransformer3DModel",
+    config=dict(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, patch_size=2, sample_width=4,
+        sample_height=4, num_layers=3, mmdit_layers=2, time_embed_dim=16, text_embed_dim=16,
+    ),
+    inputs=_easyanimate_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 3. Sana-Video: 2 frames of a 4x4 latent, patch (1, 2, 2); linear self-attention + cross-attention + temporal GLUMB
+# conv. cross_attention_dim must equal the inner dim (the caption is projected to it).
+def _sana_video_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 4, 4),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([500.0]),
+        "encoder_attention_mask": _mask(8, 6),
+    }
+
+
+SANA_VIDEO = DiT(
+    name="sana_video",
+    cls_name="SanaVideoTransformer3DModel",
+    config=dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=3,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=24,
+        mlp_ratio=2.0, sample_size=4, patch_size=(1, 2, 2), rope_max_seq_len=32,
+    ),
+    inputs=_sana_video_inputs,
+    lists=("transformer_blocks",),
+)
+
+
+# 4. LongCat-Image: Flux-like packed latents (16 channels), 4x4 token grid; ids as its pipeline makes them (text
+# modality 0 on the diagonal, image modality 1 offset past the text).
+def _longcat_image_inputs(g):
+    txt_ids = torch.zeros(8, 3)
+    txt_ids[:, 1] = torch.arange(8)
+    txt_ids[:, 2] = torch.arange(8)
+    return {
+        "hidden_states": _randn(g, 1, 16, 16),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": _flux_ids(4, 4, modality=1.0, offset=8.0),
+        "txt_ids": txt_ids,
+    }
+
+
+LONGCAT_IMAGE = DiT(
+    name="longcat_image",
+    cls_name="LongCatImageTransformer2DModel",
+    config=dict(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=24, axes_dims_rope=(4, 6, 6),
+    ),
+    inputs=_longcat_image_inputs,
+    lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 5. Ovis-Image: Flux-like packed latents (16 channels), 4x4 token grid, 2D ids.
+def _ovis_image_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 16, 16),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": _flux_ids(4, 4),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+
+OVIS_IMAGE = DiT(
+    name="ovis_image",
+    cls_name="OvisImageTransformer2DModel",
+    config=dict(
+        patch_size=1, in_channels=16, out_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
+    ),
+    inputs=_ovis_image_inputs,
+    lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 6. HunyuanImage-2.1 (guidance-distilled layout): 4x4 latent, patch (1, 1); 2 dual-stream then 3 single-stream blocks.
+# The 2 refiner blocks sit inside context_embedder.token_refiner. No ByT5 input (text_embed_2_dim=None): its projection
+# has a fixed 2048-wide hidden layer (~4.2M parameters).
+def _hunyuanimage_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 4, 4),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+        "encoder_attention_mask": _mask(8, 6),
+        "guidance": torch.tensor([3500.0]),
+    }
+
+
+HUNYUANIMAGE = DiT(
+    name="hunyuanimage",
+    cls_name="HunyuanImageTransformer2DModel",
+    config=dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_single_layers=3, num_refiner_layers=2, mlp_ratio=2.0, patch_size=(1, 1), guidance_embeds=True,
+        text_embed_dim=16, rope_axes_dim=(8, 8),
+    ),
+    inputs=_hunyuanimage_inputs,
+    lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 7. ChronoEdit: Wan-style, 2 latent frames (its RoPE takes the "temporal skip" path for exactly 2 frames).
+# attention_head_dim 12 keeps the RoPE split (head_dim - 2 * (head_dim // 3), head_dim // 3, head_dim // 3) aligned
+# with how the frequencies were built. Text-only: the image path (image_dim + added_kv_proj_dim) hard-codes 512 text
+# tokens in the attention processor.
+def _chronoedit_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 4, 4),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+    }
+
+
+CHRONOEDIT = DiT(
+    name="chronoedit",
+    cls_name="ChronoEditTransformer3DModel",
+    config=dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32,
+    ),
+    inputs=_chronoedit_inputs,
+    lists=("blocks",),
+)
+
+
+# 8. Wan-Animate: 2 latent frames (reference frame + 1), 4 latent channels -> in_channels 2 * 4 + 4 = 12; 1 pose frame;
+# 1 face frame of 8x8 pixels (motion encoder size 8: one res block down to 4x4, then a 4x4 conv). 4 main blocks, a face
+# adapter after blocks 0 and 2 (inject_face_latents_blocks=2), so the two lists INTERLEAVE:
+# blocks.0, face_adapter.0, blocks.1, blocks.2, face_adapter.1, blocks.3. CLIP image tokens are concatenated to the
+# text (added_kv_proj_dim=None; with it set the processor hard-codes 512 text tokens).
+def _wan_animate_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 12, 2, 4, 4),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+        "encoder_hidden_states_image": _randn(g, 1, 4, 16),
+        "pose_hidden_states": _randn(g, 1, 4, 1, 4, 4),
+        "face_pixel_values": _randn(g, 1, 3, 1, 8, 8),
+    }
+
+
+WAN_ANIMATE = DiT(
+    name="wan_animate",
+    cls_name="WanAnimateTransformer3DModel",
+    config=dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=12, latent_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=4, image_dim=16, rope_max_seq_len=32,
+        motion_encoder_channel_sizes={"4": 8, "8": 8}, motion_encoder_size=8, motion_style_dim=16, motion_dim=4,
+        motion_encoder_dim=16, face_encoder_hidden_dim=8, face_encoder_num_heads=2, inject_face_latents_blocks=2,
+    ),
+    inputs=_wan_animate_inputs,
+    # Interleaved (see above): blocks.0 runs first.
+    lists=("blocks", "face_adapter"),
+)
+
+
+# 9. HunyuanVideo-FramePack: the forward needs the clean / 2x / 4x history latents and their frame indices (it reads
+# them unconditionally) and image_embeds. 1 latent frame of 8x8 (patch 2 -> 16 tokens); history: 2 clean frames
+# (16 tokens each), 2 frames at 2x (4 tokens), 4 frames at 4x (1 token). Indices follow the pipeline's layout
+# [prefix, 4x, 2x, 1x, latents] = [0, 1-4, 5-6, 7, 8].
+def _framepack_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 4, 1, 8, 8),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 8, 16),
+        "encoder_attention_mask": _mask(8, 6),
+        "pooled_projections": _randn(g, 1, 8),
+        "image_embeds": _randn(g, 1, 4, 16),
+        "indices_latents": torch.tensor([8]),
+        "guidance": torch.tensor([10000.0]),
+        "latents_clean": _randn(g, 1, 4, 2, 8, 8),
+        "indices_latents_clean": torch.tensor([0, 7]),
+        "latents_history_2x": _randn(g, 1, 4, 2, 8, 8),
+        "indices_latents_history_2x": torch.tensor([5, 6]),
+        "latents_history_4x": _randn(g, 1, 4, 4, 8, 8),
+        "indices_latents_history_4x": torch.tensor([1, 2, 3, 4]),
+    }
+
+
+FRAMEPACK = DiT(
+    name="hunyuan_video_framepack",
+    cls_name="HunyuanVideoFramepackTransformer3DModel",
+    config=dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_single_layers=3, num_refiner_layers=2, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 6, 6),
+        has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True,
+    ),
+    inputs=_framepack_inputs,
+    lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+# 10. Qwen-Image 2.1: single-stream, one joint text+image sequence with block-causal attention (default SDPA processor,
+# per-segment prefill). Text-to-image: 8 text tokens then the target image's 4 VLM slots (each slot = 2x2 latent
+# tokens) -> a 4x4 target grid, 16 latent tokens; the last 2 text tokens padded. The output covers the whole joint
+# sequence (8 + 16 tokens).
+def _qwenimage21_inputs(g):
+    return {
+        "hidden_states": _randn(g, 1, 16, 16),
+        "encoder_hidden_states": _randn(g, 1, 8, 24),
+        "timestep": torch.tensor([0.5]),
+        "img_shapes": [[(1, 4, 4)]],
+        "img_mask": torch.tensor([[False] * 8 + [True] * 4]),
+        "encoder_hidden_states_mask": _mask(8, 6, torch.bool),
+    }
+
+
+QWENIMAGE21 = DiT(
+    name="qwenimage21",
+    cls_name="QwenImage21Transformer2DModel",
+    config=dict(
+        patch_size=1, in_channels=16, out_channels=16, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+        context_in_dim=24, mlp_ratio=3, axes_dims_rope=(4, 6, 6),
+    ),
+    inputs=_qwenimage21_inputs,
+    lists=("transformer_blocks",),
+)
+
+
 # Wan 2.1 (the examples' tiny transformer) and Flux.1 (both lists): the models the project's own tests start from.
 def _wan_inputs(g):
     return {
@@ -505,5 +1055,7 @@ FLUX = DiT(
     lists=("transformer_blocks", "single_transformer_blocks"),
 )
 
-SPECS = [WAN, *_VIDEO, FLUX, *_IMAGE]
+SPECS = [WAN, *_VIDEO, CHRONOEDIT, WAN_ANIMATE, ALLEGRO, LTX2, KANDINSKY5, LATTE, EASYANIMATE, SANA_VIDEO, FRAMEPACK,
+         FLUX, *_IMAGE, COGVIEW4, COGVIEW3PLUS, BRIA, OMNIGEN, HUNYUAN_DIT, PIXART, AURAFLOW, LONGCAT_IMAGE, OVIS_IMAGE,
+         HUNYUANIMAGE, QWENIMAGE21]
 BY_NAME = {spec.name: spec for spec in SPECS}
