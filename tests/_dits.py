@@ -74,7 +74,7 @@ def _mask(length, valid, dtype=torch.long):
     return mask
 
 
-# 1. HunyuanVideo: 2 dual-stream blocks, then 2 single-stream blocks (the refiner blocks sit inside context_embedder).
+# HunyuanVideo: 2 dual-stream blocks, then 2 single-stream blocks (the refiner blocks sit inside context_embedder).
 def _hunyuan_video_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 2, 4, 4),
@@ -99,7 +99,7 @@ HUNYUAN_VIDEO = DiT(
 )
 
 
-# 2. HunyuanVideo 1.5 (i2v path: non-zero image_embeds); its ByT5 projection's 2048-wide layer is fixed: 4.4M parameters.
+# HunyuanVideo 1.5 (i2v path: non-zero image_embeds); its ByT5 projection's 2048-wide layer is fixed: 4.4M parameters.
 def _hunyuan_video15_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 9, 2, 4, 4),
@@ -125,7 +125,7 @@ HUNYUAN_VIDEO15 = DiT(
 )
 
 
-# 3. Cosmos (1.0 text2world layout: padding mask concatenated, learnable extra position embedding).
+# Cosmos (1.0 text2world layout: padding mask concatenated, learnable extra position embedding).
 def _cosmos_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 2, 4, 4),
@@ -149,7 +149,7 @@ COSMOS = DiT(
 )
 
 
-# 4. LTX-Video: tokens already patchified, (batch, frames * height * width, channels).
+# LTX-Video: tokens already patchified, (batch, frames * height * width, channels).
 def _ltx_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 2 * 4 * 4, 8),
@@ -175,7 +175,7 @@ LTX = DiT(
 )
 
 
-# 5. CogVideoX (1.0 layout: sincos positions, no RoPE). Input is (batch, frames, channels, height, width); the text
+# CogVideoX (1.0 layout: sincos positions, no RoPE). Input is (batch, frames, channels, height, width); the text
 # length must equal max_text_seq_length.
 def _cogvideox_inputs(g):
     return {
@@ -198,7 +198,7 @@ COGVIDEOX = DiT(
 )
 
 
-# 6. Mochi: 3 blocks (the last one is context_pre_only). text_embed_dim must divide by the pooler's 8 heads.
+# Mochi: 3 blocks (the last one is context_pre_only). text_embed_dim must divide by the pooler's 8 heads.
 def _mochi_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 2, 4, 4),
@@ -220,7 +220,7 @@ MOCHI = DiT(
 )
 
 
-# 7. SkyReels-V2 (T2V layout, no diffusion forcing: one timestep per sample).
+# SkyReels-V2 (T2V layout, no diffusion forcing: one timestep per sample).
 def _skyreels_v2_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 2, 4, 4),
@@ -241,7 +241,7 @@ SKYREELS_V2 = DiT(
 )
 
 
-# 8. Wan VACE: 3 main blocks, VACE hints injected after blocks 0 and 2. The forward runs ALL vace_blocks first
+# Wan VACE: 3 main blocks, VACE hints injected after blocks 0 and 2. The forward runs ALL vace_blocks first
 # (registered second), then the main blocks.
 def _wan_vace_inputs(g):
     return {
@@ -269,7 +269,7 @@ WAN_VACE = DiT(
 _VIDEO = [WAN_VACE, SKYREELS_V2, HUNYUAN_VIDEO, HUNYUAN_VIDEO15, COSMOS, LTX, COGVIDEOX, MOCHI]
 
 
-# 1. SD3 / SD3.5: 8x8 latent, patch 2 -> 16 image tokens; blocks 0-1 use dual attention (SD3.5 style).
+# SD3 / SD3.5: 8x8 latent, patch 2 -> 16 image tokens; blocks 0-1 use dual attention (SD3.5 style).
 def _sd3_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -279,7 +279,7 @@ def _sd3_inputs(g):
     }
 
 
-# 2. Qwen-Image: packed latents (4 channels x 2x2 patch = 16), 4x4 token grid; last 2 text tokens masked out.
+# Qwen-Image: packed latents (4 channels x 2x2 patch = 16), 4x4 token grid; last 2 text tokens masked out.
 def _qwenimage_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 16, 16),
@@ -298,7 +298,7 @@ def _flux_ids(h, w, modality=0.0, offset=0.0):
     return ids.reshape(h * w, 3)
 
 
-# 3. Chroma: Flux-like packed latents, 4x4 token grid, 2D ids.
+# Chroma: Flux-like packed latents, 4x4 token grid, 2D ids.
 def _chroma_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 16, 16),
@@ -309,7 +309,7 @@ def _chroma_inputs(g):
     }
 
 
-# 4. HiDream-I1: square 8x8 latent (patch 2 -> 16 tokens); llama3 hidden states stacked over 5 "layers".
+# HiDream-I1: square 8x8 latent (patch 2 -> 16 tokens); llama3 hidden states stacked over 5 "layers".
 def _hidream_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -320,7 +320,7 @@ def _hidream_inputs(g):
     }
 
 
-# 5. Sana: 8x8 latent, patch 1 -> 64 tokens, linear attention.
+# Sana: 8x8 latent, patch 1 -> 64 tokens, linear attention.
 def _sana_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -330,7 +330,7 @@ def _sana_inputs(g):
     }
 
 
-# 6. Lumina2: 8x8 latent, patch 2 -> 16 tokens.
+# Lumina2: 8x8 latent, patch 2 -> 16 tokens.
 def _lumina2_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -353,7 +353,7 @@ def _flux2_txt_ids(n):
     return ids
 
 
-# 7. Flux.2: packed latents (16 channels), 4x4 token grid, 4-axis ids, guidance-distilled.
+# Flux.2: packed latents (16 channels), 4x4 token grid, 4-axis ids, guidance-distilled.
 def _flux2_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 16, 16),
@@ -365,7 +365,7 @@ def _flux2_inputs(g):
     }
 
 
-# 8. Z-Image: list inputs (one (C, F, H, W) latent, one (seq, dim) caption); output is a list, first_tensor takes [0].
+# Z-Image: list inputs (one (C, F, H, W) latent, one (seq, dim) caption); output is a list, first_tensor takes [0].
 def _zimage_inputs(g):
     return {
         "x": [_randn(g, 4, 1, 8, 8)],
@@ -475,7 +475,7 @@ def _grid_ids(height, width):
     return ids.reshape(height * width, 3)
 
 
-# 1. CogView4: (B, C, H, W) latents, SDXL-style size conditions; RoPE computed inside.
+# CogView4: (B, C, H, W) latents, SDXL-style size conditions; RoPE computed inside.
 def _cogview4_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -500,7 +500,7 @@ COGVIEW4 = DiT(
 )
 
 
-# 2. CogView3Plus: same conditioning as CogView4, sincos positions instead of RoPE.
+# CogView3Plus: same conditioning as CogView4, sincos positions instead of RoPE.
 def _cogview3plus_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -524,7 +524,7 @@ COGVIEW3PLUS = DiT(
 )
 
 
-# 3. Allegro: (B, C, F, H, W) latents; the pipeline passes a precomputed 3D RoPE ((cos, sin) per axis, positions).
+# Allegro: (B, C, F, H, W) latents; the pipeline passes a precomputed 3D RoPE ((cos, sin) per axis, positions).
 def _allegro_rope(head_dim, frames, grid_h, grid_w, interpolation_scale=(2.2, 2.0, 2.0)):
     from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
 
@@ -559,7 +559,7 @@ ALLEGRO = DiT(
 )
 
 
-# 4. LTX-2 (2.0 layout): patchified video tokens (B, F*H*W, C) and audio tokens (B, T, C); output is (video, audio).
+# LTX-2 (2.0 layout): patchified video tokens (B, F*H*W, C) and audio tokens (B, T, C); output is (video, audio).
 def _ltx2_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 2 * 4 * 4, 8),
@@ -591,7 +591,7 @@ LTX2 = DiT(
 )
 
 
-# 5. Kandinsky 5: channels-last (B, F, H, W, C) latents, explicit RoPE positions; return_dict=False gives the tensor.
+# Kandinsky 5: channels-last (B, F, H, W, C) latents, explicit RoPE positions; return_dict=False gives the tensor.
 def _kandinsky5_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 2, 8, 8, 4),
@@ -616,7 +616,7 @@ KANDINSKY5 = DiT(
 )
 
 
-# 6. Bria (Flux-like, no pooled projection, no guidance): packed tokens (B, H*W, C*4), (N, 3) ids.
+# Bria (Flux-like, no pooled projection, no guidance): packed tokens (B, H*W, C*4), (N, 3) ids.
 def _bria_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 16, 16),
@@ -639,7 +639,7 @@ BRIA = DiT(
 )
 
 
-# 7. OmniGen: 8 condition tokens (ids 2..5 replaced by a 4-token input image), a time token, 16 output-image tokens;
+# OmniGen: 8 condition tokens (ids 2..5 replaced by a 4-token input image), a time token, 16 output-image tokens;
 # the processor's mask (causal over condition + time, image rows see everything) and positions.
 def _omnigen_inputs(g):
     text, image = 8, 16
@@ -672,7 +672,7 @@ OMNIGEN = DiT(
 )
 
 
-# 8. HunyuanDiT (v1.0/1.1 layout: style and image-meta-size conditions). 4 blocks: block 3 takes block 0's output as a
+# HunyuanDiT (v1.0/1.1 layout: style and image-meta-size conditions). 4 blocks: block 3 takes block 0's output as a
 # long skip (num_layers must be even for the skips to pair up). CLIP and T5 text lengths are fixed by the config.
 def _hunyuan_dit_inputs(g):
     from diffusers.models.embeddings import get_2d_rotary_pos_embed
@@ -703,7 +703,7 @@ HUNYUAN_DIT = DiT(
 )
 
 
-# 9. PixArt (alpha layout: no resolution/aspect conditions since sample_size != 128); learn-sigma output (8 channels).
+# PixArt (alpha layout: no resolution/aspect conditions since sample_size != 128); learn-sigma output (8 channels).
 def _pixart_inputs(g):
     return {
         "hidden_states": _randn(g, 1, 4, 8, 8),
@@ -726,7 +726,7 @@ PIXART = DiT(
 )
 
 
-# 10. Latte: (B, C, F, H, W) latents. The forward INTERLEAVES its lists: spatial 0, temporal 0, spatial 1, temporal 1,
+# Latte: (B, C, F, H, W) latents. The forward INTERLEAVES its lists: spatial 0, temporal 0, spatial 1, temporal 1,
 # ...; ``lists`` gives the list whose first block runs first. video_length must equal the frame count. No
 # encoder_attention_mask (as the pipeline): the forward does not repeat it per frame, so it breaks with 2 frames.
 def _latte_inputs(g):
@@ -751,7 +751,7 @@ LATTE = DiT(
 )
 
 
-# 1. AuraFlow: 8x8 latent, patch 2 -> 16 tokens (pos_embed_max_size 16 = a 4x4 grid); 2 joint (MMDiT) blocks, then 3
+# AuraFlow: 8x8 latent, patch 2 -> 16 tokens (pos_embed_max_size 16 = a 4x4 grid); 2 joint (MMDiT) blocks, then 3
 # single blocks. caption_projection_dim must equal the inner dim (2 x 16); 8 register tokens are prepended to the text.
 def _auraflow_inputs(g):
     return {
@@ -774,7 +774,7 @@ AURAFLOW = DiT(
 )
 
 
-# 2. EasyAnimate (V5.1 layout): 2 frames of a 4x4 latent, patch 2; blocks 0-1 are MMDiT blocks (own text FFN), block 2 a
+# EasyAnimate (V5.1 layout): 2 frames of a 4x4 latent, patch 2; blocks 0-1 are MMDiT blocks (own text FFN), block 2 a
 # plain one (mmdit_layers=2). The output is unpatchified with the INPUT channel count, so out_channels == in_channels.
 def _easyanimate_inputs(g):
     return {
@@ -796,7 +796,7 @@ EASYANIMATE = DiT(
 )
 
 
-# 3. Sana-Video: 2 frames of a 4x4 latent, patch (1, 2, 2); linear self-attention + cross-attention + temporal GLUMB
+# Sana-Video: 2 frames of a 4x4 latent, patch (1, 2, 2); linear self-attention + cross-attention + temporal GLUMB
 # conv. cross_attention_dim must equal the inner dim (the caption is projected to it).
 def _sana_video_inputs(g):
     return {
@@ -820,7 +820,7 @@ SANA_VIDEO = DiT(
 )
 
 
-# 4. LongCat-Image: Flux-like packed latents (16 channels), 4x4 token grid; ids as its pipeline makes them (text
+# LongCat-Image: Flux-like packed latents (16 channels), 4x4 token grid; ids as its pipeline makes them (text
 # modality 0 on the diagonal, image modality 1 offset past the text).
 def _longcat_image_inputs(g):
     txt_ids = torch.zeros(8, 3)
@@ -847,17 +847,7 @@ LONGCAT_IMAGE = DiT(
 )
 
 
-# 5. Ovis-Image: Flux-like packed latents (16 channels), 4x4 token grid, 2D ids.
-def _ovis_image_inputs(g):
-    return {
-        "hidden_states": _randn(g, 1, 16, 16),
-        "encoder_hidden_states": _randn(g, 1, 8, 24),
-        "timestep": torch.tensor([0.5]),
-        "img_ids": _flux_ids(4, 4),
-        "txt_ids": torch.zeros(8, 3),
-    }
-
-
+# Ovis-Image: Flux-like packed latents (16 channels), 4x4 token grid, 2D ids.
 OVIS_IMAGE = DiT(
     name="ovis_image",
     cls_name="OvisImageTransformer2DModel",
@@ -865,12 +855,12 @@ OVIS_IMAGE = DiT(
         patch_size=1, in_channels=16, out_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
     ),
-    inputs=_ovis_image_inputs,
+    inputs=_chroma_inputs,  # the same Flux-style inputs
     lists=("transformer_blocks", "single_transformer_blocks"),
 )
 
 
-# 6. HunyuanImage-2.1 (guidance-distilled layout): 4x4 latent, patch (1, 1); 2 dual-stream then 3 single-stream blocks.
+# HunyuanImage-2.1 (guidance-distilled layout): 4x4 latent, patch (1, 1); 2 dual-stream then 3 single-stream blocks.
 # The 2 refiner blocks sit inside context_embedder.token_refiner. No ByT5 input (text_embed_2_dim=None): its projection
 # has a fixed 2048-wide hidden layer (~4.2M parameters).
 def _hunyuanimage_inputs(g):
@@ -896,18 +886,10 @@ HUNYUANIMAGE = DiT(
 )
 
 
-# 7. ChronoEdit: Wan-style, 2 latent frames (its RoPE takes the "temporal skip" path for exactly 2 frames).
+# ChronoEdit: Wan-style, 2 latent frames (its RoPE takes the "temporal skip" path for exactly 2 frames).
 # attention_head_dim 12 keeps the RoPE split (head_dim - 2 * (head_dim // 3), head_dim // 3, head_dim // 3) aligned
 # with how the frequencies were built. Text-only: the image path (image_dim + added_kv_proj_dim) hard-codes 512 text
 # tokens in the attention processor.
-def _chronoedit_inputs(g):
-    return {
-        "hidden_states": _randn(g, 1, 4, 2, 4, 4),
-        "timestep": torch.tensor([500.0]),
-        "encoder_hidden_states": _randn(g, 1, 8, 16),
-    }
-
-
 CHRONOEDIT = DiT(
     name="chronoedit",
     cls_name="ChronoEditTransformer3DModel",
@@ -915,12 +897,12 @@ CHRONOEDIT = DiT(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32,
     ),
-    inputs=_chronoedit_inputs,
+    inputs=_skyreels_v2_inputs,  # the same Wan-style inputs
     lists=("blocks",),
 )
 
 
-# 8. Wan-Animate: 2 latent frames (reference frame + 1), 4 latent channels -> in_channels 2 * 4 + 4 = 12; 1 pose frame;
+# Wan-Animate: 2 latent frames (reference frame + 1), 4 latent channels -> in_channels 2 * 4 + 4 = 12; 1 pose frame;
 # 1 face frame of 8x8 pixels (motion encoder size 8: one res block down to 4x4, then a 4x4 conv). 4 main blocks, a face
 # adapter after blocks 0 and 2 (inject_face_latents_blocks=2), so the two lists INTERLEAVE:
 # blocks.0, face_adapter.0, blocks.1, blocks.2, face_adapter.1, blocks.3. CLIP image tokens are concatenated to the
@@ -951,7 +933,7 @@ WAN_ANIMATE = DiT(
 )
 
 
-# 9. HunyuanVideo-FramePack: the forward needs the clean / 2x / 4x history latents and their frame indices (it reads
+# HunyuanVideo-FramePack: the forward needs the clean / 2x / 4x history latents and their frame indices (it reads
 # them unconditionally) and image_embeds. 1 latent frame of 8x8 (patch 2 -> 16 tokens); history: 2 clean frames
 # (16 tokens each), 2 frames at 2x (4 tokens), 4 frames at 4x (1 token). Indices follow the pipeline's layout
 # [prefix, 4x, 2x, 1x, latents] = [0, 1-4, 5-6, 7, 8].
@@ -988,7 +970,7 @@ FRAMEPACK = DiT(
 )
 
 
-# 10. Qwen-Image 2.1: single-stream, one joint text+image sequence with block-causal attention (default SDPA processor,
+# Qwen-Image 2.1: single-stream, one joint text+image sequence with block-causal attention (default SDPA processor,
 # per-segment prefill). Text-to-image: 8 text tokens then the target image's 4 VLM slots (each slot = 2x2 latent
 # tokens) -> a 4x4 target grid, 16 latent tokens; the last 2 text tokens padded. The output covers the whole joint
 # sequence (8 + 16 tokens).
