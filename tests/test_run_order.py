@@ -295,3 +295,18 @@ def test_a_cuda_graph_set_up_before_a_single_list_s_order_was_learned_replays_ex
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
     assert torch.equal(graph(x), expected)
+
+
+def test_calibration_leaves_out_the_gaps_of_blocks_run_out_of_list_order() -> None:
+    from fastoffload_ext.planning.calibration import measure_blocks
+
+    # Between list neighbours that did not run one after the other, a gap would span other blocks or run backwards.
+    for order, measured_gaps in (([0, 1, 2, 3], True), ([0, 2, 1, 3], False)):
+        torch.manual_seed(0)
+        model = Shuffled(4, order)
+        x = torch.randn(2, 8)
+        enable_layerwise_offload(model, device="cpu", backend="ext")
+        with torch.inference_mode():
+            measured = measure_blocks(list(model.blocks), lambda: model(x), torch.device("cpu"), repeats=2)
+        assert (measured.gap_ms is not None) == measured_gaps and (measured.host_gap_ms is not None) == measured_gaps
+        assert all(ms > 0 for ms in measured.block_ms)

@@ -123,7 +123,7 @@ class Measurement:
     activation_bytes: int | None  # None where it cannot be measured (the host as device)
     repeats: int
     spread: float                 # (slowest - fastest) / median step
-    gap_ms: tuple[float, ...] | None = None  # per block: previous block's end to its start (None: a block re-ran)
+    gap_ms: tuple[float, ...] | None = None  # per block: previous block's end to its start (None: not run once in order)
     host_block_ms: tuple[float, ...] | None = None
     host_step_ms: float | None = None
     host_other_ms: float | None = None
@@ -177,10 +177,20 @@ class _Sample:
     peak: int | None
 
 
+def _ran_once_in_order(timers: list[BlockTimer]) -> bool:
+    """Whether every block ran once, in list order. Otherwise the gaps between list neighbours belong to no
+    single block (a block that re-ran; lists run in another order than registered, or interleaved, where the
+    gap before a block would span other blocks or run backwards), and they are not measured."""
+    if any(len(t.spans) != 1 for t in timers):
+        return False
+    starts = [t.spans[0][0].host for t in timers]
+    return all(a < b for a, b in zip(starts, starts[1:]))
+
+
 def _gaps(timers: list[BlockTimer], span: Callable[[_Mark, _Mark], float]) -> list[float] | None:
     """Per block, the time from the previous block's end to its start (0 for the first block); None
-    when a block ran other than once (the gaps then belong to no single block)."""
-    if any(len(t.spans) != 1 for t in timers):
+    unless the blocks ran once each, in list order (``_ran_once_in_order``)."""
+    if not _ran_once_in_order(timers):
         return None
     gaps = [0.0]
     for previous, timer in zip(timers, timers[1:]):
@@ -227,7 +237,7 @@ def _drained_host_clock(timers: list[BlockTimer], begin: _Mark, end: _Mark) -> _
     and after the last one; its step is the sum of those, the host's busy time."""
     block_ms = [sum(s.host_ms_until(e) for s, e in timer.spans) for timer in timers]
     gaps = None
-    if all(len(t.spans) == 1 for t in timers):
+    if _ran_once_in_order(timers):
         gaps = [0.0] + [1e3 * (timer.spans[0][0].host - _resumed(previous.spans[0][1]))
                         for previous, timer in zip(timers, timers[1:])]
     first = min(t.spans[0][0].host for t in timers)
