@@ -184,7 +184,7 @@ def _ran_once_in_order(timers: list[BlockTimer]) -> bool:
     if any(len(t.spans) != 1 for t in timers):
         return False
     starts = [t.spans[0][0].host for t in timers]
-    return all(a < b for a, b in zip(starts, starts[1:]))
+    return all(a <= b for a, b in zip(starts, starts[1:]))
 
 
 def _gaps(timers: list[BlockTimer], span: Callable[[_Mark, _Mark], float]) -> list[float] | None:
