@@ -187,7 +187,7 @@ def test_names_are_described_as_runs_and_as_lists_where_each_ran_whole() -> None
 @pytest.mark.cuda
 @pytest.mark.parametrize("learned_first", [True, False], ids=["eager step first", "graph first"])
 def test_a_cuda_graph_of_a_model_run_out_of_ring_order_replays_exactly(learned_first: bool) -> None:
-    from fastoffload_ext import OffloadedCUDAGraph
+    from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
 
     model, reference = _pair()
     # Five offloaded blocks at depth 1 take three fixed slots, so a learned order meets the ring's assignment.
@@ -276,7 +276,7 @@ def test_a_graph_s_fixed_slots_follow_the_learned_order() -> None:
 
 @pytest.mark.cuda
 def test_a_cuda_graph_set_up_before_a_single_list_s_order_was_learned_replays_exactly() -> None:
-    from fastoffload_ext import OffloadedCUDAGraph
+    from fastoffload_ext.engine.graphs import OffloadedCUDAGraph
 
     # One list, run 0, 2, 1, 3: its fixed slots are fixed along the ring before the warm-up learns the order, so
     # block 2's prefetch meets block 0 still running in its slot, and block 2 is loaded by its own acquire.
