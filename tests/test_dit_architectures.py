@@ -52,6 +52,10 @@ def test_a_diffusers_dit_offloaded_is_bit_exact_prefetches_in_run_order_and_come
     kwargs = inputs(spec, device)
     with torch.inference_mode():
         expected = run(reference, spec, kwargs)
+        if device != "cpu" and not torch.equal(run(reference, spec, kwargs), expected):
+            # HiDream's mixture of experts sums with scatter_reduce, whose CUDA kernel adds in any order: no offloader
+            # can be bit-exact to a model that is not bit-exact to itself (its CPU cases above still are).
+            pytest.skip(f"{spec.name}: two forwards of the resident model differ on {device}")
     registered = list(_lists(model))
     ringed = registered if block_lists == "all" else registered[:1]
     ran = _run_order(reference, spec, kwargs, ringed)
