@@ -78,7 +78,7 @@ from fastoffload_ext.engine.group import GROUP_ATTRIBUTE, LayerwiseOffloadGroup,
 from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.engine.model_checks import (check_devices, check_repeated_blocks, check_tied_parameters,
                                                  check_weight_hooks, lists_left_out)
-from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
+from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook, offload_hook_of
 from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_BACKINGS, CheckedArguments,
                                             OffloadOptions, check_arguments, resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
@@ -521,9 +521,8 @@ def _model_hooks(model: nn.Module, group: LayerwiseOffloadGroup) -> ModelStateDi
     names = {id(module): name for name, module in model.named_modules()}
     blocks = []
     for state in group.states:
-        manager = ModuleHookManager.get_from(state.module_ref)
-        hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
-        if isinstance(hook, LayerwiseOffloadHook) and id(state.module_ref) in names:
+        hook = offload_hook_of(state.module_ref)
+        if hook is not None and id(state.module_ref) in names:
             blocks.append((names[id(state.module_ref)] + ".", hook.state_dict_hooks))
     return ModelStateDictHooks(blocks).attach(model)
 
@@ -546,14 +545,8 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
 def _watch_run_order(group: LayerwiseOffloadGroup, options: OffloadOptions) -> RunOrderWatch | None:
     """Learns the order the first forward runs the offloaded blocks in, and sets the prefetches to it when it
     differs from the ring's (run_order.py). None with fewer than two offloaded blocks (nothing to order)."""
-    hooks = []
-    for state in group.states:
-        manager = ModuleHookManager.get_from(state.module_ref)
-        hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
-        if not isinstance(hook, LayerwiseOffloadHook):
-            return None
-        hooks.append(hook)
-    if len(hooks) < 2:
+    hooks = [offload_hook_of(state.module_ref) for state in group.states]
+    if len(hooks) < 2 or None in hooks:
         return None
     names = _ring_names(options)
     depth, cyclic = options.prefetch_depth, options.cyclic

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from fastoffload_ext.engine.autograd import SavedTensorGuard
-from fastoffload_ext.engine.hooks import ForwardHook
+from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.engine.messages import warn_caller
 from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
 
-__all__ = ["LayerwiseOffloadHook"]
+__all__ = ["LayerwiseOffloadHook", "offload_hook_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +191,10 @@ class LayerwiseOffloadHook(ForwardHook):
                 if getattr(self.state, "mutation_depth", 0) == 0 and self.state_dict_hooks.attached():
                     # The scope may have added or replaced submodules, whose own state_dict() needs the hooks.
                     self.state_dict_hooks.attach(self.state.module_ref)
+
+
+def offload_hook_of(module: nn.Module) -> LayerwiseOffloadHook | None:
+    """The layerwise offload hook on ``module``; None without one (or with another class's under its name)."""
+    manager = ModuleHookManager.get_from(module)
+    hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
+    return hook if isinstance(hook, LayerwiseOffloadHook) else None

@@ -57,8 +57,7 @@ from typing import Any
 from torch import nn
 
 from fastoffload_ext.engine.group import LayerwiseOffloadGroup, get_offload_group
-from fastoffload_ext.engine.hooks import ModuleHookManager
-from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook
+from fastoffload_ext.engine.offload_hook import LayerwiseOffloadHook, offload_hook_of
 from fastoffload_ext.engine.state import BlockOffloadState
 from fastoffload_ext.errors import OffloadStateError
 
@@ -154,9 +153,8 @@ def _find(layer: nn.Module) -> tuple[nn.Module, BlockOffloadState] | None:
 
 
 def _hook(state: BlockOffloadState) -> LayerwiseOffloadHook:
-    manager = ModuleHookManager.get_from(state.module_ref)
-    hook = manager.get_forward_hook(LayerwiseOffloadHook.name()) if manager is not None else None
-    if not isinstance(hook, LayerwiseOffloadHook):
+    hook = offload_hook_of(state.module_ref)
+    if hook is None:
         raise OffloadStateError("fastoffload: an offloaded block lost its offload hook; disable the offload "
                                 "(disable_layerwise_offload) and enable it again before merging an adapter")
     return hook
