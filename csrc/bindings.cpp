@@ -450,6 +450,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("spill_bytes", &OffloadEngine::spill_bytes)
       .def("start_disk_tier", [](OffloadEngine& e, size_t count) { without_gil([&] { e.start_disk_tier(count); }); },
            py::arg("count"))
+      .def("set_disk_order",
+           [](OffloadEngine& e, const std::vector<size_t>& blocks) { without_gil([&] { e.set_disk_order(blocks); }); },
+           py::arg("blocks"))
       .def(
           "is_on_disk", [](const OffloadEngine& e, int64_t block) { return e.is_on_disk(checked_block(e, block)); },
           py::arg("block"))

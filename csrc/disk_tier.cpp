@@ -1,5 +1,6 @@
 #include "disk_tier.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include <c10/util/Exception.h>
@@ -65,6 +66,51 @@ void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_
   stats_.start_reader_wall_seconds = before.wall_seconds;
   stats_.start_reader_last_read_end_seconds = before.last_read_end_seconds;
   next_ = 0;
+  refill();
+}
+
+void DiskTier::set_order(const std::vector<size_t>& order) {
+  Lock lock(mutex_);
+  TORCH_CHECK(order.size() == order_.size(), "fastoffload: internal error: the disk tier's new order has ",
+              std::to_string(order.size()), " blocks, the tier holds ", std::to_string(order_.size()));
+  std::vector<std::vector<FileRange>> ranges;
+  std::unordered_map<size_t, size_t> position;
+  ranges.reserve(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto found = position_.find(order[k]);
+    TORCH_CHECK(found != position_.end() && position.count(order[k]) == 0, "fastoffload: internal error: the disk "
+                "tier's new order names block ", std::to_string(order[k]), " twice or not in the tier");
+    position[order[k]] = k;
+    ranges.push_back(ranges_[found->second]);
+  }
+  order_ = order;
+  ranges_ = std::move(ranges);
+  position_ = std::move(position);
+  next_ = 0;
+  if (!started() || order_.empty()) return;
+  // The buffers are to hold the blocks needed first in the new order. One that holds a block further on
+  // (staged in the old order) is freed, once its read has finished (a read cannot be cancelled), and
+  // refill gives it the next block needed.
+  const size_t wanted = std::min(staging_.size(), order_.size());
+  for (auto& staging : staging_) {
+    if (staging.block < 0 || position_.at(static_cast<size_t>(staging.block)) < wanted) continue;
+    if (staging.job) {
+      const std::shared_ptr<ReadJob> job = staging.job;
+      lock.unlock();  // the tier's thread leaves a buffer with a read alone
+      try {
+        DiskReader::wait(*job);
+      } catch (const c10::Error&) {
+      }
+      lock.lock();
+    }
+    staging.block = -1;
+    staging.job.reset();
+    staging.ticket += 1;  // a hand-off still queued for it is stale now
+  }
+  // Past the blocks at the front that are staged already: a buffer freed once one of them is taken reads
+  // the next block needed, not that one again.
+  while (next_ < order_.size() && staged_index(order_[next_]) >= 0) ++next_;
+  next_ %= order_.size();
   refill();
 }
 

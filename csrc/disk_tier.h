@@ -2,7 +2,7 @@
 // buffers: disk -> staging (reader threads) -> device slot (the copy stream) -> compute.
 //
 // The ring runs ahead of the forward in the order the blocks were registered (the forward order,
-// wrapping around like the slot prefetch): as soon as the copy out of a staging buffer has been
+// wrapping around like the slot prefetch; set_order changes it to the order the forward was seen to run): as soon as the copy out of a staging buffer has been
 // issued, the buffer is assigned the next disk block not yet staged and handed to the tier's own
 // thread, which waits for the event recorded after that copy and submits the read the moment the copy
 // has finished. So a buffer is never overwritten while the copy engine still reads it, no reader
@@ -66,6 +66,11 @@ class DiskTier {
   // old ring, drops it and starts over.
   void start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_t bytes);
   bool started() const { return !staging_.empty(); }
+  // Reads ahead in `order` from now on (every disk block once, the one needed next first), instead of the
+  // order the blocks were added in: the forward runs them in another order (it learns it on its first
+  // pass). The buffers then hold the first blocks of `order`: one holding a block further on is freed once
+  // its read has finished, and takes the next block needed.
+  void set_order(const std::vector<size_t>& order);
 
   // The staging bytes of `block`, fully read. wait=false: nullptr when the read has not finished yet.
   // Throws the read's error (the buffer is then free again and the block is read anew next time).

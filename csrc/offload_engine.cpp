@@ -390,6 +390,23 @@ void OffloadEngine::start_disk_tier(size_t count) {
   disk_->start(std::move(staging), bytes);
 }
 
+void OffloadEngine::set_disk_order(const std::vector<size_t>& blocks) {
+  GateHold hold = step_gate();
+  TORCH_CHECK(disk_ != nullptr && disk_->started(), "fastoffload: set_disk_order: this engine has no disk tier "
+              "running");
+  std::vector<size_t> order;
+  for (size_t b : blocks) {
+    TORCH_CHECK(b < store_.size(), "fastoffload: set_disk_order: block ", std::to_string(b), " does not exist");
+    if (disk_->has(b)) order.push_back(b);
+  }
+  // The blocks at the front that a device slot holds were copied already (the prefetch of the block before
+  // them): the tier reads them next time round, and reads the ones after them first.
+  size_t copied = 0;
+  while (copied < order.size() && ring_.slot_of(order[copied]) >= 0) ++copied;
+  std::rotate(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(copied), order.end());
+  disk_->set_order(order);
+}
+
 void OffloadEngine::check_not_on_disk(size_t block, const char* what) const {
   TORCH_CHECK(!store_.block(block).on_disk, "fastoffload: block ", std::to_string(block), " cannot be ", what,
               ": it is in the disk tier (its weights are read from the checkpoint every step, and there is no host "
@@ -524,6 +541,7 @@ void OffloadEngine::issue_copy(size_t block, size_t slot) {
     const auto start = std::chrono::steady_clock::now();
     copy_.copy_to_device(s.buffer.data_ptr(), source, stored.bytes, *s.free, *s.ready);
     chooser_.add_host_copy(block, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    if (stored.on_disk) disk_->consumed(block);
     return;
   }
   Event* timing_start = travel_[block] == Travel::kMeasuring ? chooser_.copy_start(block) : nullptr;

@@ -118,6 +118,9 @@ class OffloadEngine {
   // the host tier's reads still run), waits for those reads (finish_loading) and starts reading ahead.
   // Call once every block is added.
   void start_disk_tier(size_t count);
+  // The disk tier reads ahead in the order of `blocks` (the offloaded blocks in the order the forward runs
+  // them, the one needed next first; those not in the disk tier are skipped).
+  void set_disk_order(const std::vector<size_t>& blocks);
   // Waits until every block added from a file is read and pinned (see LayerStore::finish_pins), and
   // encoded when compression is on; throws the first read, pin or encode failure (the blocks not yet
   // encoded then stay raw). Every path that reads, copies or frees a region calls it first.

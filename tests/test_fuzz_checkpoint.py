@@ -1,7 +1,8 @@
 """A differential stateful fuzz of offload built from a checkpoint (``weights=``) against the resident model.
 
 The resident twin is built with seeded weights and written to a safetensors file; the offloaded model is
-built on the meta device and enabled with ``weights=`` under a random ``host_budget`` (the blocks beyond
+built on the meta device and enabled with ``weights=`` (often with its second list in the ring too,
+``block_lists="all"``) under a random ``host_budget`` (the blocks beyond
 it stay on disk, read every step through a staging ring of random size), random prefetch depth, wrap-around,
 read mode and ``compress`` (a compressed disk tier reads a spill file). A seeded driver then interleaves
 forwards in every grad mode with faults and Ctrl-C inside a block, blocks called out of order, edits inside
@@ -65,7 +66,7 @@ class CheckpointDriver:
         save_file({k: v.contiguous() for k, v in self.twin.state_dict().items()}, str(self.path))
         with torch.device("meta"):
             self.model = FuzzModel(self.kinds, None, self.tail).requires_grad_(False)
-        self.sizes = [module_packed_bytes(block) for block in self.twin.blocks]
+        self.sizes = [module_packed_bytes(block) for block in self.twin.chain]  # both lists, in the order they run
         self.log: list[str] = [f"kinds={self.kinds}, tail={self.tail}, block bytes={self.sizes}"]
         self.spill: str | None = None
 
@@ -98,11 +99,14 @@ class CheckpointDriver:
 
     def enable(self) -> bool:
         rng = self.rng
-        largest = max(self.sizes)
+        # Often the tail list too (block_lists="all"): its blocks are packed from the file and tiered with the rest.
+        all_lists = bool(self.tail) and rng.random() < 0.5
+        ring = self.sizes if all_lists else self.sizes[:len(self.kinds)]
+        largest = max(ring)
         staging = rng.choice([1, 1, 2, 3])
         budget: Any = rng.choice([None, "budget", "budget", "budget"])
         if budget == "budget":  # the staging ring, and room for none, some or all of the blocks beside it
-            regions = sum(region_bytes(size) for size in self.sizes)
+            regions = sum(region_bytes(size) for size in ring)
             share = rng.choice([0.0, 0.3, 0.6, 1.1]) * rng.random()
             budget = staging * (largest + STAGING_SLACK) + int(share * regions)
         kwargs: dict[str, Any] = dict(device="cpu", weights=str(self.path), host_budget=budget,
@@ -111,10 +115,12 @@ class CheckpointDriver:
                                                                read_mode=rng.choice(["auto", "buffered"]),
                                                                read_threads=rng.randint(1, 3),
                                                                chunk_bytes=rng.choice([4096, 8 << 20])))
+        if all_lists:
+            kwargs["block_lists"] = "all"
         if rng.random() < 0.3:
-            kwargs["resident_blocks"] = rng.randint(0, len(self.kinds))
+            kwargs["resident_blocks"] = rng.randint(0, len(ring))
         elif rng.random() < 0.3:  # the planner picks what stays on the device; with a disk tier it counts the reads
-            kwargs["device_budget"] = int(largest * rng.uniform(1.5, len(self.kinds) + 2))
+            kwargs["device_budget"] = int(largest * rng.uniform(1.5, len(ring) + 2))
         if rng.random() < 0.4:
             kwargs["compress"] = rng.choice([True, "auto"])
         self.log.append(f"enable({ {k: v for k, v in kwargs.items() if k != 'weights'} })")
@@ -171,35 +177,35 @@ class CheckpointDriver:
         return out.detach(), x.grad
 
     def op_block_calls(self) -> None:
-        n = len(self.model.blocks)
+        n = len(self.model.chain)
         order = [self.rng.randrange(n) for _ in range(self.rng.randint(1, 2 * n))]
         self.log.append(f"block_calls({order})")
         x = self.x()
         with torch.no_grad():
             got, want = x, x
             for i in order:
-                got, want = self.model.blocks[i](got), self.twin.blocks[i](want)
+                got, want = self.model.chain[i](got), self.twin.chain[i](want)
                 assert torch.equal(got, want), i
 
     def op_mutate(self) -> None:
-        index = self.rng.randrange(len(self.model.blocks))
-        names = [name for name, _ in self.twin.blocks[index].named_parameters()]
+        index = self.rng.randrange(len(self.model.chain))
+        names = [name for name, _ in self.twin.chain[index].named_parameters()]
         if not names:
             return
         name, factor = self.rng.choice(names), self.rng.choice([2.0, -0.5])
         raising = self.rng.choice([None, None, Fault])
         self.log.append(f"mutate(block {index}, {name} *= {factor}, raising={raising and raising.__name__})")
         applied = False
-        if all(state.module_ref is not self.model.blocks[index] for state in self.group.states):
+        if all(state.module_ref is not self.model.chain[index] for state in self.group.states):
             for model in (self.model, self.twin):  # a resident block: the caller edits it as any module
                 with torch.no_grad():
-                    model.blocks[index].get_parameter(name).mul_(factor)
+                    model.chain[index].get_parameter(name).mul_(factor)
             return
-        hook = offload_hook(self.model.blocks[index])
+        hook = offload_hook(self.model.chain[index])
         try:
             with hook.mutate_params_scope():
                 with torch.no_grad():
-                    self.model.blocks[index].get_parameter(name).mul_(factor)
+                    self.model.chain[index].get_parameter(name).mul_(factor)
                 applied = True
                 if raising is not None:
                     raise raising("conversion failed")
@@ -211,7 +217,7 @@ class CheckpointDriver:
             self.log.append(f"  refused: {_error_text(error)}")
         if applied:
             with torch.no_grad():
-                self.twin.blocks[index].get_parameter(name).mul_(factor)
+                self.twin.chain[index].get_parameter(name).mul_(factor)
 
     def op_load(self) -> None:
         keys = [k for k in self.twin.state_dict() if self.rng.random() < 0.4]

@@ -305,7 +305,7 @@ def _check_model(model: nn.Module, options: OffloadOptions, replaced: bool = Fal
     """Refusals that depend on the model: an offload already there (or none to replace), devices, ties.
     ``replaced``: is_replace found this library's offload on the model, and it has been undone."""
     blocks, offloaded = options.blocks, options.offloaded_indices
-    names = _ring_names(options)
+    names = options.block_names
     _check_hook_managers(options, names)
     check_repeated_blocks(blocks, names, offloaded)
     check_weight_hooks(blocks, names, offloaded)
@@ -362,12 +362,6 @@ def _check_hook_managers(options: OffloadOptions, names: list[str]) -> None:
                                      "FastVideo attaches any hook")
 
 
-def _ring_names(options: OffloadOptions) -> list[str]:
-    """Each block's name in the model (``blocks.3``), in ring order."""
-    lists = options.lists or ((options.list_name, options.blocks),)
-    return [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]
-
-
 def _build_engine(options: OffloadOptions) -> Any:
     """The compiled core's engine and pinned pool (ext backend with blocks to offload), else None."""
     if options.backend != "ext" or not options.offloaded:
@@ -386,7 +380,7 @@ def _prepare_checkpoint(model: nn.Module, options: OffloadOptions) -> Checkpoint
     when every block stays resident (then it is all read onto the device)."""
     if options.weights is None:
         return None
-    return CheckpointSource.prepare(model, options.list_name, options.blocks, list(options.offloaded_indices),
+    return CheckpointSource.prepare(model, options.block_names, options.blocks, list(options.offloaded_indices),
                                     options.weights, options.host_budget_bytes, options.disk_options, options.device)
 
 
@@ -548,11 +542,16 @@ def _watch_run_order(group: LayerwiseOffloadGroup, options: OffloadOptions) -> R
     hooks = [offload_hook_of(state.module_ref) for state in group.states]
     if len(hooks) < 2 or None in hooks:
         return None
-    names = _ring_names(options)
+    names = options.block_names
     depth, cyclic = options.prefetch_depth, options.cyclic
+    # The engine, not the group: the watch is kept on the group, and a closure holding the group would be a cycle.
+    disk_engine = group.engine if any(getattr(state, "on_disk", False) for state in group.states) else None
 
     def rewire(states: list[BlockOffloadState], positions: list[int]) -> None:
         _wire_prefetch_targets(states, depth, cyclic, positions)
+        if disk_engine is not None:
+            # The disk tier reads ahead in the same order, from the block that starts now (the pass's last).
+            disk_engine.set_disk_order([state.handle for state in states[-1:] + states[:-1]])  # type: ignore[attr-defined]
 
     watch = RunOrderWatch(group.states, options.offloaded_indices, [names[i] for i in options.offloaded_indices],
                           rewire, group.device, cyclic)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -68,12 +68,17 @@ class OffloadOptions:
     # tiers are planned); the blocks beyond it stay on disk. None: no limit.
     host_budget_bytes: int | str | None = None
     disk_options: DiskOptions | None = None
+    lists: tuple[tuple[str, nn.ModuleList], ...] = ()  # (attribute name, list) in ring order
 
     @property
     def offloaded_indices(self) -> tuple[int, ...]:
         resident = set(self.resident)
         return tuple(i for i in range(len(self.blocks)) if i not in resident)
-    lists: tuple[tuple[str, nn.ModuleList], ...] = ()  # (attribute name, list) in ring order
+
+    @property
+    def block_names(self) -> list[str]:
+        """Each block's name in the model (``blocks.3``), in ring order."""
+        return ring_block_names(self.lists or ((self.list_name, self.blocks),))
 
     @property
     def offloaded(self) -> list[nn.Module]:
@@ -206,10 +211,6 @@ def check_arguments(model: nn.Module, device: torch.device, *, is_replace: bool,
     check_flags(is_replace, allow_pageable_fallback)
     lists = find_block_lists(model, block_lists)
     list_name, blocks = lists[0] if len(lists) == 1 else _ring(lists)
-    if weights is not None and len(lists) > 1:
-        raise OffloadConfigError("fastoffload: weights= builds one block list from a checkpoint; with several "
-                                 f"block lists ({list_name}) build the model, load it, then enable offload without "
-                                 "weights=, or pass block_lists=None")
     check_block_kinds(list(blocks), list_name, 0)  # before the layout, which sizes every block
     # With weights= the host budget is the disk tier's to keep (the blocks beyond it stay on disk), not a
     # limit for the planner to refuse.
@@ -256,8 +257,8 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                             prefetch_depth=prefetch_depth, device_budget=device_budget,
                             host_budget=None if weights is not None else host_budget,
                             activation_reserve=activation_reserve, plan=plan, cyclic=cyclic,
-                            disk=_disk_costs(weights, list_name, blocks, checked.disk_budget, disk_options, device,
-                                             backend),
+                            disk=_disk_costs(weights, ring_block_names(checked.lists), blocks, checked.disk_budget,
+                                             disk_options, device, backend),
                             tied=tied_block_indices(model, list(blocks)))
     depth = effective_prefetch_depth(layout.prefetch_depth, len(blocks) - len(layout.resident))
     compress_mode = checked.compress_mode
@@ -273,7 +274,7 @@ def validate_arguments(model: nn.Module, device: torch.device, *, is_replace: bo
                           disk_options=disk_options, lists=checked.lists)
 
 
-def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget: Any, disk_options: Any,
+def _disk_costs(weights: Any, block_names: list[str], blocks: nn.ModuleList, host_budget: Any, disk_options: Any,
                 device: torch.device, backend: str) -> Callable[[], Any] | None:
     """With ``weights`` on the compiled core: what tells a plan about the disk tier (``storage.disk_costs``).
     Other cases are refused later, by ``check_storage_arguments``."""
@@ -283,10 +284,15 @@ def _disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget
 
     def costs() -> Any:
         from fastoffload_ext.storage.disk_costs import planned_disk_costs
-        return planned_disk_costs(weights, list_name, blocks, host_budget, disk_options, device)
+        return planned_disk_costs(weights, block_names, blocks, host_budget, disk_options, device)
     return costs
 
 
 def _ring(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.ModuleList]:
     """Several lists as one: the ring is every block in order. The container is not put on the model."""
     return "+".join(name for name, _ in lists), nn.ModuleList(block for _, blocks in lists for block in blocks)
+
+
+def ring_block_names(lists: Sequence[tuple[str, nn.ModuleList]]) -> list[str]:
+    """Each block's name in the model (``transformer_blocks.3``), in ring order: the lists one after another."""
+    return [f"{list_name}.{i}" for list_name, one_list in lists for i in range(len(one_list))]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,17 +37,18 @@ _ALIGN = 4096
 _PROBE_CACHE: dict[tuple[int, str], float] = {}  # (st_dev, read mode) -> GB/s
 
 
-def planned_disk_costs(weights: Any, list_name: str, blocks: nn.ModuleList, host_budget: object,
+def planned_disk_costs(weights: Any, block_names: Sequence[str], blocks: nn.ModuleList, host_budget: object,
                        options: DiskOptions | None, device: torch.device) -> DiskCosts | None:
-    """The disk tier the planner should count, or None when every block fits the host budget anyway."""
+    """The disk tier the planner should count, or None when every block fits the host budget anyway.
+    ``blocks`` in ring order, ``block_names`` each one's name in the model."""
     options = options if options is not None else DiskOptions()
     checkpoint = open_checkpoint(weights)
     everything = list(range(len(blocks)))
-    sources, sizes = CheckpointSource._block_sources(checkpoint, list_name, blocks, everything)
-    prefix = f"{list_name}."
+    sources, sizes = CheckpointSource._block_sources(checkpoint, block_names, blocks, everything)
+    prefixes = tuple(f"{name}." for name in block_names)
     # What the build keeps in host memory beside the blocks (the rest of the model, on the host device),
     # and what the blocks hold there now: as the build counts them for "auto".
-    other = sum(e.nbytes for name, e in checkpoint.entries.items() if not name.startswith(prefix)) \
+    other = sum(e.nbytes for name, e in checkpoint.entries.items() if not name.startswith(prefixes)) \
         if device.type == "cpu" else 0
     credit = sum(p.numel() * p.element_size() for block in blocks for p in block.parameters()
                  if p.device.type == "cpu")

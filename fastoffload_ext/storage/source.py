@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -134,16 +134,18 @@ class CheckpointSource:
 
     # Before anything changes.
     @classmethod
-    def prepare(cls, model: nn.Module, list_name: str, blocks: nn.ModuleList, offloaded: list[int], weights: Any,
-                host_budget: object, options: DiskOptions | None,
+    def prepare(cls, model: nn.Module, block_names: Sequence[str], blocks: nn.ModuleList, offloaded: list[int],
+                weights: Any, host_budget: object, options: DiskOptions | None,
                 device: torch.device | None = None) -> CheckpointSource:
+        """``blocks`` in ring order (every block of every offloaded list) and ``block_names``, each one's name in
+        the model (``single_transformer_blocks.3``), under which the checkpoint holds its tensors."""
         options = options if options is not None else DiskOptions()
         started = time.perf_counter()
         checkpoint = open_checkpoint(weights)
         opened = time.perf_counter()
-        sources, block_bytes = cls._block_sources(checkpoint, list_name, blocks, offloaded)
-        cls._check_layouts(list_name, blocks, offloaded)
-        resident = cls._resident_entries(checkpoint, model, list_name, blocks, offloaded)
+        sources, block_bytes = cls._block_sources(checkpoint, block_names, blocks, offloaded)
+        cls._check_layouts(block_names, blocks, offloaded)
+        resident = cls._resident_entries(checkpoint, model, blocks, offloaded)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         if tiers.disk:
@@ -152,7 +154,7 @@ class CheckpointSource:
         sources = [BlockSource(s.names, s.entries, tiers.on_disk(i)) for i, s in enumerate(sources)]
         source = cls(checkpoint, sources, resident, tiers, options)
         source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
-        prefixes = tuple(f"{list_name}.{i}." for i in offloaded)
+        prefixes = tuple(f"{block_names[i]}." for i in offloaded)
         source.block_buffers = {name for name in resident if name.startswith(prefixes)}
         source.phases["checkpoint"] = opened - started
         source.phases["match"] = time.perf_counter() - opened
@@ -174,11 +176,11 @@ class CheckpointSource:
         return on_host, credit
 
     @staticmethod
-    def _check_layouts(list_name: str, blocks: nn.ModuleList, offloaded: list[int]) -> None:
+    def _check_layouts(block_names: Sequence[str], blocks: nn.ModuleList, offloaded: list[int]) -> None:
         """Every parameter of an offloaded block has the contiguous layout of its shape."""
         for index in offloaded:
             for name, param in blocks[index].named_parameters():
-                key = f"{list_name}.{index}.{name}"
+                key = f"{block_names[index]}.{name}"
                 if not param.is_contiguous():
                     raise CheckpointError(
                         f"fastoffload: parameter '{key}' has strides {list(param.stride())}, not the contiguous "
@@ -189,16 +191,16 @@ class CheckpointSource:
                         "without weights=")
 
     @staticmethod
-    def _block_sources(checkpoint: Checkpoint, list_name: str, blocks: nn.ModuleList,
+    def _block_sources(checkpoint: Checkpoint, block_names: Sequence[str], blocks: nn.ModuleList,
                        offloaded: list[int]) -> tuple[list[BlockSource], list[int]]:
         alignment = int(_backend.require_ext().build_info()["alignment"])
         sources, sizes = [], []
         for index in offloaded:
             names, entries = [], []
             # A weight tied inside the block may be stored under any one of its names.
-            aliases = parameter_names(blocks[index], f"{list_name}.{index}.")
+            aliases = parameter_names(blocks[index], f"{block_names[index]}.")
             for name, param in blocks[index].named_parameters():
-                key = f"{list_name}.{index}.{name}"
+                key = f"{block_names[index]}.{name}"
                 entry = next((found for found in map(checkpoint.get, aliases[id(param)]) if found is not None), None)
                 if entry is None:
                     raise _missing(checkpoint, key, "parameter")
@@ -219,7 +221,7 @@ class CheckpointSource:
                 yield name, buffer, "buffer"
 
     @classmethod
-    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, list_name: str, blocks: nn.ModuleList,
+    def _resident_entries(cls, checkpoint: Checkpoint, model: nn.Module, blocks: nn.ModuleList,
                           offloaded_indices: list[int]) -> dict[str, TensorEntry]:
         # By identity, not by name: a block list reached by a second name (self.stages = self.blocks)
         # holds the offloaded parameters under that name too, and reading them there would put real
