@@ -297,16 +297,31 @@ def test_a_cuda_graph_set_up_before_a_single_list_s_order_was_learned_replays_ex
     assert torch.equal(graph(x), expected)
 
 
-def test_calibration_leaves_out_the_gaps_of_blocks_run_out_of_list_order() -> None:
+def test_calibration_measures_the_order_blocks_ran_in_and_the_gaps_along_it() -> None:
     from fastoffload_ext.planning.calibration import measure_blocks
 
-    # Between list neighbours that did not run one after the other, a gap would span other blocks or run backwards.
-    for order, measured_gaps in (([0, 1, 2, 3], True), ([0, 2, 1, 3], False)):
+    # The gap before a block runs from the end of the block that ran before it, whatever their list positions.
+    for order, measured_order in (([0, 1, 2, 3], None), ([0, 2, 1, 3], (0, 2, 1, 3)), ([3, 1, 0, 2], (3, 1, 0, 2)),
+                                  ([0, 1, 1, 2, 3], None)):
         torch.manual_seed(0)
         model = Shuffled(4, order)
         x = torch.randn(2, 8)
         enable_layerwise_offload(model, device="cpu", backend="ext")
         with torch.inference_mode():
             measured = measure_blocks(list(model.blocks), lambda: model(x), torch.device("cpu"), repeats=2)
-        assert (measured.gap_ms is not None) == measured_gaps and (measured.host_gap_ms is not None) == measured_gaps
+        once = len(order) == 4  # a block that ran twice: its gap belongs to no single block
+        assert measured.run_order == measured_order
+        assert (measured.gap_ms is not None) == once and (measured.host_gap_ms is not None) == once
+        if once:
+            assert measured.gap_ms[order[0]] == 0.0 and all(ms >= 0 for ms in measured.gap_ms)
         assert all(ms > 0 for ms in measured.block_ms)
+
+
+def test_a_calibrated_group_keeps_the_run_order_for_its_plans() -> None:
+    torch.manual_seed(0)
+    model = Shuffled(6, [3, 4, 5, 0, 1, 2], d=16)
+    x = torch.randn(2, 16)
+    group = enable_layerwise_offload(model, device="cpu", backend="ext")
+    with torch.inference_mode():
+        costs = group.calibrate(lambda: model(x), repeats=2)
+    assert costs.run_order == (3, 4, 5, 0, 1, 2)

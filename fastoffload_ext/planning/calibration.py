@@ -123,11 +123,14 @@ class Measurement:
     activation_bytes: int | None  # None where it cannot be measured (the host as device)
     repeats: int
     spread: float                 # (slowest - fastest) / median step
-    gap_ms: tuple[float, ...] | None = None  # per block: previous block's end to its start (None: not run once in order)
+    gap_ms: tuple[float, ...] | None = None  # per block: the end of the one before it to its start (None: not run once each)
     host_block_ms: tuple[float, ...] | None = None
     host_step_ms: float | None = None
     host_other_ms: float | None = None
     host_gap_ms: tuple[float, ...] | None = None
+    # The order the blocks ran in, where every timed step ran each once in that same order and it is not
+    # list order (BlockCosts.run_order); None otherwise.
+    run_order: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,6 +171,7 @@ class _Clock:
     step_ms: float
     other_ms: float
     gaps: list[float] | None
+    order: tuple[int, ...] | None = None  # the order the blocks ran in (None: some block ran twice or never)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,24 +181,24 @@ class _Sample:
     peak: int | None
 
 
-def _ran_once_in_order(timers: list[BlockTimer]) -> bool:
-    """Whether every block ran once, in list order. Otherwise the gaps between list neighbours belong to no
-    single block (a block that re-ran; lists run in another order than registered, or interleaved, where the
-    gap before a block would span other blocks or run backwards), and they are not measured."""
+def _run_order(timers: list[BlockTimer]) -> tuple[int, ...] | None:
+    """The order the blocks ran in (list positions, by start on the host clock) when every block ran once;
+    else None: the gap before a block that ran twice, or not at all, belongs to no single block, and the
+    gaps are not measured."""
     if any(len(t.spans) != 1 for t in timers):
-        return False
-    starts = [t.spans[0][0].host for t in timers]
-    return all(a <= b for a, b in zip(starts, starts[1:]))
+        return None
+    return tuple(sorted(range(len(timers)), key=lambda b: timers[b].spans[0][0].host))
 
 
 def _gaps(timers: list[BlockTimer], span: Callable[[_Mark, _Mark], float]) -> list[float] | None:
-    """Per block, the time from the previous block's end to its start (0 for the first block); None
-    unless the blocks ran once each, in list order (``_ran_once_in_order``)."""
-    if not _ran_once_in_order(timers):
+    """Per block (list position), the time from the end of the block that ran before it to its start (0
+    for the first one to run); None unless every block ran once (``_run_order``)."""
+    order = _run_order(timers)
+    if order is None:
         return None
-    gaps = [0.0]
-    for previous, timer in zip(timers, timers[1:]):
-        gaps.append(span(previous.spans[0][1], timer.spans[0][0]))
+    gaps = [0.0] * len(timers)
+    for previous, block in zip(order, order[1:]):
+        gaps[block] = span(timers[previous].spans[0][1], timers[block].spans[0][0])
     return gaps
 
 
@@ -204,7 +208,7 @@ def _clock(timers: list[BlockTimer], begin: _Mark, end: _Mark, span: Callable[[_
     first = min((t.spans[0][0] for t in timers), key=lambda m: span(begin, m))
     last = max((t.spans[-1][1] for t in timers), key=lambda m: span(begin, m))
     other = max(0.0, step_ms - span(first, last))
-    return _Clock(block_ms, step_ms, other, _gaps(timers, span))
+    return _Clock(block_ms, step_ms, other, _gaps(timers, span), _run_order(timers))
 
 
 def _one_repeat(step: Callable[[], Any], timers: list[BlockTimer], device: torch.device) -> _Sample:
@@ -237,13 +241,15 @@ def _drained_host_clock(timers: list[BlockTimer], begin: _Mark, end: _Mark) -> _
     and after the last one; its step is the sum of those, the host's busy time."""
     block_ms = [sum(s.host_ms_until(e) for s, e in timer.spans) for timer in timers]
     gaps = None
-    if _ran_once_in_order(timers):
-        gaps = [0.0] + [1e3 * (timer.spans[0][0].host - _resumed(previous.spans[0][1]))
-                        for previous, timer in zip(timers, timers[1:])]
+    order = _run_order(timers)
+    if order is not None:
+        gaps = [0.0] * len(timers)
+        for previous, block in zip(order, order[1:]):
+            gaps[block] = 1e3 * (timers[block].spans[0][0].host - _resumed(timers[previous].spans[0][1]))
     first = min(t.spans[0][0].host for t in timers)
     last = max(_resumed(t.spans[-1][1]) for t in timers)
     other = max(0.0, 1e3 * (first - begin.host)) + max(0.0, 1e3 * (end.host - last))
-    return _Clock(block_ms, sum(block_ms) + sum(gaps or ()) + other, other, gaps)
+    return _Clock(block_ms, sum(block_ms) + sum(gaps or ()) + other, other, gaps, order)
 
 
 def _resumed(mark: _Mark) -> float:
@@ -335,10 +341,13 @@ def measure_blocks(blocks: Sequence[nn.Module], step: Callable[[], Any], device:
         host_block, host_other, host_gaps = _least_host(_medians(drained, len(blocks)), host_block, host_other,
                                                         host_gaps)
     peaks = [s.peak for s in samples if s.peak is not None]
+    orders = {s.device.order for s in samples}
+    order = orders.pop() if len(orders) == 1 else None
     return Measurement(block_ms=block_ms, step_ms=step_ms, other_ms=other_ms,
                        activation_bytes=max(peaks) + ALLOCATOR_SLACK_BYTES if peaks else None, repeats=len(samples),
                        spread=spread_of([s.device.step_ms for s in samples]), gap_ms=gaps, host_block_ms=host_block,
-                       host_step_ms=host_step, host_other_ms=host_other, host_gap_ms=host_gaps)
+                       host_step_ms=host_step, host_other_ms=host_other, host_gap_ms=host_gaps,
+                       run_order=order if order != tuple(range(len(blocks))) else None)
 
 
 # The caching allocator's peak moves by a block or two (0.1-0.75 MiB seen on the H200) from one
@@ -421,10 +430,11 @@ def fit_block_overhead(costs: BlockCosts, measured: Measurement, resident: Colle
     timeline = simulate_step(bare, resident, depth, cyclic=cyclic, host_waits=True)
     keep = set(resident)
     residual: list[tuple[float, float]] = []  # (simulated gap, measured - simulated) per offloaded block
-    for block in range(1, costs.blocks):
+    order = costs.order()
+    for previous, block in zip(order, order[1:]):
         if block in keep:
             continue
-        simulated = timeline.block_start[block] - timeline.block_end[block - 1]
+        simulated = timeline.block_start[block] - timeline.block_end[previous]
         residual.append((simulated, measured.gap_ms[block] - simulated))
     if not residual:
         return 0.0
@@ -447,8 +457,10 @@ def fit_host_overhead(measured: Measurement, resident: Collection[int]) -> float
     if gaps is None:
         return 0.0
     keep = set(resident)
-    hooked = [gaps[b] for b in range(1, len(gaps)) if b not in keep and b - 1 not in keep]
-    bare = [gaps[b] for b in range(1, len(gaps)) if b in keep and b - 1 in keep]
+    order = measured.run_order or tuple(range(len(gaps)))
+    pairs = list(zip(order, order[1:]))  # (the block that ran before, the block)
+    hooked = [gaps[b] for a, b in pairs if b not in keep and a not in keep]
+    bare = [gaps[b] for a, b in pairs if b in keep and a in keep]
     if not hooked:
         return 0.0
     return max(0.0, statistics.median(hooked) - (statistics.median(bare) if bare else 0.0))
@@ -541,7 +553,7 @@ def calibrate_costs(blocks: Sequence[nn.Module], step: Callable[[], Any], device
     activation = activation_reserve if activation_reserve is not None else (measured.activation_bytes or 0)
     costs = BlockCosts(measured.block_ms, tuple(block_bytes), bandwidth, other_ms=measured.other_ms,
                        activation_bytes=activation, overlap=device.type == "cuda", calibrated=True,
-                       transfer_bytes=moved)
+                       transfer_bytes=moved, run_order=measured.run_order)
     if costs.compressed and device.type == "cpu":
         costs = dataclasses.replace(costs, decode_gbps=measure_host_decode_gbps())
     # The host's figures first: the device gaps they explain (a starved device) are no device overhead.

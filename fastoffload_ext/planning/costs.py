@@ -104,6 +104,11 @@ class BlockCosts:
         between blocks. With all three absent (None, 0, 0) the host timeline is left out, and so it is
         with ``overlap=False``, where the compute timeline is the host's already.
     disk: the disk tier (:class:`DiskCosts`); None: every offloaded block has a pinned host copy.
+    run_order: the order a forward runs the blocks in (every index once), where it is not their order in
+        the list (a model that runs its lists in another order than it registered them, or interleaves
+        them); None: list order. Calibration measures it. The simulation walks this order (the engine
+        prefetches along it once its first forward learned it), and the planner spreads resident blocks
+        along it. The per-block columns stay indexed by list position.
     """
 
     compute_ms: tuple[float, ...]
@@ -121,9 +126,11 @@ class BlockCosts:
     host_other_ms: float = 0.0
     host_overhead_ms: float = 0.0
     disk: DiskCosts | None = None
+    run_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
+        self._check_run_order()
         object.__setattr__(self, "compute_ms", tuple(float(c) for c in self.compute_ms))
         self._check_host()
         object.__setattr__(self, "block_bytes", tuple(int(b) for b in self.block_bytes))
@@ -175,6 +182,36 @@ class BlockCosts:
             if not isinstance(getattr(self, name), bool):
                 raise OffloadConfigError(f"fastoffload: BlockCosts {name} must be True or False, got "
                                          f"{getattr(self, name)!r}")
+
+    def _check_run_order(self) -> None:
+        if self.run_order is None:
+            return
+        order = tuple(self.run_order)
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in order) or \
+                sorted(order) != list(range(len(self.compute_ms))):
+            raise OffloadConfigError(f"fastoffload: BlockCosts run_order must list every block index 0.."
+                                     f"{len(self.compute_ms) - 1} once, in the order they run; got {list(order)}")
+        order = tuple(int(b) for b in order)
+        object.__setattr__(self, "run_order", None if order == tuple(range(len(order))) else order)
+
+    def order(self) -> tuple[int, ...]:
+        """The blocks in the order a forward runs them."""
+        return self.run_order if self.run_order is not None else tuple(range(self.blocks))
+
+    def in_run_order(self) -> tuple[BlockCosts, tuple[int, ...]]:
+        """This table with its blocks renumbered in the order they run (position ``p`` is block ``order[p]``),
+        and that order. The disk tier's placement is the list order's: the renumbered table's is an
+        approximation, for choosing candidates, not for scoring them."""
+        order = self.order()
+        if self.run_order is None:
+            return self, order
+
+        def pick(column: Sequence[float] | Sequence[int] | None) -> tuple | None:
+            return None if column is None else tuple(column[b] for b in order)
+
+        return dataclasses.replace(self, compute_ms=pick(self.compute_ms), block_bytes=pick(self.block_bytes),
+                                   transfer_bytes=pick(self.transfer_bytes), host_ms=pick(self.host_ms),
+                                   run_order=None), order
 
     def _check_host(self) -> None:
         if self.host_ms is not None:

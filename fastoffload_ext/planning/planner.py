@@ -150,6 +150,14 @@ def candidate_sets(costs: BlockCosts, depth: int, *, cyclic: bool = True,
     if n <= exhaustive_limit:
         return tuple(frozenset(c) for r in range(n + 1) for c in itertools.combinations(range(n), r))
     sets = dict.fromkeys(itertools.chain(_spread_sets(n), _bound_spread_sets(costs), _heaviest_prefixes(costs)))
+    if costs.run_order is not None:
+        # Spread along the order the blocks run in, too: made on the table renumbered in that order, then named
+        # by list position again. (List-order spreads stay: where lists interleave, one kept in pairs of
+        # neighbours that run apart can beat an even spread in running order; the simulation, which walks the
+        # run order, scores both.)
+        ran, order = costs.in_run_order()
+        ran_sets = itertools.chain(_spread_sets(n), _bound_spread_sets(ran))
+        sets.update(dict.fromkeys(frozenset(order[p] for p in chosen) for chosen in ran_sets))
     if n <= GREEDY_LIMIT:
         sets.update(dict.fromkeys(_greedy_chain(costs, depth, cyclic)))
     return tuple(sets)
@@ -370,6 +378,7 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
     depths = [prefetch_depth] if prefetch_depth is not None else list(range(1, max_depth + 1))
     best: tuple[tuple[float, float, int, int, int, int, tuple[int, ...]], frozenset[int], int, float] | None = None
     slow = dataclasses.replace(costs, h2d_gbps=costs.h2d_gbps / SLOW_COPY_FACTOR)
+    ran_at = {b: p for p, b in enumerate(costs.order())}  # each block's position in the order they run
     scored = 0
     no_staging: OffloadConfigError | None = None  # a disk tier whose staging ring the host budget cannot hold
     for asked in depths:
@@ -388,7 +397,9 @@ def plan_offload(costs: BlockCosts, device_budget: int | None = None, *, host_bu
                 continue
             scored += 1
             key = (round(ms / _TIE_MS) * _TIE_MS, round(_score(slow, chosen, depth, cyclic) / _TIE_MS) * _TIE_MS,
-                   -resident_bytes, _longest_run(chosen, costs.blocks) if costs.calibrated else 0, device, depth,
+                   -resident_bytes,
+                   _longest_run(frozenset(ran_at[b] for b in chosen), costs.blocks) if costs.calibrated else 0,
+                   device, depth,
                    tuple(sorted(chosen)))
             if best is None or key < best[0]:
                 best = (key, chosen, depth, ms)

@@ -13,6 +13,10 @@ held for its step's start, only for its slot (the host, a step ahead, issued it 
 ``host_waits`` the host meets the device at every step's start instead (a readback after each step,
 as a calibration's timed repeats do), and no copy a step issues starts before that step begins.
 
+The blocks run in ``costs.run_order`` where the table has one (a model that runs its lists in another
+order than it registered them): the hooks prefetch along it, as the engine does once its first forward
+learned the order, and the disk tier reads its blocks in it; the timeline is indexed by list position.
+
 Several steps are simulated back to back and the last is reported, so the cyclic wrap-around (the
 last block prefetching the first of the next step) is in its steady state. Compute outside the block
 list (``other_ms``) runs between steps, where the wrap-around copy can hide behind it.
@@ -145,12 +149,16 @@ class _Pipeline:
         self.depth = depth
         self.cyclic = cyclic
         self.resident = frozenset(resident)
-        self.offloaded = [b for b in range(costs.blocks) if b not in self.resident]
+        # The blocks as the forward runs them (costs.run_order): the hooks prefetch along that order.
+        self.order = costs.order()
+        ran_at = {b: p for p, b in enumerate(self.order)}
+        self.offloaded = [b for b in self.order if b not in self.resident]
         self.position = {b: j for j, b in enumerate(self.offloaded)}
         count = len(self.offloaded)
         self.acquire_targets = [[self.offloaded[t] for t in acquire_targets(j, count, depth, cyclic)]
                                 for j in range(count)]
-        released = [release_target(j, self.offloaded, depth, cyclic) for j in range(count)]
+        running = [ran_at[b] for b in self.offloaded]
+        released = [release_target(j, running, depth, cyclic) for j in range(count)]
         self.release_target = [None if t is None else self.offloaded[t] for t in released]
         self.ring = _Ring(depth + 1)
         self.compute_at = 0.0  # end of the last compute on the compute stream (the host, without overlap)
@@ -163,7 +171,9 @@ class _Pipeline:
         self.host = costs.host_timed
         self.host_at = 0.0     # where the host is (with host figures)
         self.host_busy = 0.0
-        self.disk = _Reader(costs, costs.disk_blocks(self.resident)) if costs.disk is not None else None
+        # The tier holds the blocks the build placed there (list order); it reads them in the order they run.
+        disk = frozenset(costs.disk_blocks(self.resident)) if costs.disk is not None else None
+        self.disk = _Reader(costs, tuple(b for b in self.order if b in disk)) if disk is not None else None
 
     def now(self) -> float:
         """The end of everything so far: the device's work and, with host figures, the host's."""
@@ -263,13 +273,12 @@ class _Pipeline:
         self.compute_at += self.costs.other_ms
 
     def step(self) -> tuple[list[float], list[float]]:
+        """Each block's start and end in this step, by list position."""
         self.begin_step()
-        starts, ends = [], []
-        for block, compute in enumerate(self.costs.compute_ms):
+        starts, ends = [0.0] * self.costs.blocks, [0.0] * self.costs.blocks
+        for block in self.order:
             run = self.run_resident if block in self.resident else self.run_offloaded
-            start, end = run(block, compute)
-            starts.append(start)
-            ends.append(end)
+            starts[block], ends[block] = run(block, self.costs.compute_ms[block])
         return starts, ends
 
 
@@ -286,11 +295,11 @@ def simulate_step(costs: BlockCosts, resident: Collection[int], depth: int, *, c
     pipeline = _Pipeline(costs, resident, depth, cyclic, host_waits)
     if not pipeline.offloaded and not pipeline.host:
         compute = costs.total_compute_ms()
-        starts, ends, total = [], [], 0.0
-        for c in costs.compute_ms:
-            starts.append(costs.other_ms + total)
-            total += c
-            ends.append(costs.other_ms + total)
+        starts, ends, total = [0.0] * costs.blocks, [0.0] * costs.blocks, 0.0
+        for block in costs.order():
+            starts[block] = costs.other_ms + total
+            total += costs.compute_ms[block]
+            ends[block] = costs.other_ms + total
         return StepTimeline(compute, compute, 0.0, 0, 0, tuple(starts), tuple(ends))
     begin = busy = 0.0
     copies = copied = 0
