@@ -132,8 +132,11 @@ class LayerwiseOffloadGroup:
         disk: dict[str, Any] = {}
         if self.checkpoint is not None:
             disk_stats = dict(self.engine.disk_stats())
+            # disk_reads_on_demand: reads of a block the staging ring had not read ahead (it ran out of the order
+            # the ring reads in): all but the first pass's mean the forward's order keeps changing.
             disk = dict(disk_blocks=self.disk_blocks(),
                         disk_reads=disk_stats["reads"], disk_waits=disk_stats["waits"],
+                        disk_reads_on_demand=disk_stats["out_of_order"],
                         staging_bytes=disk_stats["staging_count"] * disk_stats["staging_bytes"],
                         bytes_read=dict(self.engine.reader.stats())["bytes_read"])
         handles = [getattr(state, "handle", None) for state in self.states]
