@@ -72,6 +72,7 @@ def test_resident_blocks_are_spread_along_the_run_order() -> None:
     budget = 7 * 40 * MB
     plan = plan_offload(costs, budget, prefetch_depth=1)
     assert simulate_step(costs, plan.resident, plan.prefetch_depth).step_ms == pytest.approx(plan.predicted_step_ms)
+    assert "the forward runs the blocks in another order than the list holds them: planned along it" in plan.why
     # A planner that ignored the order predicts another step, and its plan runs no faster on the model.
     blind = plan_offload(dataclasses.replace(costs, run_order=None), budget, prefetch_depth=1)
     assert blind.predicted_step_ms != pytest.approx(simulate_step(costs, blind.resident, 1).step_ms)

@@ -279,6 +279,8 @@ def _why(costs: BlockCosts, plan_resident: frozenset[int], depth: int, step_ms: 
                  + (f", of which up to {overhead:.3f} ms is the hooks' fixed {1e3 * costs.block_overhead_ms:.0f} us "
                     f"per offloaded block)" if exposed > _TIE_MS * 1e3 and overhead > 0 else
                     ")" if exposed > _TIE_MS * 1e3 else ""))
+    if costs.run_order is not None:
+        parts.append("the forward runs the blocks in another order than the list holds them: planned along it")
     if budget is None:
         parts.append("no device budget given")
     return "; ".join(parts)
