@@ -322,3 +322,27 @@ def test_diffusers_lumina2_from_a_saved_folder_with_a_disk_tier(tmp_path: Path) 
         for _ in range(3):
             assert torch.equal(_dits.run(model, spec, kwargs), expected)
     assert group.stats()["run_order"] == "rewired"
+
+
+def test_a_new_layout_from_disk_goes_through_meta_as_the_refusal_says(tmp_path: Path) -> None:
+    from fastoffload_ext.errors import OffloadStateError
+
+    reference = _reference()
+    path = write_single(reference, tmp_path / "model.safetensors")
+    model = _meta()
+    enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
+                             host_budget=_half_the_blocks(reference, 2))
+    with pytest.raises(OffloadStateError, match=r"is_replace=True would undo an offload that streams \d+ blocks from "
+                                                r"disk .* disable_layerwise_offload\(model, 'meta'\), then "
+                                                r"enable_layerwise_offload\(model, weights=\.\.\., \.\.\.\)"):
+        enable_layerwise_offload(model, device="cpu", is_replace=True, block_lists="all", prefetch_depth=2)
+    _check_runs(model, reference, "cpu", steps=1)  # the refused swap changed nothing
+    disable_layerwise_offload(model, "meta")
+    assert all(p.is_meta for block in _ring(model) for p in block.parameters())  # nothing read into host memory
+    group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all", prefetch_depth=2,
+                                     resident_blocks={0, DOUBLES},
+                                     host_budget=2 * _bytes(reference.transformer_blocks[0]) + STAGING_SLACK,
+                                     disk_options=DiskOptions(staging_buffers=1))
+    assert group.prefetch_depth == 2 and len(group.states) == DOUBLES + SINGLES - 2
+    assert any(state.on_disk for state in group.states)
+    _check_runs(model, reference, "cpu")
