@@ -346,3 +346,22 @@ def test_a_new_layout_from_disk_goes_through_meta_as_the_refusal_says(tmp_path: 
     assert group.prefetch_depth == 2 and len(group.states) == DOUBLES + SINGLES - 2
     assert any(state.on_disk for state in group.states)
     _check_runs(model, reference, "cpu")
+
+
+def test_the_flux_from_disk_example_runs_on_the_cpu_bit_exact(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/setup_env.sh installs it)")
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(root / "examples" / "flux_from_disk.py"), "--device", "cpu", "--check",
+                           "--steps", "2", "--folder", str(tmp_path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    on_disk = re.search(r"blocks 9 \(transformer_blocks, single_transformer_blocks\), (\d+) on disk", done.stdout)
+    assert on_disk is not None and int(on_disk.group(1)) > 0, done.stdout
+    assert "of them on demand 0, run order ring" in done.stdout and "bit-exact: True" in done.stdout
