@@ -94,18 +94,8 @@ void DiskTier::set_order(const std::vector<size_t>& order) {
   const size_t wanted = std::min(staging_.size(), order_.size());
   for (auto& staging : staging_) {
     if (staging.block < 0 || position_.at(static_cast<size_t>(staging.block)) < wanted) continue;
-    if (staging.job) {
-      const std::shared_ptr<ReadJob> job = staging.job;
-      lock.unlock();  // the tier's thread leaves a buffer with a read alone
-      try {
-        DiskReader::wait(*job);
-      } catch (const c10::Error&) {
-      }
-      lock.lock();
-    }
-    staging.block = -1;
-    staging.job.reset();
-    staging.ticket += 1;  // a hand-off still queued for it is stale now
+    wait_for_read(staging, lock);
+    free_buffer(staging);
   }
   // Past the blocks at the front that are staged already: a buffer freed once one of them is taken reads
   // the next block needed, not that one again.
@@ -118,6 +108,25 @@ int64_t DiskTier::staged_index(size_t block) const {
   for (size_t k = 0; k < staging_.size(); ++k)
     if (staging_[k].block == static_cast<int64_t>(block)) return static_cast<int64_t>(k);
   return -1;
+}
+
+void DiskTier::wait_for_read(const Staging& staging, Lock& lock) {
+  if (!staging.job) return;
+  // A read cannot be cancelled. The tier's thread leaves a buffer with a read alone, so the buffer stays as it
+  // is while unlocked.
+  const std::shared_ptr<ReadJob> job = staging.job;
+  lock.unlock();
+  try {
+    DiskReader::wait(*job);
+  } catch (const c10::Error&) {
+  }
+  lock.lock();
+}
+
+void DiskTier::free_buffer(Staging& staging) {
+  staging.block = -1;
+  staging.job.reset();
+  staging.ticket += 1;  // a hand-off still queued for it is stale now
 }
 
 void DiskTier::submit(Staging& staging, size_t block, bool wait_for_copy) {
@@ -196,8 +205,7 @@ void DiskTier::stager_loop() {
       if (!submitted) {
         // The buffer is free again, and the acquire of its block reads it on demand and raises the
         // error there, on the thread that can report it.
-        staging.block = -1;
-        staging.ticket += 1;
+        free_buffer(staging);
       }
     }
     stager_busy_ = false;
@@ -221,20 +229,8 @@ DiskTier::Staging& DiskTier::evict_for(size_t block, Lock& lock) {
       furthest = &staging;
     }
   }
-  if (furthest->job) {
-    // A read cannot be cancelled; its bytes are simply not used. The tier's thread leaves a buffer
-    // with a read alone, so it stays as it is while unlocked.
-    const std::shared_ptr<ReadJob> job = furthest->job;
-    lock.unlock();
-    try {
-      DiskReader::wait(*job);
-    } catch (const c10::Error&) {
-    }
-    lock.lock();
-  }
-  furthest->block = -1;
-  furthest->job.reset();
-  furthest->ticket += 1;  // a hand-off still queued for it is stale now
+  wait_for_read(*furthest, lock);  // its bytes are simply not used
+  free_buffer(*furthest);
   return *furthest;
 }
 
@@ -265,13 +261,7 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
     if (!DiskReader::done(*staging.job)) {
       if (!wait) return nullptr;
       waited = true;
-      const std::shared_ptr<ReadJob> job = staging.job;
-      lock.unlock();  // the tier's thread leaves a buffer with a read alone
-      try {
-        DiskReader::wait(*job);
-      } catch (const c10::Error&) {
-      }
-      lock.lock();
+      wait_for_read(staging, lock);  // its error is raised below
     }
     if (waited) {
       // The idle time first: its window then lies inside the wait's, so it never exceeds it.
@@ -304,9 +294,7 @@ void DiskTier::consumed(size_t block) {
   if (k < 0) return;
   Staging& staging = staging_[static_cast<size_t>(k)];
   copy_.record_on_copy(*staging.copied);
-  staging.block = -1;
-  staging.job.reset();
-  staging.ticket += 1;
+  free_buffer(staging);
   refill();
 }
 
@@ -317,16 +305,7 @@ void DiskTier::drain() {
 
 void DiskTier::drain_locked(Lock& lock) {
   submitted_cv_.wait(lock, [&] { return (handed_.empty() || stopping_) && !stager_busy_; });
-  for (auto& staging : staging_) {
-    if (!staging.job) continue;
-    const std::shared_ptr<ReadJob> job = staging.job;
-    lock.unlock();
-    try {
-      DiskReader::wait(*job);
-    } catch (const c10::Error&) {
-    }
-    lock.lock();
-  }
+  for (auto& staging : staging_) wait_for_read(staging, lock);
 }
 
 DiskTierStats DiskTier::stats() const {

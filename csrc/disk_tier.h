@@ -101,6 +101,11 @@ class DiskTier {
   int64_t staged_index(size_t block) const;
   // prepare: the read first waits for the buffer's last copy on a reader worker (on-demand reads only).
   void submit(Staging& staging, size_t block, bool wait_for_copy);
+  // Waits, unlocked, for the read into `staging` if one is in flight (its error dropped: the caller decides
+  // what its bytes are for).
+  void wait_for_read(const Staging& staging, Lock& lock);
+  // The buffer holds no block from now on; a hand-off still queued for it is stale.
+  void free_buffer(Staging& staging);
   // Assigns the next unstaged blocks to the free buffers and hands them to the tier's thread.
   void refill();
   // A buffer for an on-demand read: a free one, else the one holding the block furthest ahead.

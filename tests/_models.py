@@ -9,7 +9,7 @@ from torch import nn
 from benchmarks.workloads import Block, BlockStack
 from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager
 
-__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "make_pair", "offload_hook", "params_equal", "place_outside_blocks"]
+__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "TwoLists", "make_pair", "offload_hook", "params_equal", "place_outside_blocks"]
 
 OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -19,6 +19,27 @@ class Stack(BlockStack):
 
     def __init__(self, n_blocks: int, d: int = 16, n_norms: int = 2) -> None:
         super().__init__(d, n_blocks, n_norms, projections=True)
+
+
+class TwoLists(nn.Module):
+    """Flux-shaped: double-stream blocks (MLP ratio ``double_ratio``), then single-stream blocks, with projections
+    around them and an empty list beside them."""
+
+    def __init__(self, doubles: int = 3, singles: int = 4, d: int = 16, double_ratio: int = 2) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(d, d)
+        self.transformer_blocks = nn.ModuleList(Block(d, double_ratio) for _ in range(doubles))
+        self.single_transformer_blocks = nn.ModuleList(Block(d, 2) for _ in range(singles))
+        self.empty = nn.ModuleList()
+        self.proj_out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.transformer_blocks:
+            x = block(x)
+        for block in self.single_transformer_blocks:
+            x = block(x)
+        return self.proj_out(x)
 
 
 def make_pair(n_blocks: int, dtype: torch.dtype = torch.float32, d: int = 16, seed: int = 0) -> tuple[Stack, Stack]:

@@ -11,29 +11,9 @@ from torch import nn
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext.errors import OffloadConfigError
-from tests._models import OFFLOAD_DEVICES, Block
+from tests._models import OFFLOAD_DEVICES, Block, TwoLists
 
 BACKENDS = ["ext", "python"]
-
-
-class TwoLists(nn.Module):
-    """Flux-shaped: double-stream blocks, then single-stream blocks, with a projection between."""
-
-    def __init__(self, doubles: int = 3, singles: int = 4, d: int = 16) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(d, d)
-        self.transformer_blocks = nn.ModuleList(Block(d, 2) for _ in range(doubles))
-        self.single_transformer_blocks = nn.ModuleList(Block(d, 2) for _ in range(singles))
-        self.empty = nn.ModuleList()
-        self.proj_out = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.transformer_blocks:
-            x = block(x)
-        for block in self.single_transformer_blocks:
-            x = block(x)
-        return self.proj_out(x)
 
 
 def _pair(seed: int = 0) -> tuple[TwoLists, TwoLists]:

@@ -14,40 +14,31 @@ from fastoffload_ext.errors import CheckpointError, OffloadConfigError
 from fastoffload_ext.planning.tiers import STAGING_SLACK
 from fastoffload_ext.storage import DiskOptions
 from tests._checkpoints import write_sharded, write_single
-from tests._models import OFFLOAD_DEVICES, Block, params_equal
+from tests._models import OFFLOAD_DEVICES, Block, TwoLists, params_equal
 
 D = 32
 DOUBLES, SINGLES = 3, 5
 LISTS = ["transformer_blocks", "single_transformer_blocks"]
 
 
-class TwoLists(nn.Module):
-    """Flux-shaped: double-stream blocks (wider), then single-stream blocks, with projections around them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(D, D)
-        self.transformer_blocks = nn.ModuleList(Block(D, 4) for _ in range(DOUBLES))
-        self.single_transformer_blocks = nn.ModuleList(Block(D, 2) for _ in range(SINGLES))
-        self.proj_out = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.transformer_blocks:
-            x = block(x)
-        for block in self.single_transformer_blocks:
-            x = block(x)
-        return self.proj_out(x)
+def _two_lists() -> TwoLists:
+    return TwoLists(DOUBLES, SINGLES, D, double_ratio=4).to(torch.bfloat16).eval()
 
 
 def _reference() -> TwoLists:
     torch.manual_seed(0)
-    return TwoLists().to(torch.bfloat16).eval()
+    return _two_lists()
 
 
 def _meta() -> TwoLists:
     with torch.device("meta"):
-        return TwoLists().to(torch.bfloat16).eval()
+        return _two_lists()
+
+
+def _written(tmp_path: Path) -> tuple[TwoLists, Path, TwoLists]:
+    """The reference model, its checkpoint, and the same architecture on the meta device to fill from it."""
+    reference = _reference()
+    return reference, write_single(reference, tmp_path / "model.safetensors"), _meta()
 
 
 def _inputs(device: str) -> torch.Tensor:
@@ -97,10 +88,8 @@ def test_every_list_from_a_checkpoint_is_bit_exact(tmp_path: Path, device: str, 
 @pytest.mark.parametrize("depth,staging", [(1, 1), (1, 2), (2, 2), (3, 3)])
 def test_blocks_of_both_lists_stream_from_disk_bit_exact(tmp_path: Path, device: str, depth: int,
                                                           staging: int) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
+    reference, path, model = _written(tmp_path)
     budget = _half_the_blocks(reference, staging)
-    model = _meta()
     group = enable_layerwise_offload(model, device=device, weights=path, block_lists="all", host_budget=budget,
                                      prefetch_depth=depth, disk_options=DiskOptions(staging_buffers=staging))
     on_disk = [i for i, state in enumerate(group.states) if state.on_disk]
@@ -116,9 +105,7 @@ def test_blocks_of_both_lists_stream_from_disk_bit_exact(tmp_path: Path, device:
 
 
 def test_resident_blocks_of_either_list_are_read_onto_the_device(tmp_path: Path) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     resident = {1, DOUBLES + 2}  # one double-stream block, one single-stream block
     group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
                                      resident_blocks=resident, host_budget=_half_the_blocks(reference, 2))
@@ -131,9 +118,7 @@ def test_resident_blocks_of_either_list_are_read_onto_the_device(tmp_path: Path)
 
 
 def test_compressed_disk_tier_across_lists_is_bit_exact(tmp_path: Path) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all", compress=True,
                                      host_budget=_half_the_blocks(reference, 2),
                                      disk_options=DiskOptions(spill_dir=str(tmp_path)))
@@ -159,9 +144,7 @@ def test_a_tensor_missing_from_the_second_list_is_named_and_nothing_changes(tmp_
 
 def test_the_first_list_alone_reads_the_second_onto_the_device(tmp_path: Path) -> None:
     """FastVideo's rule from a checkpoint: the second list is not offloaded, so it is read like the rest."""
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     group = enable_layerwise_offload(model, device="cpu", weights=path)
     assert group.list_names == ["transformer_blocks"] and len(group.states) == DOUBLES
     assert params_equal(model.single_transformer_blocks, reference.single_transformer_blocks)
@@ -169,10 +152,8 @@ def test_the_first_list_alone_reads_the_second_onto_the_device(tmp_path: Path) -
 
 
 def test_a_device_budget_plans_over_both_lists_with_the_disk_tier(tmp_path: Path) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
+    reference, path, model = _written(tmp_path)
     sizes = [_bytes(block) for block in _ring(reference)]
-    model = _meta()
     group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
                                      device_budget=sum(sizes) // 2 + _bytes(reference) - sum(sizes),
                                      activation_reserve=0, host_budget=_half_the_blocks(reference, 2))
@@ -183,9 +164,7 @@ def test_a_device_budget_plans_over_both_lists_with_the_disk_tier(tmp_path: Path
 
 
 def test_weights_with_the_python_backend_is_still_refused(tmp_path: Path) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     with pytest.raises(OffloadConfigError, match=r"weights="):
         enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all", backend="python")
     assert all(p.is_meta for p in model.parameters())
@@ -281,9 +260,7 @@ def test_the_disk_tier_reads_ahead_in_the_order_the_forward_runs(tmp_path: Path,
 
 
 def test_the_disk_order_refuses_what_the_tier_does_not_hold(tmp_path: Path) -> None:
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
                                      host_budget=_half_the_blocks(reference, 2))
     disk = [state.handle for state in group.states if state.on_disk]
@@ -327,9 +304,7 @@ def test_diffusers_lumina2_from_a_saved_folder_with_a_disk_tier(tmp_path: Path) 
 def test_a_new_layout_from_disk_goes_through_meta_as_the_refusal_says(tmp_path: Path) -> None:
     from fastoffload_ext.errors import OffloadStateError
 
-    reference = _reference()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    model = _meta()
+    reference, path, model = _written(tmp_path)
     enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
                              host_budget=_half_the_blocks(reference, 2))
     with pytest.raises(OffloadStateError, match=r"is_replace=True would undo an offload that streams \d+ blocks from "
