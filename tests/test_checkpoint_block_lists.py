@@ -340,3 +340,31 @@ def test_the_flux_from_disk_example_runs_on_the_cpu_bit_exact(tmp_path: Path) ->
     on_disk = re.search(r"blocks 9 \(transformer_blocks, single_transformer_blocks\), (\d+) on disk", done.stdout)
     assert on_disk is not None and int(on_disk.group(1)) > 0, done.stdout
     assert "of them on demand 0, run order ring" in done.stdout and "bit-exact: True" in done.stdout
+
+
+def test_a_disk_order_that_cannot_be_set_leaves_the_rings_and_stays_exact(tmp_path: Path, monkeypatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from fastoffload_ext import _backend
+
+    def refuse(engine: object, blocks: list[int]) -> None:
+        raise RuntimeError("fastoffload: set_disk_order: refused for the test")
+
+    monkeypatch.setattr(_backend.require_ext().OffloadEngine, "set_disk_order", refuse)
+    torch.manual_seed(0)
+    reference = Refiners().to(torch.bfloat16).eval()
+    path = write_single(reference, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = Refiners().to(torch.bfloat16).eval()
+    sizes = sorted(_bytes(block) for block in model.modules() if isinstance(block, Block))
+    group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
+                                     host_budget=sum(sizes[:5]) + 2 * (sizes[-1] + STAGING_SLACK))
+    x = _inputs("cpu")
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fastoffload_ext.engine.layerwise"):
+        expected = reference(x)
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    assert "the disk tier keeps reading ahead in the ring's order" in caplog.text
+    assert group.stats()["run_order"] == "rewired"  # the prefetches follow the run order all the same
+    assert group.stats()["disk_reads_on_demand"] > 0

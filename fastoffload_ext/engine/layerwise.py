@@ -550,8 +550,12 @@ def _watch_run_order(group: LayerwiseOffloadGroup, options: OffloadOptions) -> R
     def rewire(states: list[BlockOffloadState], positions: list[int]) -> None:
         _wire_prefetch_targets(states, depth, cyclic, positions)
         if disk_engine is not None:
-            # The disk tier reads ahead in the same order, from the block that starts now (the pass's last).
-            disk_engine.set_disk_order([state.handle for state in states[-1:] + states[:-1]])  # type: ignore[attr-defined]
+            # The disk tier reads ahead in the same order, from the block that starts now (the pass's last). Only
+            # its speed depends on it: a failure leaves the ring's order (blocks read out of turn on demand).
+            try:
+                disk_engine.set_disk_order([state.handle for state in states[-1:] + states[:-1]])  # type: ignore[attr-defined]
+            except RuntimeError:
+                logger.warning("fastoffload: the disk tier keeps reading ahead in the ring's order", exc_info=True)
 
     watch = RunOrderWatch(group.states, options.offloaded_indices, [names[i] for i in options.offloaded_indices],
                           rewire, group.device, cyclic)
