@@ -124,3 +124,49 @@ def test_a_run_order_that_is_no_permutation_is_refused(order: list[object]) -> N
 def test_list_order_is_no_run_order() -> None:
     costs = BlockCosts(compute_ms=[1.0] * 3, block_bytes=[MB] * 3, h2d_gbps=10.0, run_order=[0, 1, 2])
     assert costs.run_order is None and costs.order() == (0, 1, 2) and costs.in_run_order()[0] is costs
+
+
+def _ordered(seed: int, n: int) -> BlockCosts:
+    from tests.test_planner import random_costs
+
+    rng = random.Random(seed)
+    costs = random_costs(rng, n)
+    order = list(range(n))
+    rng.shuffle(order)
+    return dataclasses.replace(costs, run_order=order)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_with_a_run_order_the_plan_is_optimal_by_brute_force(seed: int) -> None:
+    from tests.test_planner import brute_force, footprint
+
+    costs = _ordered(300 + seed, 3 + seed % 4)
+    for fraction in (0.3, 0.6, 1.0):
+        budget = int(fraction * sum(costs.block_bytes)) + 4 * max(costs.block_bytes) + costs.activation_bytes
+        plan = plan_offload(costs, budget)
+        assert plan.predicted_step_ms == pytest.approx(brute_force(costs, budget), rel=1e-9, abs=1e-9)
+        assert plan.device_bytes == footprint(costs, frozenset(plan.resident), plan.prefetch_depth)[0] <= budget
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_a_run_order_the_heuristic_search_is_within_3_percent_of_brute_force(seed: int) -> None:
+    from tests.test_planner import brute_force
+
+    costs = _ordered(400 + seed, 8 + seed % 3)
+    for fraction in (0.3, 0.6):
+        budget = int(fraction * sum(costs.block_bytes)) + 3 * max(costs.block_bytes) + costs.activation_bytes
+        plan = plan_offload(costs, budget, exhaustive_limit=0)
+        assert plan.predicted_step_ms <= 1.03 * brute_force(costs, budget)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_with_a_run_order_the_plan_is_monotone_in_budget_and_never_over_it(seed: int) -> None:
+    costs = _ordered(500 + seed, 14)
+    previous = None
+    floor = 2 * max(costs.block_bytes) + costs.activation_bytes
+    for budget in range(floor, sum(costs.block_bytes) + 5 * max(costs.block_bytes), 40 * 1024 * 1024):
+        plan = plan_offload(costs, budget)
+        assert plan.device_bytes <= budget
+        if previous is not None:
+            assert plan.predicted_step_ms <= previous + 1e-9
+        previous = plan.predicted_step_ms
