@@ -13,7 +13,8 @@ blocks is read onto the device. So a transformer larger than the host's RAM runs
 ``--config flux`` writes FLUX.1's architecture (19 double-stream and 38 single-stream blocks, about 24 GB in bf16)
 with random weights into ``--folder`` first, once; ``--layers D,S`` cuts the lists. ``--weights`` takes a diffusers
 transformer folder as it is. ``--host-budget`` is bytes, a size ("24GiB"), a share of the blocks' bytes ("50%":
-that share in host memory, plus the staging ring) or "auto" (what this process may use). ``--check`` also runs the saved model fully resident and exits non-zero
+that share in host memory, plus the staging ring) or "auto" (what this process may use). ``--device-budget`` lets the planner keep blocks on the device, counting the disk tier's reads (each block kept
+resident is one read less per step). ``--check`` also runs the saved model fully resident and exits non-zero
 unless the outputs are bit-identical.
 """
 from __future__ import annotations
@@ -100,6 +101,14 @@ def host_budget(value: str, model: torch.nn.Module, staging_buffers: int) -> Any
     return value if value == "auto" else parse_size(value, "--host-budget")
 
 
+def device_budget(value: str | None, model: torch.nn.Module) -> Any:
+    """``--device-budget``; a share is of the blocks' bytes, with what the model holds outside them on top."""
+    if value is None or not value.endswith("%"):
+        return value
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - block_bytes(model)
+    return int(float(value[:-1]) / 100 * block_bytes(model)) + outside
+
+
 def inputs(config: dict[str, Any], device: str, dtype: torch.dtype, tokens: int, seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     text = 8
@@ -131,10 +140,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     group = enable_layerwise_offload(model, device=args.device, weights=folder, block_lists="all",
                                      host_budget=host_budget(args.host_budget, model, options.staging_buffers),
-                                     disk_options=options)
+                                     device_budget=device_budget(args.device_budget, model), disk_options=options)
     enable_s = time.perf_counter() - started
     stats = group.stats()
     print(f"enabled in {enable_s:.2f} s: {group!r}")
+    if group.plan is not None:
+        print(f"plan: {group.plan.why}")
     print(f"blocks {len(group.states)} ({', '.join(group.list_names)}), {stats['disk_blocks']} on disk; "
           f"{format_bytes(stats['host_bytes'])} of the {format_bytes(weights)} of block weights in host memory, "
           f"staging {format_bytes(stats['staging_bytes'])}")
@@ -175,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default=None, help="a diffusers Flux transformer folder to serve as it is")
     parser.add_argument("--folder", default=None, help="where --config writes its checkpoint (default: a temp folder)")
     parser.add_argument("--host-budget", default="50%", help='bytes, a size ("24GiB"), a share ("50%%") or "auto"')
+    parser.add_argument("--device-budget", default=None,
+                        help='device memory for weights, slots and activations: a size ("20GiB"), a share of the '
+                             'blocks\' bytes ("50%%": that share resident, plus the rest of the model) or "auto"; '
+                             'the planner keeps blocks resident knowing which ones the disk tier reads')
     parser.add_argument("--tokens", type=int, default=None, help="image tokens (default: 16 tiny, 1024 otherwise)")
     parser.add_argument("--steps", type=int, default=3, help="forwards to run")
     parser.add_argument("--seed", type=int, default=0)

@@ -323,7 +323,9 @@ def test_a_new_layout_from_disk_goes_through_meta_as_the_refusal_says(tmp_path: 
     _check_runs(model, reference, "cpu")
 
 
-def test_the_flux_from_disk_example_runs_on_the_cpu_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("budgets", [[], ["--device-budget", "40%", "--host-budget", "20%"]],
+                         ids=["host budget", "device budget"])
+def test_the_flux_from_disk_example_runs_on_the_cpu_bit_exact(tmp_path: Path, budgets: list[str]) -> None:
     pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
     pytest.importorskip("accelerate", reason="accelerate is not installed (scripts/setup_env.sh installs it)")
     import os
@@ -334,11 +336,14 @@ def test_the_flux_from_disk_example_runs_on_the_cpu_bit_exact(tmp_path: Path) ->
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, str(root / "examples" / "flux_from_disk.py"), "--device", "cpu", "--check",
-                           "--steps", "2", "--folder", str(tmp_path)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
+                           "--steps", "2", "--folder", str(tmp_path), *budgets], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    on_disk = re.search(r"blocks 9 \(transformer_blocks, single_transformer_blocks\), (\d+) on disk", done.stdout)
+    offloaded = 8 if budgets else 9  # under the device budget the planner keeps a block on the device
+    on_disk = re.search(rf"blocks {offloaded} \(transformer_blocks, single_transformer_blocks\), (\d+) on disk",
+                        done.stdout)
     assert on_disk is not None and int(on_disk.group(1)) > 0, done.stdout
+    assert ("plan: disk-bound:" in done.stdout) == bool(budgets), done.stdout
     assert "of them on demand 0, run order ring" in done.stdout and "bit-exact: True" in done.stdout
 
 
