@@ -11,7 +11,8 @@ while offloaded or after a disable, is freed with its last reference (the cycle 
 The models vary: 1 to 6 blocks of mixed kinds (a Linear with a buffer that counts calls, a weight tied
 inside the block, a block with no parameters, LayerNorm-heavy blocks, a bf16 weight big enough for the
 codec), weights tied across two blocks (refused unless both stay resident), parameters outside the block
-list, and often a second list that runs after the first. Enable picks the lists (FastVideo's first one,
+list, and often a second list that runs after the first; a quarter of them run their blocks in a shuffled
+order (the run-order watch then rewires the prefetches in the first forward). Enable picks the lists (FastVideo's first one,
 ``"all"``, the second alone, or both in another order than they run) and, now and then, ``compress``
 (True or "auto"; the python backend refuses True). ``FASTOFFLOAD_FUZZ_SEEDS``
 (a count) and ``FASTOFFLOAD_FUZZ_STEPS`` run it longer than CI does (the defaults take ~10-20 s on one core);
@@ -111,21 +112,24 @@ class FuzzBlock(nn.Module):
 
 class FuzzModel(nn.Module):
     """``blocks`` (FastVideo's rule finds it), then ``tail``, a second list that runs after it (Flux's
-    single-stream blocks; often empty), which ``block_lists`` puts in the ring."""
+    single-stream blocks; often empty), which ``block_lists`` puts in the ring. ``run_order`` (indices into
+    ``chain``) makes the forward run the blocks in another order, as Lumina2 and Latte do."""
 
-    def __init__(self, kinds: list[str], tie: tuple[int, int] | None, tail: list[str]) -> None:
+    def __init__(self, kinds: list[str], tie: tuple[int, int] | None, tail: list[str],
+                 run_order: list[int] | None = None) -> None:
         super().__init__()
         self.proj_in = nn.Linear(D, D)
         self.blocks = nn.ModuleList(FuzzBlock(kind) for kind in kinds)
         self.tail = nn.ModuleList(FuzzBlock(kind) for kind in tail)
         self.scale = nn.Parameter(torch.randn(D))
+        self.run_order = run_order
         if tie is not None:  # a Linear weight tied across two blocks
             i, j = tie
             self.blocks[j].lin.weight = self.blocks[i].lin.weight
 
     @property
     def chain(self) -> list[FuzzBlock]:
-        """Every block of both lists, in the order they run."""
+        """Every block of both lists, in list order."""
         return [*self.blocks, *self.tail]
 
     def prefix(self, index: int) -> str:
@@ -134,8 +138,9 @@ class FuzzModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj_in(x)
-        for block in self.chain:
-            x = block(x)
+        chain = self.chain
+        for index in self.run_order if self.run_order is not None else range(len(chain)):
+            x = chain[index](x)
         return x * self.scale
 
 
@@ -151,13 +156,23 @@ def _kinds(rng: random.Random) -> tuple[list[str], tuple[int, int] | None, list[
     return kinds, tie, tail  # type: ignore[return-value]
 
 
+def run_order(rng: random.Random, n: int) -> list[int] | None:
+    """Often None (list order); else the blocks shuffled, so the run-order watch rewires the prefetches."""
+    if n < 3 or rng.random() < 0.75:
+        return None
+    order = list(range(n))
+    rng.shuffle(order)
+    return order
+
+
 def _pair(rng: random.Random) -> tuple[FuzzModel, FuzzModel]:
     kinds, tie, tail = _kinds(rng)
     seed = rng.randrange(1 << 30)
+    order = run_order(rng, len(kinds) + len(tail))
     torch.manual_seed(seed)
-    model = FuzzModel(kinds, tie, tail)
+    model = FuzzModel(kinds, tie, tail, order)
     torch.manual_seed(seed)
-    twin = FuzzModel(kinds, tie, tail)
+    twin = FuzzModel(kinds, tie, tail, order)
     return model, twin
 
 
@@ -188,7 +203,8 @@ class Driver:
         self.model.requires_grad_(False)
         self.twin.requires_grad_(False)
         self.gen = torch.Generator().manual_seed(seed)
-        self.log: list[str] = [f"kinds={[b.kind for b in self.model.blocks]}, tail={[b.kind for b in self.model.tail]}"]
+        self.log: list[str] = [f"kinds={[b.kind for b in self.model.blocks]}, tail={[b.kind for b in self.model.tail]}, "
+                               f"run order={self.model.run_order}"]
         # Packed bytes of each block of the chain as built (a re-plan's cost table; a budget's scale).
         self.block_bytes = [module_packed_bytes(b) for b in self.model.chain]
 
@@ -292,13 +308,16 @@ class Driver:
         self.log.append(f"forward({mode}, fault={fault and fault.__name__}@{fault_at}, grad_input={grad_input})")
         # Predict the engine's refusal: a grad-recording forward through an offloaded block whose
         # parameters require grad. The twin raises at that block too (before its forward body).
+        # Both in the order the forward runs the blocks (the model's run_order, else list order).
+        ran = self.model.run_order if self.model.run_order is not None else list(range(len(self.model.chain)))
         refused_at = None
         if mode == "grad":
-            for i in self.offloaded():
-                if any(p.requires_grad for p in self.model.chain[i].parameters()):
+            offloaded = set(self.offloaded())
+            for i in ran:
+                if i in offloaded and any(p.requires_grad for p in self.model.chain[i].parameters()):
                     refused_at = i
                     break
-        stop = min([i for i in (fault_at, refused_at) if i is not None], default=None)
+        stop = min([i for i in (fault_at, refused_at) if i is not None], key=ran.index, default=None)
         refused = stop is not None and stop == refused_at
         if stop is not None:
             self.twin.chain[stop].fault = Fault if refused else fault

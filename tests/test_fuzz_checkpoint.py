@@ -2,7 +2,8 @@
 
 The resident twin is built with seeded weights and written to a safetensors file; the offloaded model is
 built on the meta device and enabled with ``weights=`` (often with its second list in the ring too,
-``block_lists="all"``) under a random ``host_budget`` (the blocks beyond
+``block_lists="all"``, and now and then running its blocks in a shuffled order, which the disk tier's read-ahead
+then follows) under a random ``host_budget`` (the blocks beyond
 it stay on disk, read every step through a staging ring of random size), random prefetch depth, wrap-around,
 read mode and ``compress`` (a compressed disk tier reads a spill file). A seeded driver then interleaves
 forwards in every grad mode with faults and Ctrl-C inside a block, blocks called out of order, edits inside
@@ -37,7 +38,7 @@ from fastoffload_ext.planning.tiers import STAGING_SLACK, region_bytes
 from fastoffload_ext.storage import DiskOptions
 
 from ._models import offload_hook
-from .test_fuzz_backends import D, Fault, FuzzModel, Interrupt, uncounted_step
+from .test_fuzz_backends import D, Fault, FuzzModel, Interrupt, run_order, uncounted_step
 
 SEEDS = int(os.environ.get("FASTOFFLOAD_FUZZ_SEEDS", "16"))
 STEPS = int(os.environ.get("FASTOFFLOAD_FUZZ_STEPS", "40"))
@@ -60,14 +61,15 @@ class CheckpointDriver:
         self.gen = torch.Generator().manual_seed(seed)
         self.kinds = [self.rng.choice(KINDS) for _ in range(self.rng.randint(3, 10))]
         self.tail = [self.rng.choice(KINDS) for _ in range(self.rng.choice([0, 1, 2]))]
+        order = run_order(self.rng, len(self.kinds) + len(self.tail))  # the disk tier reads ahead in it
         torch.manual_seed(self.rng.randrange(1 << 30))
-        self.twin = FuzzModel(self.kinds, None, self.tail).requires_grad_(False)
+        self.twin = FuzzModel(self.kinds, None, self.tail, order).requires_grad_(False)
         self.path = folder / "model.safetensors"
         save_file({k: v.contiguous() for k, v in self.twin.state_dict().items()}, str(self.path))
         with torch.device("meta"):
-            self.model = FuzzModel(self.kinds, None, self.tail).requires_grad_(False)
+            self.model = FuzzModel(self.kinds, None, self.tail, order).requires_grad_(False)
         self.sizes = [module_packed_bytes(block) for block in self.twin.chain]  # both lists, in the order they run
-        self.log: list[str] = [f"kinds={self.kinds}, tail={self.tail}, block bytes={self.sizes}"]
+        self.log: list[str] = [f"kinds={self.kinds}, tail={self.tail}, run order={order}, block bytes={self.sizes}"]
         self.spill: str | None = None
 
     @property
