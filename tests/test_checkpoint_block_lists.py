@@ -221,16 +221,21 @@ class Refiners(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
-@pytest.mark.parametrize("depth,staging", [(1, 1), (1, 2), (2, 2), (2, 3)])
-def test_the_disk_tier_reads_ahead_in_the_order_the_forward_runs(tmp_path: Path, device: str, depth: int,
-                                                                 staging: int) -> None:
+def _refiners_written(tmp_path: Path) -> tuple[Refiners, Path, Refiners, list[int]]:
+    """The reference, its checkpoint, the same architecture on the meta device, and its block sizes, sorted."""
     torch.manual_seed(0)
     reference = Refiners().to(torch.bfloat16).eval()
     path = write_single(reference, tmp_path / "model.safetensors")
     with torch.device("meta"):
         model = Refiners().to(torch.bfloat16).eval()
-    sizes = sorted(_bytes(block) for block in model.modules() if isinstance(block, Block))
+    return reference, path, model, sorted(_bytes(block) for block in model.modules() if isinstance(block, Block))
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("depth,staging", [(1, 1), (1, 2), (2, 2), (2, 3)])
+def test_the_disk_tier_reads_ahead_in_the_order_the_forward_runs(tmp_path: Path, device: str, depth: int,
+                                                                 staging: int) -> None:
+    reference, path, model, sizes = _refiners_written(tmp_path)
     budget = sum(sizes[:5]) + staging * (sizes[-1] + STAGING_SLACK)
     group = enable_layerwise_offload(model, device=device, weights=path, block_lists="all", host_budget=budget,
                                      prefetch_depth=depth, disk_options=DiskOptions(staging_buffers=staging))
@@ -357,12 +362,7 @@ def test_a_disk_order_that_cannot_be_set_leaves_the_rings_and_stays_exact(tmp_pa
         raise RuntimeError("fastoffload: set_disk_order: refused for the test")
 
     monkeypatch.setattr(_backend.require_ext().OffloadEngine, "set_disk_order", refuse)
-    torch.manual_seed(0)
-    reference = Refiners().to(torch.bfloat16).eval()
-    path = write_single(reference, tmp_path / "model.safetensors")
-    with torch.device("meta"):
-        model = Refiners().to(torch.bfloat16).eval()
-    sizes = sorted(_bytes(block) for block in model.modules() if isinstance(block, Block))
+    reference, path, model, sizes = _refiners_written(tmp_path)
     group = enable_layerwise_offload(model, device="cpu", weights=path, block_lists="all",
                                      host_budget=sum(sizes[:5]) + 2 * (sizes[-1] + STAGING_SLACK))
     x = _inputs("cpu")
