@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from benchmarks.workloads import Block, BlockStack
-from fastoffload_ext import LayerwiseOffloadHook, ModuleHookManager
+from fastoffload_ext import LayerwiseOffloadHook
+from fastoffload_ext.engine.offload_hook import offload_hook_of
 
 __all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "TwoLists", "make_pair", "offload_hook", "params_equal", "place_outside_blocks"]
 
@@ -66,8 +67,6 @@ def params_equal(a: nn.Module, b: nn.Module) -> bool:
 
 def offload_hook(block: nn.Module) -> LayerwiseOffloadHook:
     """The layerwise offload hook on ``block`` (it must have one)."""
-    manager = ModuleHookManager.get_from(block)
-    assert manager is not None
-    hook = manager.get_forward_hook(LayerwiseOffloadHook.name())
-    assert isinstance(hook, LayerwiseOffloadHook)
+    hook = offload_hook_of(block)
+    assert hook is not None
     return hook

@@ -11,7 +11,7 @@ from torch import nn
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext.engine import run_order
-from tests._models import Block, offload_hook
+from tests._models import Block, offload_hook, params_equal
 
 BACKENDS = ["ext", "python"]
 
@@ -143,8 +143,7 @@ def test_a_forward_that_raises_in_the_first_pass_is_learned_from_the_next(backen
             assert torch.equal(model(x), reference(x))
     assert group.stats()["run_order"] == "rewired" and _targets(group) == [1, 4, 3, 0, 5, 6, 7, 2]
     disable_layerwise_offload(model)
-    for name, param in model.named_parameters():
-        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+    assert params_equal(model, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -159,8 +158,7 @@ def test_resident_blocks_stay_and_the_offloaded_ones_are_rewired_around_them(bac
     # Ran: context_refiner.0 (2), noise_refiner.1 (1), layers.0 (4), layers.2 (6), layers.3 (7).
     assert _targets(group) == [4, 1, 6, 7, 2]
     disable_layerwise_offload(model)
-    for name, param in model.named_parameters():
-        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+    assert params_equal(model, reference)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -252,8 +250,7 @@ def test_random_run_orders_depths_and_resident_sets_are_exact_and_prefetched(see
     if loads:
         assert loads[2] == loads[1]
     disable_layerwise_offload(model)
-    for name, param in model.named_parameters():
-        assert torch.equal(param, dict(reference.named_parameters())[name]), name
+    assert params_equal(model, reference)
 
 
 def test_a_graph_s_fixed_slots_follow_the_learned_order() -> None:
