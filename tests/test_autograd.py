@@ -3,12 +3,15 @@
 Training adapters outside the block list (here ``proj_in``) and guidance that differentiates with
 respect to the latents both backpropagate through offloaded blocks. Autograd keeps the weights it saved
 in the forward until backward; offload must keep those bytes alive although the parameters themselves
-went back to placeholders and later blocks reused the device slots.
+went back to placeholders and later blocks reused the device slots. Under the caller's own saved-tensor
+hooks (activation checkpointing, ``save_on_cpu``) those hooks get what they get from the resident model:
+the checkpointed blocks run again in backward, and nothing else is kept.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import fastoffload_ext as fo
 
@@ -80,5 +83,162 @@ def test_offloaded_parameters_that_require_grad_are_still_refused(backend: str) 
     x = torch.randn(2, 4, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"^fastoffload: .*its parameter '\S+' requires grad, and grad mode is on"):
         model(x)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+class _Checkpointed(torch.nn.Module):
+    """The model with each block under ``torch.utils.checkpoint`` (diffusers' ``enable_gradient_checkpointing``)."""
+
+    def __init__(self, inner: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.proj_in, self.blocks, self.proj_out = inner.proj_in, inner.blocks, inner.proj_out
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.proj_out(x)
+
+
+def _count_block_calls(model: torch.nn.Module) -> list[int]:
+    calls = [0] * len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_checkpointed_blocks_run_again_in_backward_with_exact_gradients(device: str, backend: str, reentrant: bool,
+                                                                        depth: int) -> None:
+    # Had the offload's own saved-tensor hooks taken the blocks' tensors from the checkpoint's, the checkpoint
+    # would keep every activation (and, on the ext backend, every block's private weight copy) and never
+    # recompute: the call count is what says the checkpoint got them.
+    inner, inner_reference = _frozen_pair(4, device)
+    model, reference = _Checkpointed(inner, reentrant), _Checkpointed(inner_reference, reentrant)
+    fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth)
+    calls, reference_calls = _count_block_calls(model), _count_block_calls(reference)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(6)).to(_device(device))
+    for step in range(1, 3):
+        want = _grads(reference, x)
+        got = _grads(model, x)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert calls == reference_calls == [2 * step] * 4  # a forward and a recompute per step
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+class _Recorder:
+    """Saved-tensor hooks of the caller's own: each saved tensor's shape and dtype, in the order saved."""
+
+    def __init__(self) -> None:
+        self.packed: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.unpacked = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            self.packed.append((tuple(tensor.shape), tensor.dtype))
+            return tensor.clone()  # what the resident model would lose if the hooks were bypassed
+
+        def unpack(tensor: torch.Tensor) -> torch.Tensor:
+            self.unpacked += 1
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_callers_saved_tensor_hooks_see_what_they_see_on_the_resident_model(device: str, backend: str) -> None:
+    model, reference = _frozen_pair(3, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=1)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(7)).to(_device(device))
+    for _ in range(2):
+        recorders = []
+        results = []
+        for m in (reference, model):
+            recorder = _Recorder()
+            with recorder.hooks():
+                results.append(_grads(m, x))
+            recorders.append(recorder)
+        for g, w in zip(results[1], results[0]):
+            assert torch.equal(g, w)
+        assert recorders[1].packed == recorders[0].packed and len(recorders[0].packed) > 0
+        assert recorders[1].unpacked == recorders[0].unpacked > 0
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_on_cpu_around_an_offloaded_model_gives_exact_gradients(device: str, backend: str) -> None:
+    model, reference = _frozen_pair(3, device)
+    fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=1)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(8)).to(_device(device))
+    pin = device == "cuda"
+    for _ in range(2):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            want = _grads(reference, x)
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            got = _grads(model, x)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpointed_forward_holds_no_more_device_memory_than_the_resident_one(backend: str) -> None:
+    # Until backward the checkpoint keeps only each block's input; the offload must not keep weight copies or
+    # activations beside them.
+    inner, inner_reference = _frozen_pair(6, "cuda")
+    model, reference = _Checkpointed(inner, False), _Checkpointed(inner_reference, False)
+    fo.enable_layerwise_offload(model, device="cuda", backend=backend, prefetch_depth=1)
+    x = torch.randn(64, 32, 16, generator=torch.Generator().manual_seed(9)).cuda()
+
+    def held_after_forward(m: torch.nn.Module) -> int:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = m(x.detach().clone().requires_grad_(True))
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        out.square().sum().backward()
+        return held
+
+    for m in (model, reference):
+        held_after_forward(m)  # the first step allocates the slots
+    assert held_after_forward(model) <= held_after_forward(reference)
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_backward_pass_prefetches_the_blocks_it_runs_next(reentrant: bool, depth: int) -> None:
+    # Backward runs the checkpointed blocks again, last first: each copies the one before it ahead, so each block
+    # is copied once and only the first (the forward's wrap-around prefetch took its slot) loads on demand.
+    # Prefetching forward there copied each block twice or more and loaded every one on demand.
+    inner, inner_reference = _frozen_pair(6, "cpu")
+    model, reference = _Checkpointed(inner, reentrant), _Checkpointed(inner_reference, reentrant)
+    group = fo.enable_layerwise_offload(model, device="cpu", backend="ext", prefetch_depth=depth)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(10))
+    for _ in range(3):
+        latents = x.clone().requires_grad_(True)
+        out = model(latents)
+        before = group.stats()
+        out.square().sum().backward()
+        after = group.stats()
+        assert after["copies"] - before["copies"] == 6
+        assert after["sync_loads"] - before["sync_loads"] <= 1
+        assert after["prefetch_hits"] - before["prefetch_hits"] >= 5
+        want = x.clone().requires_grad_(True)
+        reference(want).square().sum().backward()
+        assert torch.equal(latents.grad, want.grad)
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)

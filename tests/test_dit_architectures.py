@@ -1,7 +1,7 @@
 """Thirty-eight diffusers DiT architectures at toy sizes (tests/_dits.py), offloaded with FastVideo's first list and
 with every list, on both backends: outputs bit-equal to the same model resident over three steps, the
 prefetches following the order the forward ran the blocks in, and every parameter back with its exact
-values after disable."""
+values after disable. Under diffusers' gradient checkpointing, the inputs' gradients bit-equal too."""
 from __future__ import annotations
 
 from typing import Any
@@ -92,3 +92,67 @@ def test_a_diffusers_dit_offloaded_is_bit_exact_prefetches_in_run_order_and_come
         assert param.device.type == torch.device(device).type and torch.equal(param, original[name].to(device)), name
     with torch.inference_mode():
         assert torch.equal(run(model, spec, kwargs), expected)
+
+
+def _latents(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """``kwargs`` with each floating input of two or more dimensions (the latents, the text states; Z-Image's come
+    in lists) made a leaf that requires grad, what guidance or a training step differentiates; and those leaves."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, list):
+            return [leaf(item) for item in value]
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2:
+            leaves.append(value.detach().clone().requires_grad_(True))
+            return leaves[-1]
+        return value
+
+    return {key: leaf(value) for key, value in kwargs.items()}, leaves
+
+
+def _block_calls(model: nn.Module, names: list[str]) -> list[int]:
+    calls: list[int] = []
+    for name in names:
+        for block in getattr(model, name):
+            calls.append(0)
+            block.register_forward_pre_hook(lambda *_, i=len(calls) - 1: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name for spec in SPECS])
+def test_a_diffusers_dit_under_gradient_checkpointing_gives_the_resident_models_gradients(
+        spec: DiT, backend: str, device: str) -> None:
+    # Every list offloaded, every weight frozen, diffusers' enable_gradient_checkpointing on both models: the
+    # blocks run again in backward as often as on the resident model, and the inputs' gradients are bit-equal.
+    model, reference = build(spec).to(device), build(spec).to(device)
+    if not getattr(model, "_supports_gradient_checkpointing", False):
+        pytest.skip(f"{spec.name}: diffusers does not checkpoint this model")
+    for m in (model, reference):
+        m.requires_grad_(False)
+        m.enable_gradient_checkpointing()
+    kwargs = inputs(spec, device)
+    names = list(_lists(model))
+    calls, reference_calls = _block_calls(model, names), _block_calls(reference, names)
+    enable_layerwise_offload(model, device=device, backend=backend, block_lists="all")
+    for step in range(2):
+        grads = []
+        for m in (reference, model):
+            call, leaves = _latents(kwargs)
+            try:
+                run(m, spec, call).float().square().mean().backward()
+            except TypeError as error:
+                if m is not reference:
+                    raise
+                # HunyuanImage 2.1 passes keyword arguments to diffusers' own checkpoint function, which takes none.
+                pytest.skip(f"{spec.name}: diffusers' gradient checkpointing fails on the resident model: {error}")
+            grads.append([leaf.grad for leaf in leaves])
+        assert any(grad is not None for grad in grads[0]), f"step {step}: no input got a gradient"
+        for i, (got, want) in enumerate(zip(grads[1], grads[0])):
+            assert (got is None) == (want is None) and (want is None or torch.equal(got, want)), f"step {step}: input {i}"
+        assert calls == reference_calls, f"step {step}"
+    assert max(calls) > 2, "the checkpoint ran no block again in backward"
+    disable_layerwise_offload(model)
+    for (name, param), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(param, want), name

@@ -200,6 +200,36 @@ def test_an_adapter_added_after_enable_trains_inside_the_offloaded_blocks(device
 
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_adapter_trains_under_gradient_checkpointing(device: str, backend: str) -> None:
+    # diffusers' enable_gradient_checkpointing (non-reentrant torch.utils.checkpoint): the blocks run again in
+    # backward, as on the resident model, and the adapters' gradients are the resident model's.
+    model, reference = _pair(device, backend, "offload-then-adapter")
+    calls = {}
+    for m in (model, reference):
+        m.enable_gradient_checkpointing()
+        calls[id(m)] = counts = [0] * len(m.blocks)
+        for i, block in enumerate(m.blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
+    g = torch.Generator().manual_seed(6)
+    x, text = torch.randn(1, 16, 3, 8, 8, generator=g).to(device), torch.randn(1, 16, 32, generator=g).to(device)
+    optimizers = [torch.optim.SGD([p for name, p in m.named_parameters() if "lora_" in name], lr=0.1)
+                  for m in (model, reference)]
+    for step in range(1, 3):
+        grads = []
+        for m, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            m(x, torch.tensor([500], device=device), text, return_dict=False)[0].square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
+            optimizer.step()
+        assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        assert calls[id(model)] == calls[id(reference)] == [2 * step] * len(model.blocks)
+    assert torch.equal(_forward(model, device), _forward(reference, device))
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_fused_adapter_that_a_forward_unmerges_stays_unmerged(device: str, backend: str) -> None:
     # peft unmerges a merged layer inside its forward when the adapters are disabled: in an offloaded block
     # that writes the running step's weights, which the block's release must keep.

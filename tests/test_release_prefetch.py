@@ -12,7 +12,7 @@ import torch
 import fastoffload_ext as fo
 from benchmarks.schedule_bound import schedule_ms
 from fastoffload_ext.planning import BlockCosts, simulate_step
-from fastoffload_ext.planning.schedule import acquire_targets, release_target
+from fastoffload_ext.planning.schedule import acquire_targets, backward_targets, release_target
 
 from ._models import OFFLOAD_DEVICES, make_pair, params_equal, place_outside_blocks
 
@@ -22,6 +22,12 @@ def test_acquire_targets_are_the_next_blocks_wrapping_only_when_cyclic() -> None
     assert acquire_targets(3, 4, 2, cyclic=True) == [0, 1]
     assert acquire_targets(3, 4, 2, cyclic=False) == []
     assert acquire_targets(2, 4, 2, cyclic=False) == [3]
+
+
+def test_backward_targets_are_the_blocks_before_never_wrapping() -> None:
+    assert backward_targets(3, 2) == [2, 1]
+    assert backward_targets(1, 2) == [0]
+    assert backward_targets(0, 3) == []
 
 
 @pytest.mark.parametrize(("depth", "cyclic", "expected"), [

@@ -17,6 +17,15 @@ Saved-tensor hooks turn off autograd's own check that a saved tensor was not mod
 the pack hook records the version counter and the unpack hook repeats the check. The hooks run only
 when autograd saves something, i.e. when some input of the block requires grad; under
 ``torch.no_grad()`` or ``inference_mode()`` the guard is never entered.
+
+The block may run inside saved-tensor hooks of the caller's: activation checkpointing
+(``torch.utils.checkpoint``, non-reentrant, which diffusers' ``enable_gradient_checkpointing`` uses)
+saves nothing and recomputes the block in backward; ``save_on_cpu`` moves what is saved to the host.
+Autograd uses the innermost hooks only, so hooks of this guard's own would take the block's tensors from
+them: the checkpoint would save every activation and every private weight copy and never recompute, and
+a model that fits on the device only because of it would run out of memory, with nothing saying why.
+So under the caller's hooks the guard hands them a detached alias of each tensor (the first point
+above) and leaves saving, and checking versions, to them, as on the resident model.
 """
 from __future__ import annotations
 
@@ -49,6 +58,22 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return tensor
 
 
+def _callers_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair of saved-tensor hooks in effect now, or None (no such hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _through(hooks: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The caller's hooks, given detached aliases: what they save stays valid when parameters are rebound."""
+    outer_pack, outer_unpack = hooks
+
+    def pack(tensor: torch.Tensor) -> Any:
+        return outer_pack(tensor.detach())
+
+    return pack, outer_unpack
+
+
 class SavedTensorGuard:
     """Saved-tensor hooks around one offloaded block's forward (entered by its pre-hook, left by its post-hook).
 
@@ -63,7 +88,9 @@ class SavedTensorGuard:
         if not torch.is_grad_enabled():
             self._scopes.append(None)
             return
-        scope = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        outer = _callers_hooks()
+        pack, unpack = (_pack, _unpack) if outer is None else _through(outer)
+        scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         scope.__enter__()
         self._scopes.append(scope)
 

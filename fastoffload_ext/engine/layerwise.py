@@ -93,7 +93,7 @@ from fastoffload_ext.storage.source import CheckpointSource
 from fastoffload_ext.storage.state import CheckpointOffloadState
 from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.plan import OffloadPlan
-from fastoffload_ext.planning.schedule import acquire_targets, release_target
+from fastoffload_ext.planning.schedule import acquire_targets, backward_targets, release_target
 
 logger = logging.getLogger(__name__)
 
@@ -524,11 +524,13 @@ def _model_hooks(model: nn.Module, group: LayerwiseOffloadGroup) -> ModelStateDi
 def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int, cyclic: bool,
                            positions: Sequence[int]) -> None:
     """Each state prefetches the next ``prefetch_depth`` states as it starts (wrapping around when ``cyclic``)
-    and, where the backend allows it, one more as it releases when other compute follows it
-    (``planning/schedule.py``); ``positions`` are the states' indices in the block list."""
+    and, where the backend allows it, one more as it releases when other compute follows it; run again by a
+    backward pass (activation checkpointing), the ``prefetch_depth`` states before it (``planning/schedule.py``).
+    ``positions`` are the states' indices in the block list."""
     count = len(states)
     for i, state in enumerate(states):
         state.prefetch_targets = [states[t] for t in acquire_targets(i, count, prefetch_depth, cyclic)]
+        state.backward_targets = [states[t] for t in backward_targets(i, prefetch_depth)]
         state.next_state = state.prefetch_targets[0] if state.prefetch_targets else None
         if getattr(state, "prefetches_on_release", False):
             target = release_target(i, positions, prefetch_depth, cyclic)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,9 @@ from fastoffload_ext.engine.state_dict import StateDictHooks
 __all__ = ["LayerwiseOffloadHook", "offload_hook_of"]
 
 logger = logging.getLogger(__name__)
+
+# Not -1 while autograd runs a backward pass on this thread (where checkpointed blocks run again).
+_graph_task_id = torch._C._current_graph_task_id
 
 
 class LayerwiseOffloadHook(ForwardHook):
@@ -98,12 +101,20 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
-        watch = self.run_order_watch
-        if watch is not None:
-            watch.started(self.state)
+        if _graph_task_id() != -1:
+            # A backward pass runs the block again (activation checkpointing), last block first: the blocks
+            # before it are the ones to copy ahead, and the order the forward runs in is not this one.
+            targets = getattr(self.state, "backward_targets", ())
+        else:
+            targets = None
+            watch = self.run_order_watch
+            if watch is not None:
+                watch.started(self.state)
         try:
-            if self._one_call_entry is None or not self._one_call_entry():
-                self._acquire_then_prefetch()
+            if targets is not None:
+                self._acquire_then_prefetch(targets)
+            elif self._one_call_entry is None or not self._one_call_entry():
+                self._acquire_then_prefetch(self.state.prefetch_targets)
             self.saved_tensors.enter()
         except BaseException:
             # A Ctrl-C is raised at the first bytecode after the engine's acquire returns (an acquire that
@@ -118,11 +129,11 @@ class LayerwiseOffloadHook(ForwardHook):
                     logger.exception("fastoffload: releasing a block after its entry raised failed")
             raise
 
-    def _acquire_then_prefetch(self) -> None:
+    def _acquire_then_prefetch(self, targets: Sequence[BlockOffloadState]) -> None:
         state = self.state
         state.acquire()
         try:
-            for target in state.prefetch_targets:
+            for target in targets:
                 target.prefetch()
         except BaseException:
             state.release()  # the manager only cleans up hooks whose pre_forward completed
@@ -135,9 +146,12 @@ class LayerwiseOffloadHook(ForwardHook):
         finally:
             # A Ctrl-C landing inside the scope's exit must not keep the block holding its slot (see _enter).
             state.release()
-        # Where other compute runs before the next offloaded block, its copies start in the slot just freed.
-        for target in getattr(state, "release_targets", ()):
-            target.prefetch()
+        # Where other compute runs before the next offloaded block, its copies start in the slot just freed (in
+        # the forward's order: not in a backward pass, which runs the blocks the other way).
+        targets = getattr(state, "release_targets", ())
+        if targets and _graph_task_id() == -1:
+            for target in targets:
+                target.prefetch()
 
     def keep_running_changes(self) -> None:
         """Make what is written into the running block's weights from now until its release last.

@@ -32,6 +32,8 @@ class BlockOffloadState(Protocol):
     prefetch_targets: list[BlockOffloadState]
     # The states this block prefetches when it releases (see layerwise._wire_prefetch_targets); mostly empty.
     release_targets: Sequence[BlockOffloadState]
+    # The states this block prefetches when a backward pass runs it again (activation checkpointing).
+    backward_targets: Sequence[BlockOffloadState]
 
     @property
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
@@ -147,6 +149,7 @@ class SeedEntryPoints:
     # acquire waits for its own copy alone, so an early copy delays no block before it.
     prefetches_on_release: bool = False
     release_targets: Sequence[BlockOffloadState] = ()
+    backward_targets: Sequence[BlockOffloadState] = ()
 
     def unlink(self) -> None:
         """Drops this state's references to the other states (the prefetch ring, a cycle among them): its
@@ -154,6 +157,7 @@ class SeedEntryPoints:
         self.next_state = None
         self.prefetch_targets = []
         self.release_targets = ()
+        self.backward_targets = ()
 
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:

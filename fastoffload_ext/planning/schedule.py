@@ -10,13 +10,17 @@ just freed), so the device memory is what it was.
 
 Only a backend whose acquire waits for its own copy alone does the second kind (the ext engine: a slot's
 ready event); FastVideo's python algorithm waits for every copy in flight, where an early copy would hold
-up the block before it. Pure functions, no torch.
+up the block before it.
+
+Under activation checkpointing the backward pass runs the blocks again, last first: there block ``i``
+prefetches the ``depth`` blocks before it instead (never wrapping: the next forward starts with the blocks
+the backward ran last, still in their slots). Pure functions, no torch.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["acquire_targets", "release_target"]
+__all__ = ["acquire_targets", "backward_targets", "release_target"]
 
 
 def acquire_targets(i: int, count: int, depth: int, cyclic: bool) -> list[int]:
@@ -43,3 +47,8 @@ def release_target(i: int, positions: Sequence[int], depth: int, cyclic: bool) -
         return None
     ahead = i + depth + 1
     return ahead % count if cyclic or ahead < count else None
+
+
+def backward_targets(i: int, depth: int) -> list[int]:
+    """The offloaded blocks block ``i`` prefetches as a backward pass runs it again: the ``depth`` before it."""
+    return [i - step for step in range(1, depth + 1) if i - step >= 0]
