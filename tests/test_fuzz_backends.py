@@ -12,7 +12,9 @@ The models vary: 1 to 6 blocks of mixed kinds (a Linear with a buffer that count
 inside the block, a block with no parameters, LayerNorm-heavy blocks, a bf16 weight big enough for the
 codec), weights tied across two blocks (refused unless both stay resident), parameters outside the block
 list, and often a second list that runs after the first; a quarter of them run their blocks in a shuffled
-order (the run-order watch then rewires the prefetches in the first forward). Enable picks the lists (FastVideo's first one,
+order (the run-order watch then rewires the prefetches in the first forward), and half of them run each block
+under activation checkpointing in grad mode (non-reentrant or reentrant: backward runs the blocks again, last
+first). Enable picks the lists (FastVideo's first one,
 ``"all"``, the second alone, or both in another order than they run) and, now and then, ``compress``
 (True or "auto"; the python backend refuses True). ``FASTOFFLOAD_FUZZ_SEEDS``
 (a count) and ``FASTOFFLOAD_FUZZ_STEPS`` run it longer than CI does (the defaults take ~10-20 s on one core);
@@ -32,6 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fastoffload_ext as fo
 from fastoffload_ext.errors import OffloadConfigError
@@ -116,8 +119,9 @@ class FuzzModel(nn.Module):
     ``chain``) makes the forward run the blocks in another order, as Lumina2 and Latte do."""
 
     def __init__(self, kinds: list[str], tie: tuple[int, int] | None, tail: list[str],
-                 run_order: list[int] | None = None) -> None:
+                 run_order: list[int] | None = None, checkpointed: str | None = None) -> None:
         super().__init__()
+        self.checkpointed = checkpointed  # None, "non-reentrant" or "reentrant": each block checkpointed in grad mode
         self.proj_in = nn.Linear(D, D)
         self.blocks = nn.ModuleList(FuzzBlock(kind) for kind in kinds)
         self.tail = nn.ModuleList(FuzzBlock(kind) for kind in tail)
@@ -140,7 +144,10 @@ class FuzzModel(nn.Module):
         x = self.proj_in(x)
         chain = self.chain
         for index in self.run_order if self.run_order is not None else range(len(chain)):
-            x = chain[index](x)
+            if self.checkpointed is not None and torch.is_grad_enabled():
+                x = checkpoint(chain[index], x, use_reentrant=self.checkpointed == "reentrant")
+            else:
+                x = chain[index](x)
         return x * self.scale
 
 
@@ -169,10 +176,12 @@ def _pair(rng: random.Random) -> tuple[FuzzModel, FuzzModel]:
     kinds, tie, tail = _kinds(rng)
     seed = rng.randrange(1 << 30)
     order = run_order(rng, len(kinds) + len(tail))
+    # From its own generator: the driver's draws, and so what the earlier seeds ran, stay as they were.
+    checkpointed = random.Random(seed).choice([None, None, "non-reentrant", "reentrant"])
     torch.manual_seed(seed)
-    model = FuzzModel(kinds, tie, tail, order)
+    model = FuzzModel(kinds, tie, tail, order, checkpointed)
     torch.manual_seed(seed)
-    twin = FuzzModel(kinds, tie, tail, order)
+    twin = FuzzModel(kinds, tie, tail, order, checkpointed)
     return model, twin
 
 
@@ -317,6 +326,11 @@ class Driver:
                 if i in offloaded and any(p.requires_grad for p in self.model.chain[i].parameters()):
                     refused_at = i
                     break
+        # A reentrant checkpoint runs the forward without grad: the refusal can come only in backward, which runs the
+        # block again with grad (and only where the output requires grad), while the twin trains on.
+        backward_refusal = refused_at is not None and self.model.checkpointed == "reentrant"
+        if backward_refusal:
+            refused_at = None
         stop = min([i for i in (fault_at, refused_at) if i is not None], key=ran.index, default=None)
         refused = stop is not None and stop == refused_at
         if stop is not None:
@@ -339,7 +353,12 @@ class Driver:
         finally:
             if stop is not None:
                 self.twin.chain[stop].fault = None
-        if want_err is None:
+        if want_err is None and backward_refusal and err is not None:
+            assert isinstance(err, RuntimeError) and "requires grad, and grad mode is on" in str(err), repr(err)
+            with torch.no_grad():  # the twin's backward ran every block again, the refused one stopped midway
+                for block, twin_block in zip(self.model.chain, self.twin.chain):
+                    twin_block.calls.copy_(block.calls)
+        elif want_err is None:
             assert err is None, f"offloaded forward raised {err!r}; resident ran"
             assert torch.equal(out[0], want[0])
             if grad_input:
