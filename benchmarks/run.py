@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 SECTIONS = ("bandwidth", "forward", "graphs", "compile", "startup", "overhead", "lazy", "ranks", "codec", "budgets",
-            "disk", "models")
+            "disk", "training", "models")
 
 # Wall-clock limits per section, seconds (full, quick); a safety net against hangs, not a budget. The
 # quick forward's 150 s (300 s on the host) cut a 2-core AMD EPYC without bf16 instructions off after W1:
@@ -47,6 +47,7 @@ SECTION_TIMEOUTS = {
     "codec": (600, 300),
     "budgets": (900, 420),
     "disk": (900, 400),
+    "training": (300, 180),
     "models": (1500, 400),
 }
 

@@ -1,0 +1,32 @@
+"""The training benchmark section on the host: its rows hold what a checkpointed training step through
+offloaded blocks does (gradients bit-equal to the resident model's; in backward each block copied once, and
+only the first loaded on demand), against the hooks' earlier forward-order targets."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import training
+from benchmarks.utils import Context, Options, read_journal
+from benchmarks.workloads import StackSpec
+
+
+def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("training", Options(quick=True, device="cpu", progress=False), str(journal))
+    spec = StackSpec("tiny", d=32, blocks=6, tokens=8, n_norms=2, character="")
+    try:
+        training._workload(ctx, spec, None)
+    finally:
+        ctx.close()
+    rows = {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
+            if record.get("type") == "row"}
+    assert set(rows) == {training.RESIDENT, training.EXT, training.EXT_BEFORE, "floor"}
+    for name in (training.RESIDENT, training.EXT, training.EXT_BEFORE):
+        assert "error" not in rows[name], rows[name].get("error")
+        assert rows[name]["bit_equal"] is True
+    # Per step: each of the 6 blocks copied once forward and once in backward; in backward only the block the
+    # forward's wrap-around prefetch evicted loads on demand.
+    assert (rows[training.EXT]["copies"], rows[training.EXT]["sync_loads"]) == (12.0, 1.0)
+    # Forward-order targets in backward: every block loads on demand there, and its prefetches are wasted.
+    assert rows[training.EXT_BEFORE]["sync_loads"] == 6.0 and rows[training.EXT_BEFORE]["copies"] > 12.0
+    assert rows["floor"]["skipped"] == "needs a CUDA device and the peak H2D"
