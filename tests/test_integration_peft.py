@@ -2,7 +2,7 @@
 backends: every forward, merge, unmerge, save and load gives bit for bit what the resident model gives."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -59,6 +59,27 @@ def _pair(device: str, backend: str, order: str) -> tuple[nn.Module, nn.Module]:
         _add(model)
     _forward(model, device)  # a step first: the cyclic prefetch has a block loaded when the merge comes
     return model, reference
+
+
+def _training_steps(model: nn.Module, reference: nn.Module, device: str, seed: int,
+                    steps: int = 2) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """SGD steps on the adapters' weights of both models, one input each; yields each step's gradients by name
+    (the offloaded model's, then the reference's)."""
+    g = torch.Generator().manual_seed(seed)
+    x, text = torch.randn(1, 16, 3, 8, 8, generator=g).to(device), torch.randn(1, 16, 32, generator=g).to(device)
+    optimizers = []
+    for m in (model, reference):
+        trained = [p for name, p in m.named_parameters() if "lora_" in name]
+        assert trained and all(p.requires_grad for p in trained)
+        optimizers.append(torch.optim.SGD(trained, lr=0.1))
+    for _ in range(steps):
+        grads = []
+        for m, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            m(x, torch.tensor([500], device=device), text, return_dict=False)[0].square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
+            optimizer.step()
+        yield grads
 
 
 def _merge_each_layer(model: nn.Module) -> None:
@@ -177,20 +198,7 @@ def test_an_adapter_added_after_enable_trains_inside_the_offloaded_blocks(device
     # Its weights are the blocks' own ordinary tensors (the host copy holds the frozen base weights only), so
     # gradients and optimizer steps reach them as on the resident model.
     model, reference = _pair(device, backend, "offload-then-adapter")
-    g = torch.Generator().manual_seed(5)
-    x, text = torch.randn(1, 16, 3, 8, 8, generator=g).to(device), torch.randn(1, 16, 32, generator=g).to(device)
-    optimizers = []
-    for m in (model, reference):
-        trained = [p for name, p in m.named_parameters() if "lora_" in name]
-        assert trained and all(p.requires_grad for p in trained)
-        optimizers.append(torch.optim.SGD(trained, lr=0.1))
-    for step in range(2):
-        grads = []
-        for m, optimizer in zip((model, reference), optimizers):
-            optimizer.zero_grad()
-            m(x, torch.tensor([500], device=device), text, return_dict=False)[0].square().mean().backward()
-            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
-            optimizer.step()
+    for grads in _training_steps(model, reference, device, seed=5):
         assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
         assert any(".blocks." in f".{k}" for k in grads[0])  # adapters inside the offloaded blocks trained
     assert torch.equal(_forward(model, device), _forward(reference, device))
@@ -210,17 +218,7 @@ def test_an_adapter_trains_under_gradient_checkpointing(device: str, backend: st
         calls[id(m)] = counts = [0] * len(m.blocks)
         for i, block in enumerate(m.blocks):
             block.register_forward_pre_hook(lambda module, args, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
-    g = torch.Generator().manual_seed(6)
-    x, text = torch.randn(1, 16, 3, 8, 8, generator=g).to(device), torch.randn(1, 16, 32, generator=g).to(device)
-    optimizers = [torch.optim.SGD([p for name, p in m.named_parameters() if "lora_" in name], lr=0.1)
-                  for m in (model, reference)]
-    for step in range(1, 3):
-        grads = []
-        for m, optimizer in zip((model, reference), optimizers):
-            optimizer.zero_grad()
-            m(x, torch.tensor([500], device=device), text, return_dict=False)[0].square().mean().backward()
-            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
-            optimizer.step()
+    for step, grads in enumerate(_training_steps(model, reference, device, seed=6), start=1):
         assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
         assert calls[id(model)] == calls[id(reference)] == [2 * step] * len(model.blocks)
     assert torch.equal(_forward(model, device), _forward(reference, device))
