@@ -131,7 +131,7 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
         floor_rounds = [max(r, transfer_ms or 0.0) for r in timed.rounds[RESIDENT]]
         for name in steps:
             ctx.run_row("training", {"workload": spec.name, "config": name},
-                        lambda name=name: _row(ctx, timed, name, floor_rounds, transfer_ms, checks[name],
+                        lambda name=name: _row(ctx, timed, name, floor_rounds, checks[name],
                                                memory[name], counts.get(name)))
         if transfer_ms is None:
             ctx.skip("training", {"workload": spec.name, "config": "floor"}, "needs a CUDA device and the peak H2D")
@@ -145,8 +145,8 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
             disable_layerwise_offload(model, device="cpu")
 
 
-def _row(ctx: Context, timed: Interleaved, name: str, floor_rounds: list[float], transfer_ms: float | None,
-         equal: bool, step_bytes: int | None, counts: dict[str, float] | None) -> dict[str, Any]:
+def _row(ctx: Context, timed: Interleaved, name: str, floor_rounds: list[float], equal: bool,
+         step_bytes: int | None, counts: dict[str, float] | None) -> dict[str, Any]:
     mine = timed.rounds[name]
     row: dict[str, Any] = {"ms": timed.median_ms(name), "x_resident": timed.ratio(name, RESIDENT),
                            "spread": timed.spread(name), "bit_equal": equal, "rounds_ms": list(mine)}
