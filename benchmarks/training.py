@@ -3,15 +3,17 @@
 LoRA and adapter training on a model larger than the device keeps the blocks' own weights frozen and
 offloaded, and checkpoints each block (diffusers' ``enable_gradient_checkpointing``): the forward saves
 only each block's input, and backward runs every block again, last first, before its gradient. So a step
-copies every offloaded block twice, once per direction, and the floor is max(the resident model's step,
-twice the offloaded bytes at the run's peak H2D).
+copies every offloaded block twice, once per direction, less the blocks still in a slot where the direction
+turns, and the floor is max(the resident model's step, twice the offloaded bytes at the run's peak H2D).
 
 Configurations, timed in interleaved rounds in one process (``benchmarks/interleave.py``):
 - ``resident``: every weight on the device;
-- ``ext``: the default offload; in backward each block prefetches the one before it;
-- ``ext, forward targets in backward``: the same offload with each block's backward targets set to its
-  forward ones, which is what the hooks did before they knew the direction (each block then loads on demand
-  in backward, and the copies meant for the forward's next block are wasted).
+- ``ext``: the default offload; in backward each block prefetches the one before it, and a training forward
+  copies nothing for the next step (the blocks it leaves in the slots are the ones backward runs first, and
+  the ones backward leaves are the next forward's first), so a step copies 2 x (blocks - slots) blocks;
+- ``ext, forward targets in backward``: the same offload with the forward's targets everywhere, which is what
+  the hooks did before they knew the direction (each block then loads on demand in backward, and the copies
+  meant for the forward's next block are wasted).
 
 Each row checks the input's gradient against the resident model's, bit for bit, and gives the device
 memory a step needs above what was allocated before it (the resident model's weights count there only for
@@ -115,8 +117,9 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
     groups = {}
     for name, model in ((EXT, offloaded), (EXT_BEFORE, before)):
         groups[name] = enable_layerwise_offload(model, device=device, prefetch_depth=ctx.options.prefetch_depth)
-    for state in groups[EXT_BEFORE].states:
-        state.backward_targets = list(state.prefetch_targets)
+    for state in groups[EXT_BEFORE].states:  # the hooks' targets before they knew a step trains
+        state.backward_targets, state.training_targets = list(state.prefetch_targets), None
+        state.release_wraps = False
     steps = {RESIDENT: _step(resident, x), EXT: _step(offloaded, x), EXT_BEFORE: _step(before, x)}
     try:
         reference = steps[RESIDENT]()

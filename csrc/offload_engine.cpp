@@ -655,7 +655,13 @@ bool OffloadEngine::prefetch(size_t block) {
   check_block(block);
   if (materialized_[block]) return false;
   ensure_slots();
-  if (ring_.slot_of(block) >= 0) return false;
+  const int64_t held = ring_.slot_of(block);
+  if (held >= 0) {
+    // Wanted again soon: a cached copy becomes the last cached slot a new copy may take (backward runs the
+    // blocks a training forward left cached first, while it copies the ones before them).
+    if (ring_.slot(static_cast<size_t>(held)).state == SlotState::kCached) ring_.touch(static_cast<size_t>(held));
+    return false;
+  }
   // A disk-tier block whose read is still running is copied by its own acquire (or a later prefetch).
   if (store_.block(block).on_disk && (disk_ == nullptr || !disk_->started() || disk_->take(block, false) == nullptr))
     return false;

@@ -132,6 +132,8 @@ bool SlotRing::release(size_t slot) {
   return true;
 }
 
+void SlotRing::touch(size_t slot) { slots_[slot].touched = ++clock_; }
+
 void SlotRing::forget_block(size_t block) {
   const int64_t index = slot_of(block);
   if (index < 0) return;

@@ -11,7 +11,8 @@
 // A new copy goes into an empty slot, else the least recently touched cached one, else the least
 // recently touched ready one; never into a slot in use. A cached block that runs again is not copied
 // again, so a block that runs twice in a row, a single-block list, or a list that fits in the slots
-// costs no transfer after its first.
+// costs no transfer after its first; a prefetch of a cached block touches it, so that the copies issued
+// beside it take the other cached slots first.
 #pragma once
 
 #include <cstddef>
@@ -63,6 +64,7 @@ class SlotRing {
   void assign(size_t slot, size_t block);  // -> ready
   void acquire(size_t slot);               // -> in use (refcounted)
   bool release(size_t slot);               // -> cached when the last user releases; true then
+  void touch(size_t slot);                 // most recently touched: the last of its state a new copy takes
   void forget_block(size_t block);         // its slot, if any, -> empty
   void forget_all();
 

@@ -83,7 +83,7 @@ from fastoffload_ext.engine.options import (BACKENDS, DEFAULT_PIN_BACKING, PIN_B
                                             OffloadOptions, check_arguments, resolve_device, validate_arguments)
 from fastoffload_ext.engine.python_state import LayerwiseOffloadState
 from fastoffload_ext.engine.run_order import RunOrderWatch
-from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state import BackwardRuns, BlockOffloadState
 from fastoffload_ext.engine.state_dict import ModelStateDictHooks
 from fastoffload_ext.engine.threads import ModelForwards, layout_change
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
@@ -525,16 +525,24 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
                            positions: Sequence[int]) -> None:
     """Each state prefetches the next ``prefetch_depth`` states as it starts (wrapping around when ``cyclic``)
     and, where the backend allows it, one more as it releases when other compute follows it; run again by a
-    backward pass (activation checkpointing), the ``prefetch_depth`` states before it (``planning/schedule.py``).
-    ``positions`` are the states' indices in the block list."""
+    backward pass (activation checkpointing), the ``prefetch_depth`` states before it; and in a training forward
+    (once a backward pass has run the blocks again), nothing that wraps into the next step, whose first blocks
+    the backward pass would evict (``planning/schedule.py``). ``positions`` are the states' indices in the block
+    list."""
     count = len(states)
+    runs = BackwardRuns()
     for i, state in enumerate(states):
-        state.prefetch_targets = [states[t] for t in acquire_targets(i, count, prefetch_depth, cyclic)]
+        targets = acquire_targets(i, count, prefetch_depth, cyclic)
+        unwrapped = acquire_targets(i, count, prefetch_depth, cyclic=False)
+        state.prefetch_targets = [states[t] for t in targets]
+        state.training_targets = None if unwrapped == targets else [states[t] for t in unwrapped]
         state.backward_targets = [states[t] for t in backward_targets(i, prefetch_depth)]
+        state.backward_runs = runs
         state.next_state = state.prefetch_targets[0] if state.prefetch_targets else None
         if getattr(state, "prefetches_on_release", False):
             target = release_target(i, positions, prefetch_depth, cyclic)
             state.release_targets = [] if target is None else [states[target]]
+            state.release_wraps = target is not None and target <= i
 
 
 

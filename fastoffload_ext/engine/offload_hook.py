@@ -101,20 +101,27 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
+        state = self.state
         if _graph_task_id() != -1:
             # A backward pass runs the block again (activation checkpointing), last block first: the blocks
             # before it are the ones to copy ahead, and the order the forward runs in is not this one.
-            targets = getattr(self.state, "backward_targets", ())
+            runs = getattr(state, "backward_runs", None)
+            if runs is not None:
+                runs.seen = True
+            targets = getattr(state, "backward_targets", ())
         else:
-            targets = None
+            # Where the targets wrap into the next step: in a training forward the backward pass comes first.
+            targets = getattr(state, "training_targets", None)
+            if targets is not None and not (state.backward_runs.seen and torch.is_grad_enabled()):
+                targets = None
             watch = self.run_order_watch
             if watch is not None:
-                watch.started(self.state)
+                watch.started(state)
         try:
             if targets is not None:
                 self._acquire_then_prefetch(targets)
             elif self._one_call_entry is None or not self._one_call_entry():
-                self._acquire_then_prefetch(self.state.prefetch_targets)
+                self._acquire_then_prefetch(state.prefetch_targets)
             self.saved_tensors.enter()
         except BaseException:
             # A Ctrl-C is raised at the first bytecode after the engine's acquire returns (an acquire that
@@ -147,9 +154,11 @@ class LayerwiseOffloadHook(ForwardHook):
             # A Ctrl-C landing inside the scope's exit must not keep the block holding its slot (see _enter).
             state.release()
         # Where other compute runs before the next offloaded block, its copies start in the slot just freed (in
-        # the forward's order: not in a backward pass, which runs the blocks the other way).
+        # the forward's order: not in a backward pass, which runs the blocks the other way, nor for the next step
+        # at the end of a training forward, which a backward pass follows).
         targets = getattr(state, "release_targets", ())
-        if targets and _graph_task_id() == -1:
+        if targets and _graph_task_id() == -1 and not (
+                getattr(state, "release_wraps", False) and state.backward_runs.seen and torch.is_grad_enabled()):
             for target in targets:
                 target.prefetch()
 

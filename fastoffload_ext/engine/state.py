@@ -16,7 +16,7 @@ from torch import nn
 
 from fastoffload_ext.engine.messages import REBUILD_FAILED_NOTE
 
-__all__ = ["BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "parameter_names", "real_copy",
+__all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "parameter_names", "real_copy",
            "tensor_placeholder"]
 
 
@@ -135,6 +135,17 @@ def leave_mutation(state: BlockOffloadState) -> None:
         patch_peft()
 
 
+
+class BackwardRuns:
+    """Shared by the states of one ring: whether a backward pass has run their blocks again (activation
+    checkpointing), which makes a forward with grad mode on a training step's."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
 class SeedEntryPoints:
     """FastVideo's three method names, over a state's ``acquire``/``prefetch``/``release``.
 
@@ -150,6 +161,12 @@ class SeedEntryPoints:
     prefetches_on_release: bool = False
     release_targets: Sequence[BlockOffloadState] = ()
     backward_targets: Sequence[BlockOffloadState] = ()
+    # A training forward's targets, where ``prefetch_targets`` wrap into the next step (else None): a backward pass
+    # follows it and runs the last blocks again first, so copying the first ones would only evict those. Used once
+    # ``backward_runs`` has seen a backward pass run the ring's blocks, in forwards with grad mode on.
+    training_targets: Sequence[BlockOffloadState] | None = None
+    release_wraps: bool = False  # the release target, if any, is the next step's: a training forward skips it
+    backward_runs: BackwardRuns | None = None
 
     def unlink(self) -> None:
         """Drops this state's references to the other states (the prefetch ring, a cycle among them): its
@@ -158,6 +175,7 @@ class SeedEntryPoints:
         self.prefetch_targets = []
         self.release_targets = ()
         self.backward_targets = ()
+        self.training_targets = None
 
     @torch.compiler.disable
     def wait_and_replace_params(self) -> None:
