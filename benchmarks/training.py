@@ -112,6 +112,7 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
     x = _input(spec, device)
     resident = Checkpointed(build_stack(spec, device).requires_grad_(False))
     host = build_stack_on_host(spec).requires_grad_(False)
+    offloaded_bytes = sum(module_bytes(block) for block in host.blocks)  # before enable leaves placeholders there
     offloaded = Checkpointed(host)
     before = Checkpointed(build_stack_on_host(spec).requires_grad_(False))
     groups = {}
@@ -129,13 +130,12 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
         iters = ctx.iters(5, quick=3) if ctx.cuda else 1
         rounds = ROUNDS["quick" if ctx.quick else "full"] if ctx.cuda else HOST_ROUNDS
         timed = run_interleaved({name: _timer(ctx, step, iters) for name, step in steps.items()}, rounds)
-        offloaded_bytes = sum(module_bytes(block) for block in host.blocks)
         transfer_ms = 2 * offloaded_bytes / (peak * GB) * 1e3 if (ctx.cuda and peak) else None
         floor_rounds = [max(r, transfer_ms or 0.0) for r in timed.rounds[RESIDENT]]
         for name in steps:
             ctx.run_row("training", {"workload": spec.name, "config": name},
-                        lambda name=name: _row(ctx, timed, name, floor_rounds, checks[name],
-                                               memory[name], counts.get(name)))
+                        lambda name=name: {**_row(ctx, timed, name, floor_rounds, checks[name], memory[name],
+                                                  counts.get(name)), "offloaded_mib": offloaded_bytes / MiB})
         if transfer_ms is None:
             ctx.skip("training", {"workload": spec.name, "config": "floor"}, "needs a CUDA device and the peak H2D")
         else:

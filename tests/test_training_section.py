@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks import training
-from benchmarks.utils import Context, Options, read_journal
+from benchmarks.utils import MiB, Context, Options, read_journal
 from benchmarks.workloads import StackSpec
 
 
@@ -24,6 +24,8 @@ def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path:
     for name in (training.RESIDENT, training.EXT, training.EXT_BEFORE):
         assert "error" not in rows[name], rows[name].get("error")
         assert rows[name]["bit_equal"] is True
+        # The floor's bytes: the blocks' weights, counted before enable left placeholders in them.
+        assert rows[name]["offloaded_mib"] * MiB == spec.weight_bytes()
     # Per step: each of the 6 blocks copied once forward and once in backward, but for the 2 still in the slots
     # where the direction turns; none loads on demand.
     assert (rows[training.EXT]["copies"], rows[training.EXT]["sync_loads"]) == (8.0, 0.0)
