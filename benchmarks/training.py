@@ -194,5 +194,6 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         if row.get("config") in (EXT, EXT_BEFORE) and row.get("ms") is not None:
             floor = f"{row['x_floor']:.3f}x floor {row.get('x_floor_range', '')}, " if row.get("x_floor") else ""
             lines.append(f"training {row['workload']} {row['config']}: {row['ms']:.2f} ms = {floor}"
-                         f"{row['x_resident']:.3f}x resident; gradient bit-equal {'PASS' if row.get('bit_equal') else 'FAIL'}")
+                         f"{row['x_resident']:.3f}x resident; gradient bit-equal "
+                         f"{'PASS' if row.get('bit_equal') else 'FAIL'}")
     return lines

@@ -150,7 +150,8 @@ def test_a_diffusers_dit_under_gradient_checkpointing_gives_the_resident_models_
             grads.append([leaf.grad for leaf in leaves])
         assert any(grad is not None for grad in grads[0]), f"step {step}: no input got a gradient"
         for i, (got, want) in enumerate(zip(grads[1], grads[0])):
-            assert (got is None) == (want is None) and (want is None or torch.equal(got, want)), f"step {step}: input {i}"
+            same = (got is None) == (want is None) and (want is None or torch.equal(got, want))
+            assert same, f"step {step}: input {i}"
         assert calls == reference_calls, f"step {step}"
     assert max(calls) > 2, "the checkpoint ran no block again in backward"
     disable_layerwise_offload(model)

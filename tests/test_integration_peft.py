@@ -217,7 +217,7 @@ def test_an_adapter_trains_under_gradient_checkpointing(device: str, backend: st
         m.enable_gradient_checkpointing()
         calls[id(m)] = counts = [0] * len(m.blocks)
         for i, block in enumerate(m.blocks):
-            block.register_forward_pre_hook(lambda module, args, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
+            block.register_forward_pre_hook(lambda _, __, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
     for step, grads in enumerate(_training_steps(model, reference, device, seed=6), start=1):
         assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
         assert calls[id(model)] == calls[id(reference)] == [2 * step] * len(model.blocks)

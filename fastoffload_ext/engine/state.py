@@ -16,8 +16,8 @@ from torch import nn
 
 from fastoffload_ext.engine.messages import REBUILD_FAILED_NOTE
 
-__all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation", "parameter_names", "real_copy",
-           "tensor_placeholder"]
+__all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation",
+           "parameter_names", "real_copy", "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -133,7 +133,6 @@ def leave_mutation(state: BlockOffloadState) -> None:
         from fastoffload_ext.integrations.peft import patch_peft
 
         patch_peft()
-
 
 
 class BackwardRuns:
