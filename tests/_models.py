@@ -2,6 +2,8 @@
 toy sizes."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,8 @@ from benchmarks.workloads import Block, BlockStack
 from fastoffload_ext import LayerwiseOffloadHook
 from fastoffload_ext.engine.offload_hook import offload_hook_of
 
-__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "TwoLists", "make_pair", "offload_hook", "params_equal", "place_outside_blocks"]
+__all__ = ["OFFLOAD_DEVICES", "Block", "Stack", "TwoLists", "count_calls", "make_pair", "offload_hook", "params_equal",
+           "place_outside_blocks"]
 
 OFFLOAD_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -57,6 +60,15 @@ def place_outside_blocks(model: nn.Module, device: str) -> None:
     for name, child in model.named_children():
         if name != "blocks":
             child.to(device)
+
+
+def count_calls(blocks: Iterable[nn.Module]) -> list[int]:
+    """How often each of ``blocks`` has been called from now on (a forward pre-hook on each counts its calls)."""
+    calls: list[int] = []
+    for block in blocks:
+        calls.append(0)
+        block.register_forward_pre_hook(lambda *_, i=len(calls) - 1: calls.__setitem__(i, calls[i] + 1))
+    return calls
 
 
 def params_equal(a: nn.Module, b: nn.Module) -> bool:

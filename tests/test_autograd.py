@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fastoffload_ext as fo
 
-from ._models import OFFLOAD_DEVICES, make_pair, params_equal, place_outside_blocks
+from ._models import OFFLOAD_DEVICES, count_calls, make_pair, params_equal, place_outside_blocks
 
 BACKENDS = ["ext", "python"]
 
@@ -102,13 +102,6 @@ class _Checkpointed(torch.nn.Module):
         return self.proj_out(x)
 
 
-def _count_block_calls(model: torch.nn.Module) -> list[int]:
-    calls = [0] * len(model.blocks)
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1))
-    return calls
-
-
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -121,7 +114,7 @@ def test_checkpointed_blocks_run_again_in_backward_with_exact_gradients(device: 
     inner, inner_reference = _frozen_pair(4, device)
     model, reference = _Checkpointed(inner, reentrant), _Checkpointed(inner_reference, reentrant)
     fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth)
-    calls, reference_calls = _count_block_calls(model), _count_block_calls(reference)
+    calls, reference_calls = count_calls(model.blocks), count_calls(reference.blocks)
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(6)).to(_device(device))
     for step in range(1, 3):
         want = _grads(reference, x)

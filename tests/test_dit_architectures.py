@@ -12,7 +12,7 @@ from torch import nn
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from tests._dits import SPECS, DiT, build, inputs, run
-from tests._models import OFFLOAD_DEVICES
+from tests._models import OFFLOAD_DEVICES, count_calls, params_equal
 
 pytest.importorskip("diffusers", reason="diffusers is not installed (scripts/setup_env.sh installs it)")
 
@@ -110,15 +110,6 @@ def _latents(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]
     return {key: leaf(value) for key, value in kwargs.items()}, leaves
 
 
-def _block_calls(model: nn.Module, names: list[str]) -> list[int]:
-    calls: list[int] = []
-    for name in names:
-        for block in getattr(model, name):
-            calls.append(0)
-            block.register_forward_pre_hook(lambda *_, i=len(calls) - 1: calls.__setitem__(i, calls[i] + 1))
-    return calls
-
-
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS, ids=[spec.name for spec in SPECS])
@@ -134,7 +125,8 @@ def test_a_diffusers_dit_under_gradient_checkpointing_gives_the_resident_models_
         m.enable_gradient_checkpointing()
     kwargs = inputs(spec, device)
     names = list(_lists(model))
-    calls, reference_calls = _block_calls(model, names), _block_calls(reference, names)
+    calls, reference_calls = (count_calls(block for name in names for block in getattr(m, name))
+                              for m in (model, reference))
     enable_layerwise_offload(model, device=device, backend=backend, block_lists="all")
     for step in range(2):
         grads = []
@@ -155,5 +147,4 @@ def test_a_diffusers_dit_under_gradient_checkpointing_gives_the_resident_models_
         assert calls == reference_calls, f"step {step}"
     assert max(calls) > 2, "the checkpoint ran no block again in backward"
     disable_layerwise_offload(model)
-    for (name, param), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
-        assert torch.equal(param, want), name
+    assert params_equal(model, reference)

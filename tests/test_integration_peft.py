@@ -20,7 +20,7 @@ from fastoffload_ext import (LayerwiseOffloadHook, disable_layerwise_offload, en
                              get_offload_group)
 from fastoffload_ext.errors import OffloadStateError  # noqa: E402
 from fastoffload_ext.integrations.diffusers import offload_transformer  # noqa: E402
-from tests._models import OFFLOAD_DEVICES, params_equal  # noqa: E402
+from tests._models import OFFLOAD_DEVICES, count_calls, params_equal  # noqa: E402
 from tests._pipelines import call_arguments, tiny_pipeline, wan  # noqa: E402
 
 BACKENDS = ["ext", "python"]
@@ -212,12 +212,9 @@ def test_an_adapter_trains_under_gradient_checkpointing(device: str, backend: st
     # diffusers' enable_gradient_checkpointing (non-reentrant torch.utils.checkpoint): the blocks run again in
     # backward, as on the resident model, and the adapters' gradients are the resident model's.
     model, reference = _pair(device, backend, "offload-then-adapter")
-    calls = {}
     for m in (model, reference):
         m.enable_gradient_checkpointing()
-        calls[id(m)] = counts = [0] * len(m.blocks)
-        for i, block in enumerate(m.blocks):
-            block.register_forward_pre_hook(lambda _, __, i=i, counts=counts: counts.__setitem__(i, counts[i] + 1))
+    calls = {id(m): count_calls(m.blocks) for m in (model, reference)}
     for step, grads in enumerate(_training_steps(model, reference, device, seed=6), start=1):
         assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
         assert calls[id(model)] == calls[id(reference)] == [2 * step] * len(model.blocks)
