@@ -13,7 +13,7 @@ import torch
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext.storage.checkpoint import open_checkpoint
 from tests._checkpoints import inputs, meta_stack, reference_stack, write_single
-from tests._models import params_equal
+from tests._models import OFFLOAD_DEVICES, params_equal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -472,29 +472,66 @@ class ComputedStack(torch.nn.Module):
         return x
 
 
+def _empty_computed_stack() -> ComputedStack:
+    """Built with empty weights: parameters on the meta device, buffers real on the host (accelerate's default)."""
+    with torch.device("meta"):
+        model = ComputedStack()
+    for module in model.modules():
+        if "table" in module._buffers:
+            module._buffers["table"] = torch.linspace(0.5, 1.5, 32)
+    return model
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("saved", ["older", "without"])
 @pytest.mark.parametrize("resident_blocks", [None, 2])
-def test_a_computed_buffer_keeps_its_values_when_an_older_checkpoint_holds_one(tmp_path: Path,
-                                                                               resident_blocks) -> None:
+def test_a_computed_buffer_keeps_its_values_and_runs_on_the_device(tmp_path: Path, resident_blocks, saved: str,
+                                                                   device: str) -> None:
     from safetensors.torch import save_file
     torch.manual_seed(0)
     reference = ComputedStack()
-    # A checkpoint from a version that saved the tables (with other values): the model built now computes
-    # its own, and load_state_dict (which never loads a non-persistent buffer) keeps them.
-    older = dict(reference.state_dict())
-    older.update({name: torch.zeros_like(table) for name, table in reference.named_buffers()})
-    path = tmp_path / "older.safetensors"
-    save_file({k: v.contiguous() for k, v in older.items()}, str(path))
-    with torch.device("meta"):
-        model = ComputedStack()
-    for module in model.modules():  # built with empty weights: buffers real, as accelerate's default does
-        if "table" in module._buffers:
-            module._buffers["table"] = torch.linspace(0.5, 1.5, 32)
-    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
-    x = torch.randn(3, 32)
+    state = dict(reference.state_dict())
+    if saved == "older":
+        # A checkpoint from a version that saved the tables (with other values): the model built now computes
+        # its own, and load_state_dict (which never loads a non-persistent buffer) keeps them.
+        state.update({name: torch.zeros_like(table) for name, table in reference.named_buffers()})
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    model = _empty_computed_stack()
+    enable_layerwise_offload(model, device=device, weights=path, resident_blocks=resident_blocks)
+    # The tables outside the offloaded blocks move to the device with the tensors read from the file.
+    assert all(buffer.device.type == device for buffer in model.buffers())
+    reference.to(device)
+    x = torch.randn(3, 32, device=device)
     with torch.no_grad():
         expected = reference(x)
         for _ in range(2):
             assert torch.equal(model(x), expected)
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
-    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.buffers(), reference.buffers()))
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+def test_a_failed_enable_puts_the_computed_buffers_back_where_they_were(tmp_path: Path, device: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import save_file
+
+    from fastoffload_ext.storage.source import CheckpointSource
+    reference = ComputedStack()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
+    model = _empty_computed_stack()
+    before = {name: (buffer, buffer.clone()) for name, buffer in model.named_buffers()}
+
+    def failing(self: CheckpointSource, engine: object) -> None:
+        raise RuntimeError("injected after the resident tensors were read")
+
+    monkeypatch.setattr(CheckpointSource, "start", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        enable_layerwise_offload(model, device=device, weights=path, resident_blocks=2)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer.cpu(), before[name][1]), name
+        if not name.startswith(("blocks.2.", "blocks.3.")):  # outside the offloaded blocks: the tensor it was
+            assert buffer is before[name][0], name
+    assert all(p.is_meta for p in model.parameters())

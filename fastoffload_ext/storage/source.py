@@ -6,7 +6,9 @@ empty weights) and fills it from ``PATH``:
   reader (host tier), or registered to be read every step (disk tier, when ``host_budget`` is smaller
   than the blocks); no pageable copy of a block ever exists;
 - every other parameter and every buffer (the resident blocks, embeddings, norms outside the list) is
-  read from the file onto the offload device directly.
+  read from the file onto the offload device directly; a real buffer the file does not hold (a table the
+  model computes when it is built, such as a rotary or position embedding) keeps its values and moves
+  to the device with the rest.
 
 Everything the checkpoint must provide is checked before anything changes: a tensor missing from it,
 or with another shape or dtype than the model's, is refused with an error naming the tensor and the
@@ -109,6 +111,7 @@ class CheckpointSource:
         self._replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
         self._loaded: set[str] = set()  # resident names already read
         self.block_buffers: set[str] = set()  # resident names that are buffers of offloaded blocks
+        self.kept: list[str] = []  # real buffers outside the offloaded blocks that the checkpoint does not hold
         self._next_block = 0
         # For promotions (next_block): each block's packed bytes, the budget, the engine's codec mode.
         self.block_bytes: list[int] = []
@@ -156,6 +159,10 @@ class CheckpointSource:
         source.block_bytes, source.host_budget = list(block_bytes), budget.bytes
         prefixes = tuple(f"{block_names[i]}." for i in offloaded)
         source.block_buffers = {name for name in resident if name.startswith(prefixes)}
+        # Attaching a block moves its own buffers; the others are moved with the resident tensors.
+        source.kept = [name for name, tensor, kind in cls._named_tensors(model)
+                       if kind == "buffer" and name not in resident and not tensor.is_meta
+                       and not name.startswith(prefixes)]
         source.phases["checkpoint"] = opened - started
         source.phases["match"] = time.perf_counter() - opened
         return source
@@ -323,8 +330,16 @@ class CheckpointSource:
 
     def load_resident(self, model: nn.Module, device: torch.device) -> None:
         """Every non-offloaded parameter and every buffer not read yet, from the checkpoint onto
-        ``device``. Called once the blocks are attached, so that it runs while their reads do."""
+        ``device``, and the buffers the checkpoint does not hold, moved there with their values. Called
+        once the blocks are attached, so that it runs while their reads do."""
         self._load(model, device, [name for name in self.resident if name not in self._loaded])
+        moved: dict[int, torch.Tensor] = {}  # a buffer held under several names stays one tensor
+        with torch.inference_mode(False):
+            for name in self.kept:
+                prefix, _, leaf = name.rpartition(".")
+                buffer = model.get_submodule(prefix)._buffers[leaf]
+                if buffer is not None and buffer.device != device:
+                    self._assign(model, name, lambda b=buffer: moved.setdefault(id(b), b.to(device)), {})
         logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
 
     def _load(self, model: nn.Module, device: torch.device, names: list[str]) -> None:
