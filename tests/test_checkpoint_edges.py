@@ -512,6 +512,22 @@ def test_a_computed_buffer_keeps_its_values_and_runs_on_the_device(tmp_path: Pat
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.buffers(), reference.buffers()))
 
 
+@pytest.mark.parametrize("offloaded", [[0, 1, 2, 3], [2, 3], []])
+def test_the_buffers_moved_with_the_resident_tensors_are_those_outside_the_offloaded_blocks(
+        tmp_path: Path, offloaded: list[int]) -> None:
+    # On a GPU each of these is moved from the host, where a model built with empty weights keeps them; on
+    # the host device the move is a no-op, so this checks which buffers are chosen.
+    from safetensors.torch import save_file
+
+    from fastoffload_ext.storage.source import CheckpointSource
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in ComputedStack().state_dict().items()}, str(path))
+    model = _empty_computed_stack()
+    names = [f"blocks.{i}" for i in range(4)]
+    source = CheckpointSource.prepare(model, names, model.blocks, offloaded, path, "auto", None, torch.device("cpu"))
+    assert source.kept == ["head.table"] + [f"blocks.{i}.table" for i in range(4) if i not in offloaded]
+
+
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 def test_a_failed_enable_puts_the_computed_buffers_back_where_they_were(tmp_path: Path, device: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
