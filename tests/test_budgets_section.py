@@ -316,3 +316,36 @@ def test_compressed_row_checks_the_configuration_the_auto_pick_ran_as(tmp_path, 
         ctx.close()
     assert row["auto_config"] == "raw" and row["plan"].startswith("coded")
     assert row["bit_equal"] is False  # the pick ran as the raw configuration, whose output differs
+
+
+def _scripted(values: list[float]):
+    """A timer that returns the next of ``values`` (one sample a call, as a round's median)."""
+    left = iter(values)
+    return lambda: [next(left)]
+
+
+def test_the_best_configuration_is_timed_against_the_plan_in_rounds_of_its_own() -> None:
+    from benchmarks.budgets import _against_best
+    from benchmarks.interleave import run_interleaved
+
+    # In the choosing rounds one lucky round puts "spread/d2" ahead; timed again with the plan, it runs as the plan.
+    timers = {"plan": _scripted([10.0, 10.0, 10.0, 10.0, 10.0, 10.0]),
+              "spread/d2": _scripted([7.0, 10.4, 9.6, 10.0, 10.0, 10.0])}
+    rounds = run_interleaved(timers, rounds=3)
+    best = min(timers, key=rounds.median_ms)
+    assert best == "spread/d2"
+    figures = _against_best(rounds, best, timers, 3)
+    assert figures["best_confirmed"] is True
+    assert figures["x_best_selection"] == pytest.approx(10.0 / 9.6)
+    assert figures["x_best"] == 1.0 and figures["x_best_range"] == [1.0, 1.0]
+    assert figures["best_ms"] == 9.6
+
+
+def test_a_plan_the_choosing_rounds_put_first_is_its_own_best() -> None:
+    from benchmarks.budgets import _against_best
+    from benchmarks.interleave import run_interleaved
+
+    timers = {"plan": _scripted([9.0, 9.0]), "first4/d1": _scripted([10.0, 11.0])}
+    rounds = run_interleaved(timers, rounds=2)
+    figures = _against_best(rounds, "plan", timers, 2)
+    assert figures["x_best"] == 1.0 and figures["best_confirmed"] is False and "confirm_rounds" not in figures
