@@ -537,7 +537,7 @@ def _wire_prefetch_targets(states: list[BlockOffloadState], prefetch_depth: int,
         state.prefetch_targets = [states[t] for t in targets]
         state.training_targets = None if unwrapped == targets else [states[t] for t in unwrapped]
         state.backward_targets = [states[t] for t in backward_targets(i, prefetch_depth)]
-        state.backward_runs = runs
+        state.backward_runs, state.backward_count_seen, state.last_forward_grad = runs, 0, False
         state.next_state = state.prefetch_targets[0] if state.prefetch_targets else None
         if getattr(state, "prefetches_on_release", False):
             target = release_target(i, positions, prefetch_depth, cyclic)

@@ -107,13 +107,15 @@ class LayerwiseOffloadHook(ForwardHook):
             # before it are the ones to copy ahead, and the order the forward runs in is not this one.
             runs = getattr(state, "backward_runs", None)
             if runs is not None:
-                runs.seen = True
+                runs.ran_again()
             targets = getattr(state, "backward_targets", ())
         else:
-            # Where the targets wrap into the next step: in a training forward the backward pass comes first.
+            # Where the copies wrap into the next step: in a training forward the backward pass comes first.
             targets = getattr(state, "training_targets", None)
-            if targets is not None and not (state.backward_runs.seen and torch.is_grad_enabled()):
-                targets = None
+            if targets is not None or getattr(state, "release_wraps", False):
+                state.in_training_step = training = state.backward_runs.training_forward(state)
+                if not training:
+                    targets = None
             watch = self.run_order_watch
             if watch is not None:
                 watch.started(state)
@@ -158,7 +160,7 @@ class LayerwiseOffloadHook(ForwardHook):
         # at the end of a training forward, which a backward pass follows).
         targets = getattr(state, "release_targets", ())
         if targets and _graph_task_id() == -1 and not (
-                getattr(state, "release_wraps", False) and state.backward_runs.seen and torch.is_grad_enabled()):
+                getattr(state, "release_wraps", False) and state.in_training_step):
             for target in targets:
                 target.prefetch()
 

@@ -9,7 +9,7 @@ at detach. Two implementations, with bit-identical results: ``python_state.Layer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -136,13 +136,36 @@ def leave_mutation(state: BlockOffloadState) -> None:
 
 
 class BackwardRuns:
-    """Shared by the states of one ring: whether a backward pass has run their blocks again (activation
-    checkpointing), which makes a forward with grad mode on a training step's."""
+    """Shared by the states of one ring: whether backward passes run their blocks again (activation
+    checkpointing), which tells a training step's forward, followed by such a pass, from one that is not.
 
-    __slots__ = ("seen",)
+    A forward with grad mode on is a training step's once any backward pass has run the blocks. A forward
+    without it is one too when a backward pass ran them since the block last ran forward, and that forward
+    was without grad mode as well: a reentrant checkpoint runs its forward under ``no_grad``. Inference after
+    such training takes its first forward for a training step's and wraps around again from the second on;
+    inference after training with grad-mode forwards wraps from the first.
+    """
+
+    __slots__ = ("seen", "count")
 
     def __init__(self) -> None:
         self.seen = False
+        self.count = 0  # blocks run by backward passes
+
+    def ran_again(self) -> None:
+        """A backward pass runs one of the blocks again."""
+        self.seen = True
+        self.count += 1
+
+    def training_forward(self, state: Any) -> bool:
+        """Whether the forward now running ``state``'s block is a training step's (a backward pass follows)."""
+        grad = torch.is_grad_enabled()
+        if grad:
+            training = self.seen
+        else:
+            training = self.count != state.backward_count_seen and not state.last_forward_grad
+        state.backward_count_seen, state.last_forward_grad = self.count, grad
+        return training
 
 
 class SeedEntryPoints:
@@ -161,11 +184,14 @@ class SeedEntryPoints:
     release_targets: Sequence[BlockOffloadState] = ()
     backward_targets: Sequence[BlockOffloadState] = ()
     # A training forward's targets, where ``prefetch_targets`` wrap into the next step (else None): a backward pass
-    # follows it and runs the last blocks again first, so copying the first ones would only evict those. Used once
-    # ``backward_runs`` has seen a backward pass run the ring's blocks, in forwards with grad mode on.
+    # follows it and runs the last blocks again first, so copying the first ones would only evict those. Used in
+    # the forwards that ``backward_runs`` takes for a training step's.
     training_targets: Sequence[BlockOffloadState] | None = None
     release_wraps: bool = False  # the release target, if any, is the next step's: a training forward skips it
     backward_runs: BackwardRuns | None = None
+    backward_count_seen: int = 0  # backward_runs.count when this block last ran forward
+    last_forward_grad: bool = False  # whether grad mode was on then
+    in_training_step: bool = False  # whether its running forward was taken for a training step's (for the release)
 
     def unlink(self) -> None:
         """Drops this state's references to the other states (the prefetch ring, a cycle among them): its
