@@ -334,12 +334,18 @@ class CheckpointSource:
         once the blocks are attached, so that it runs while their reads do."""
         self._load(model, device, [name for name in self.resident if name not in self._loaded])
         moved: dict[int, torch.Tensor] = {}  # a buffer held under several names stays one tensor
+
+        def move(buffer: torch.Tensor) -> torch.Tensor:
+            if id(buffer) not in moved:
+                moved[id(buffer)] = buffer.to(device)
+            return moved[id(buffer)]
+
         with torch.inference_mode(False):
             for name in self.kept:
                 prefix, _, leaf = name.rpartition(".")
                 buffer = model.get_submodule(prefix)._buffers[leaf]
                 if buffer is not None and buffer.device != device:
-                    self._assign(model, name, lambda b=buffer: moved.setdefault(id(b), b.to(device)), {})
+                    self._assign(model, name, lambda b=buffer: move(b), {})
         logger.info("Loaded %d resident tensors from %s onto %s", len(self.resident), self.checkpoint.source, device)
 
     def _load(self, model: nn.Module, device: torch.device, names: list[str]) -> None:
