@@ -13,7 +13,9 @@ Configurations, timed in interleaved rounds in one process (``benchmarks/interle
   the ones backward leaves are the next forward's first), so a step copies 2 x (blocks - slots) blocks;
 - ``ext, forward targets in backward``: the same offload with the forward's targets everywhere, which is what
   the hooks did before they knew the direction (each block then loads on demand in backward, and the copies
-  meant for the forward's next block are wasted).
+  meant for the forward's next block are wasted);
+- ``ext, reentrant checkpoint``: ``ext`` with each block under reentrant ``torch.utils.checkpoint``, whose
+  forward runs under ``no_grad`` (a training step's all the same: the hooks tell it by the backward pass before).
 
 Each row checks the input's gradient against the resident model's, bit for bit, and gives the device
 memory a step needs above what was allocated before it (the resident model's weights count there only for
@@ -63,18 +65,21 @@ HOST_ROUNDS = 2
 RESIDENT = "resident"
 EXT = "ext"
 EXT_BEFORE = "ext, forward targets in backward"
+EXT_REENTRANT = "ext, reentrant checkpoint"
 
 
 class Checkpointed(nn.Module):
-    """``model``'s blocks, each under non-reentrant ``torch.utils.checkpoint`` (what diffusers uses)."""
+    """``model``'s blocks, each under ``torch.utils.checkpoint``: non-reentrant (what diffusers uses) unless
+    ``reentrant``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reentrant: bool = False) -> None:
         super().__init__()
         self.blocks = model.blocks
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
         return x
 
 
@@ -97,7 +102,7 @@ def run(ctx: Context) -> None:
 
     peak = peak_h2d_gbps(ctx)
     specs = [WORKLOADS[key] for key in KEYS] if ctx.cuda else list(HOST_SPECS)
-    ctx.progress.add(len(specs) * 4)
+    ctx.progress.add(len(specs) * 5)
     for spec in specs:
         try:
             _workload(ctx, spec, peak)
@@ -115,13 +120,15 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
     offloaded_bytes = sum(module_bytes(block) for block in host.blocks)  # before enable leaves placeholders there
     offloaded = Checkpointed(host)
     before = Checkpointed(build_stack_on_host(spec).requires_grad_(False))
+    reentrant = Checkpointed(build_stack_on_host(spec).requires_grad_(False), reentrant=True)
     groups = {}
-    for name, model in ((EXT, offloaded), (EXT_BEFORE, before)):
+    for name, model in ((EXT, offloaded), (EXT_BEFORE, before), (EXT_REENTRANT, reentrant)):
         groups[name] = enable_layerwise_offload(model, device=device, prefetch_depth=ctx.options.prefetch_depth)
     for state in groups[EXT_BEFORE].states:  # the hooks' targets before they knew a step trains
         state.backward_targets, state.training_targets = list(state.prefetch_targets), None
         state.release_wraps = False
-    steps = {RESIDENT: _step(resident, x), EXT: _step(offloaded, x), EXT_BEFORE: _step(before, x)}
+    steps = {RESIDENT: _step(resident, x), EXT: _step(offloaded, x), EXT_BEFORE: _step(before, x),
+             EXT_REENTRANT: _step(reentrant, x)}
     try:
         reference = steps[RESIDENT]()
         checks = {name: bool(torch.equal(step(), reference)) for name, step in steps.items()}
@@ -144,7 +151,7 @@ def _workload(ctx: Context, spec: StackSpec, peak: float | None) -> None:
                                  "note": f"max(resident, 2 x {offloaded_bytes / GB:.2f} GB / {peak:.1f} GB/s = "
                                          f"{transfer_ms:.2f} ms)"})
     finally:
-        for model in (offloaded, before):
+        for model in (offloaded, before, reentrant):
             disable_layerwise_offload(model, device="cpu")
 
 
@@ -191,7 +198,7 @@ def _counts(group: Any, step: Callable[[], Any]) -> dict[str, float]:
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in rows:
-        if row.get("config") in (EXT, EXT_BEFORE) and row.get("ms") is not None:
+        if row.get("config") in (EXT, EXT_BEFORE, EXT_REENTRANT) and row.get("ms") is not None:
             floor = f"{row['x_floor']:.3f}x floor {row.get('x_floor_range', '')}, " if row.get("x_floor") else ""
             lines.append(f"training {row['workload']} {row['config']}: {row['ms']:.2f} ms = {floor}"
                          f"{row['x_resident']:.3f}x resident; gradient bit-equal "

@@ -20,8 +20,8 @@ def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path:
         ctx.close()
     rows = {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
             if record.get("type") == "row"}
-    assert set(rows) == {training.RESIDENT, training.EXT, training.EXT_BEFORE, "floor"}
-    for name in (training.RESIDENT, training.EXT, training.EXT_BEFORE):
+    assert set(rows) == {training.RESIDENT, training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT, "floor"}
+    for name in (training.RESIDENT, training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT):
         assert "error" not in rows[name], rows[name].get("error")
         assert rows[name]["bit_equal"] is True
         # The floor's bytes: the blocks' weights, counted before enable left placeholders in them.
@@ -29,6 +29,8 @@ def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path:
     # Per step: each of the 6 blocks copied once forward and once in backward, but for the 2 still in the slots
     # where the direction turns; none loads on demand.
     assert (rows[training.EXT]["copies"], rows[training.EXT]["sync_loads"]) == (8.0, 0.0)
+    # The same under a reentrant checkpoint, whose forward runs under no_grad.
+    assert (rows[training.EXT_REENTRANT]["copies"], rows[training.EXT_REENTRANT]["sync_loads"]) == (8.0, 0.0)
     # Forward-order targets in backward: every block loads on demand there, and its prefetches are wasted.
     assert rows[training.EXT_BEFORE]["sync_loads"] == 6.0 and rows[training.EXT_BEFORE]["copies"] > 12.0
     assert rows["floor"]["skipped"] == "needs a CUDA device and the peak H2D"
