@@ -82,6 +82,11 @@ def _training_steps(model: nn.Module, reference: nn.Module, device: str, seed: i
         yield grads
 
 
+def _same_grads(grads: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether a step of ``_training_steps`` gave both models the same gradients, bit for bit, by name."""
+    return grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
 def _merge_each_layer(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
@@ -199,7 +204,7 @@ def test_an_adapter_added_after_enable_trains_inside_the_offloaded_blocks(device
     # gradients and optimizer steps reach them as on the resident model.
     model, reference = _pair(device, backend, "offload-then-adapter")
     for grads in _training_steps(model, reference, device, seed=5):
-        assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        assert _same_grads(grads)
         assert any(".blocks." in f".{k}" for k in grads[0])  # adapters inside the offloaded blocks trained
     assert torch.equal(_forward(model, device), _forward(reference, device))
     disable_layerwise_offload(model)
@@ -216,7 +221,7 @@ def test_an_adapter_trains_under_gradient_checkpointing(device: str, backend: st
         m.enable_gradient_checkpointing()
     calls = {id(m): count_calls(m.blocks) for m in (model, reference)}
     for step, grads in enumerate(_training_steps(model, reference, device, seed=6), start=1):
-        assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        assert _same_grads(grads)
         assert calls[id(model)] == calls[id(reference)] == [2 * step] * len(model.blocks)
     assert torch.equal(_forward(model, device), _forward(reference, device))
     disable_layerwise_offload(model)
