@@ -102,6 +102,7 @@ py::dict engine_stats(const OffloadEngine& engine) {
   d["cache_hits"] = s.cache_hits;
   d["sync_loads"] = s.sync_loads;
   d["skipped_prefetches"] = s.skipped_prefetches;
+  d["slots_replaced"] = s.slots_replaced;
   d["copies"] = engine.copy_engine().copies_issued();
   d["bytes_copied"] = engine.copy_engine().bytes_copied();
   d["num_blocks"] = engine.num_blocks();

@@ -492,7 +492,33 @@ void OffloadEngine::ensure_slots() {
   }
   for (size_t b = 0; b < store_.size(); ++b)
     if (!removed_[b]) binder_.build_views(b, store_.block(b), ring_);
+  slot_uses_.assign(ring_.size(), 0);
+  for (size_t s = 0; s < ring_.size(); ++s)
+    if (ring_.slot(s).buffer.defined()) slot_uses_[s] = ring_.slot(s).buffer.storage().use_count();
   views_stale_ = false;
+}
+
+void OffloadEngine::keep_held_slot(size_t slot) {
+  // Without grad mode a running block's parameters view its slot, and so can what its forward makes of them and
+  // keeps past its release: an output or a cached tensor that is a view of a weight (`self.weight.t()`,
+  // `self.table[0]`). The slot's next copy would change that tensor under its holder, where the resident model's
+  // keeps its values. Such a slot leaves its memory to that tensor and takes a new buffer; the views are built
+  // again at the next acquire or prefetch.
+  const at::Tensor& buffer = ring_.slot(slot).buffer;
+  if (copy_.capturing() || !buffer.defined() || slot >= slot_uses_.size()) return;
+  const size_t uses = buffer.storage().use_count();
+  if (uses <= slot_uses_[slot]) {
+    // The count taken when the views were built may include a block bound to the slot then (views rebuilt
+    // inside a forward): here nothing is bound to it, so the least count seen is the slot's own.
+    slot_uses_[slot] = uses;
+    return;
+  }
+  // Its "free" event, just recorded, orders the next copy after every kernel queued so far, which covers
+  // any that still use memory the allocator hands out for the new buffer.
+  ring_.replace_buffer(slot);
+  stats_.slots_replaced += 1;
+  views_stale_ = true;
+  layout_generation_ += 1;  // a captured graph copies into the old address
 }
 
 void OffloadEngine::order_copies_after_current() {
@@ -685,6 +711,7 @@ bool OffloadEngine::release(size_t block) {
   if (ring_.release(static_cast<size_t>(slot))) {
     binder_.bind_placeholders(block);
     copy_.record_on_current(*ring_.slot(slot).free);
+    keep_held_slot(static_cast<size_t>(slot));
     if (travel_[block] == Travel::kMeasuring) {
       chooser_.compute_ended(block);
       // Once: the copies it does not need are freed (this waits for the copies in flight).

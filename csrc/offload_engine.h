@@ -53,6 +53,7 @@ struct EngineStats {
   uint64_t cache_hits = 0;         // acquires that found their block still in a slot from its last run
   uint64_t sync_loads = 0;         // acquires that had to start the copy themselves
   uint64_t skipped_prefetches = 0; // prefetches with no slot to go to
+  uint64_t slots_replaced = 0;     // slots given a new buffer: a tensor made in a forward still viewed the old one
   uint64_t decodes = 0;            // copies that went compressed and were decoded into their slot
   // Blocks read from a checkpoint with compression on, encoded while the reads of later blocks were
   // still queued (the start-up pipeline: the disk reads on while the host encodes).
@@ -245,6 +246,7 @@ class OffloadEngine {
   static bool holds_storage(const std::vector<at::Tensor>& params);
   void check_not_shared(size_t block, const char* what) const;
   void ensure_slots();
+  void keep_held_slot(size_t slot);
   void issue_copy(size_t block, size_t slot);
   void check_grad(size_t block) const;
   void check_not_on_disk(size_t block, const char* what) const;
@@ -280,6 +282,9 @@ class OffloadEngine {
   TravelChooser chooser_;
   at::Tensor staging_[2];  // device buffers the compressed bytes land in, alternately, before the decoder reads them
   bool views_stale_ = true;
+  // Each slot's storage references when no parameter is bound to it (its buffer, the blocks' views of it), as
+  // of the last time the views were built: more after a release means a tensor made in the forward views it.
+  std::vector<size_t> slot_uses_;
   uint64_t generation_ = 0;
   uint64_t layout_generation_ = 0;
   EngineStats stats_;

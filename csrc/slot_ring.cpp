@@ -155,6 +155,19 @@ void SlotRing::forget_all() {
   std::fill(block_slot_.begin(), block_slot_.end(), -1);
 }
 
+void SlotRing::replace_buffer(size_t index) {
+  Slot& s = slots_[index];
+  TORCH_CHECK(s.state != SlotState::kInUse, "fastoffload: internal error: slot ", std::to_string(index),
+              " is in use by block ", std::to_string(s.block));
+  // Allocated first: out of memory, the slot stays as it was.
+  at::Tensor fresh = at::empty({static_cast<int64_t>(std::max<size_t>(slot_bytes_, 1))},
+                               at::TensorOptions().dtype(at::kByte).device(device_));
+  if (s.block >= 0) block_slot_[static_cast<size_t>(s.block)] = -1;
+  s.block = -1;
+  s.state = SlotState::kEmpty;
+  s.buffer = std::move(fresh);
+}
+
 std::vector<int64_t> SlotRing::blocks_in_use() const {
   std::vector<int64_t> result;
   for (const auto& s : slots_)

@@ -67,6 +67,9 @@ class SlotRing {
   void touch(size_t slot);                 // most recently touched: the last of its state a new copy takes
   void forget_block(size_t block);         // its slot, if any, -> empty
   void forget_all();
+  // Gives the slot a new buffer of the same size and forgets what it held (it must not be in use); the old
+  // memory stays with whatever still refers to it.
+  void replace_buffer(size_t index);
 
   Slot& slot(size_t index) { return slots_[index]; }
   const Slot& slot(size_t index) const { return slots_[index]; }

@@ -144,6 +144,78 @@ def test_skipped_and_repeated_blocks(device: str, backend: str, depth: int) -> N
     assert params_equal(model, reference)
 
 
+class _ViewingLinear(nn.Linear):
+    """A Linear whose forward also returns a tensor that views one of its weights, by ``kind``: ``w.t()``, ``w[0]``
+    or ``b.view(-1)``."""
+
+    def __init__(self, d: int, kind: int) -> None:
+        super().__init__(d, d)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        view = self.weight.t() if self.kind == 0 else self.weight[0] if self.kind == 1 else self.bias.view(-1)
+        return super().forward(x), view
+
+
+class _KeepsWeightViews(nn.Module):
+    """Keeps what each block returns beside its output, and reads it after the last block (a cache would)."""
+
+    def __init__(self, n_blocks: int, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ViewingLinear(d, i % 3) for i in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = []
+        for block in self.blocks:
+            x, view = block(x)
+            kept.append(view.sum(0) if view.dim() == 2 else view)
+        return x + sum(kept)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
+def test_views_of_weights_made_in_a_forward_keep_their_values_after_the_release(device: str, backend: str, depth: int,
+                                                                               mode: str) -> None:
+    # Without grad mode the ext backend binds a running block to its device slot: a view of a weight that the
+    # forward keeps past the block's release (an output, a cache) read whichever block the slot held next.
+    torch.manual_seed(0)
+    model = _KeepsWeightViews(5).requires_grad_(False)
+    reference = copy.deepcopy(model).to(_device(device))
+    x = torch.randn(3, 8, device=_device(device))
+    group = fo.enable_layerwise_offload(model, device=device, backend=backend, prefetch_depth=depth)
+    for _ in range(3):
+        with getattr(torch, mode)():
+            assert torch.equal(model(x), reference(x))
+    if group.engine is not None:  # in grad mode the blocks run on private copies: no view of a slot escapes
+        assert (group.stats()["slots_replaced"] > 0) == (mode != "enable_grad")
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("device", OFFLOAD_DEVICES)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_slots_keep_their_buffers_when_no_view_of_a_weight_outlives_its_block(device: str, mode: str) -> None:
+    # A slot gets a new buffer only where a tensor from the forward still views it after the release: an
+    # ordinary model's forwards leave the slots where they are (a CUDA graph's addresses stay valid).
+    model, reference, x = _setup(5, device)
+    model.requires_grad_(False)
+    group = fo.enable_layerwise_offload(model, device=device, backend="ext", prefetch_depth=1)
+    engine = group.engine
+    addresses = None
+    for _ in range(3):
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode() if mode == "inference_mode" else \
+                torch.enable_grad():
+            assert torch.equal(model(x), reference(x))
+        now = [engine.slot_address(s) for s in range(engine.num_slots)]
+        assert addresses is None or now == addresses
+        addresses = now
+    assert group.stats()["sync_loads"] == 1 and group.stats()["slots_replaced"] == 0
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
 @pytest.mark.parametrize("device", OFFLOAD_DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_exception_mid_forward_loses_nothing(device: str, backend: str) -> None:

@@ -146,6 +146,7 @@ class LayerwiseOffloadGroup:
                     num_slots=engine_stats["num_slots"], copies=engine_stats["copies"],
                     bytes_copied=engine_stats["bytes_copied"], sync_loads=engine_stats["sync_loads"],
                     prefetch_hits=engine_stats["prefetch_hits"], cache_hits=engine_stats["cache_hits"],
+                    slots_replaced=engine_stats["slots_replaced"],
                     shared_bytes=pool_stats["shared_bytes"], shared_owned_bytes=pool_stats["shared_owned_bytes"],
                     shared_by=self.share.shared_by if self.share is not None else 0,
                     shared_owner=self.share is not None and self.share.owner)
