@@ -297,17 +297,28 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     job->done_ = true;
     return job;
   }
-  auto finish_one = [](ReadJob& j, const std::string& error, size_t count, bool read) {
+  // The files were checked above, as the job was queued; the last chunk to finish checks them again, so that a
+  // write that raced the reads (a file rewritten in place) fails the job instead of leaving the destination a mix
+  // of two versions. The workers run only while this reader lives.
+  auto job_files = std::make_shared<const std::vector<size_t>>(std::move(files));
+  auto finish_one = [this, job_files](ReadJob& j, const std::string& error, size_t count, bool read) {
     std::lock_guard<std::mutex> lock(j.mutex_);
     if (!error.empty() && j.error_.empty()) {
       j.error_ = error;
       j.read_failed_ = read;
     }
     j.pending_ -= count;
-    if (j.pending_ == 0) {
-      j.done_ = true;
-      j.cv_.notify_all();
+    if (j.pending_ != 0) return;
+    if (j.error_.empty()) {
+      try {
+        for (size_t f : *job_files) check_unchanged(f);
+      } catch (const c10::Error& e) {
+        j.error_ = e.what_without_backtrace();
+        j.read_failed_ = true;
+      }
     }
+    j.done_ = true;
+    j.cv_.notify_all();
   };
   auto shared_chunks = std::make_shared<std::vector<Chunk>>(std::move(chunks));
   auto enqueue_chunks = [this, shared_chunks, finish_one]() {

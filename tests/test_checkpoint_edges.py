@@ -12,7 +12,7 @@ import torch
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext.storage.checkpoint import open_checkpoint
-from tests._checkpoints import inputs, meta_stack, reference_stack, write_single
+from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
 from tests._models import OFFLOAD_DEVICES, params_equal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,6 @@ def test_a_block_list_reached_by_a_second_name_is_offloaded_from_the_checkpoint(
     from safetensors.torch import save_model
 
     from fastoffload_ext.planning.tiers import STAGING_SLACK
-    from tests._checkpoints import block_bytes
     reference = reference_stack(6)
     reference.stages = reference.blocks
     path = tmp_path / "aliased.safetensors"
@@ -396,6 +395,31 @@ def test_disable_to_meta_after_a_scope_changed_a_block_s_parameters(tmp_path: Pa
         assert torch.equal(model(inputs()), reference(inputs()))
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_freeze_made_while_offloaded_survives_a_disable_to_meta(tmp_path: Path, tier: str) -> None:
+    from fastoffload_ext.planning.tiers import STAGING_SLACK
+    from tests._checkpoints import block_bytes
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    budget = None if tier == "host" else 3 * block_bytes(reference) + 4096 + 3 * STAGING_SLACK
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget)
+    assert any(state.on_disk for state in group.states) == (tier == "disk")
+    model.blocks.requires_grad_(False)  # frozen while offloaded, as before training what sits outside the blocks
+    # The way to a new layout of a model streamed from disk: through the meta device, then weights= again.
+    disable_layerwise_offload(model, device="meta")
+    assert all(p.is_meta and not p.requires_grad for p in model.blocks.parameters())
+    assert all(p.requires_grad for p in model.proj_in.parameters())
+    enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, prefetch_depth=2)
+    reference.blocks.requires_grad_(False)
+    x = inputs()
+    out = model(x)  # grad mode: an offloaded parameter that requires grad would be refused here
+    assert out.requires_grad and torch.equal(out, reference(x))
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in reference.parameters()]
 
 
 def test_a_relative_weights_path_keeps_working_after_the_process_changes_directory(

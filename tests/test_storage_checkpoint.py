@@ -1,6 +1,8 @@
 """Building an offload straight from a safetensors checkpoint: layouts, bit-exact forwards, argument errors."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 
 from fastoffload_ext import disable_layerwise_offload, enable_layerwise_offload
 from fastoffload_ext._backend import require_ext
-from fastoffload_ext.errors import CheckpointError, OffloadConfigError
+from fastoffload_ext.errors import CheckpointError, CheckpointReadError, OffloadConfigError
 from fastoffload_ext.planning.tiers import STAGING_SLACK, region_bytes
 from fastoffload_ext.storage import DiskOptions, open_checkpoint
 from tests._checkpoints import inputs, meta_stack, reference_stack, write_sharded, write_single
@@ -138,6 +140,41 @@ def test_reader_splits_and_merges_ranges(tmp_path: Path) -> None:
         assert reader.stats()["bytes_read"] == 20_000 + 7 + 49_999
 
 
+def test_a_file_rewritten_while_a_read_runs_fails_the_read(tmp_path: Path) -> None:
+    """The reader checks a job's files when it is queued and again when its last chunk is read: bytes written in
+    place in between (a writer that preallocates the file) fail the read instead of mixing two versions."""
+    import threading
+
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (64 * 8192,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    reader = require_ext().DiskReader(1, 8192, "buffered")
+    f = reader.open(str(path))
+    reader._set_delay_us(20_000)  # 64 chunks one after another: about 1.3 s of reading
+    dest = torch.zeros_like(data)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            reader.read([(f, 0, data.numel(), 0)], dest)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(0.3)
+    stat = path.stat()
+    with open(path, "r+b") as file:
+        file.write(bytes(8192))  # the first chunk, read already
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointReadError), errors
+    assert f"checkpoint file {path} changed" in str(errors[0])
+    reader._set_delay_us(0)
+    with pytest.raises(CheckpointReadError, match="changed"):  # and every later read, until the file is restored
+        reader.read([(f, 0, 8192, 0)], dest)
+
+
 def test_reader_requests_end_at_aligned_offsets_whatever_the_tensors(tmp_path: Path) -> None:
     path = tmp_path / "blob.bin"
     data = torch.randint(0, 256, (3_000_000,), dtype=torch.uint8)
@@ -190,6 +227,25 @@ def test_folder_with_several_checkpoints_is_refused(tmp_path: Path) -> None:
         open_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="holds no .safetensors file"):
         open_checkpoint(_empty(tmp_path))
+
+
+def test_folder_with_an_index_and_a_whole_model_file_it_does_not_name_is_refused(tmp_path: Path) -> None:
+    """diffusers reads the index of such a folder and transformers the single file: which one is meant is refused
+    as unclear, and either one passed by name opens."""
+    reference = reference_stack(2)
+    index = write_sharded(reference, tmp_path, stem="model")
+    single = write_single(reference_stack(2, seed=7), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="holds both the sharded checkpoint model.safetensors.index.json and "
+                                              "model.safetensors, which that index does not name"):
+        open_checkpoint(tmp_path)
+    for path, source in ((index, reference), (single, reference_stack(2, seed=7))):
+        model = meta_stack(2)
+        enable_layerwise_offload(model, device="cpu", weights=path)
+        x = inputs()
+        with torch.no_grad():
+            assert torch.equal(model(x), source(x))
+        disable_layerwise_offload(model, device="cpu")
+        assert params_equal(model, source)
 
 
 def _empty(tmp_path: Path) -> Path:

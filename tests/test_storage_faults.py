@@ -17,8 +17,9 @@ from fastoffload_ext.engine.hooks import ModuleHookManager
 from fastoffload_ext.errors import CheckpointError, CheckpointReadError, OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.tiers import STAGING_SLACK
 from fastoffload_ext.storage import DiskOptions
+from fastoffload_ext.storage.checkpoint import open_checkpoint
 from fastoffload_ext.storage.source import CheckpointSource
-from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_single
+from tests._checkpoints import block_bytes, inputs, meta_stack, reference_stack, write_sharded, write_single
 from tests._models import params_equal
 
 
@@ -68,6 +69,44 @@ def test_missing_tensor(tmp_path: Path) -> None:
     model = meta_stack(3)
     with pytest.raises(CheckpointError, match=f"parameter 'blocks.1.up.weight' is not in checkpoint {path}"):
         enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+
+
+def test_a_checkpoint_of_more_blocks_than_the_model_says_what_it_leaves_unread(tmp_path: Path,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # A model built with fewer blocks than its checkpoint (another config) finds every tensor it needs, and ran
+    # the shorter network without a word, where load_state_dict refuses the checkpoint's other tensors.
+    reference = reference_stack(6)
+    path = write_single(reference, tmp_path / "model.safetensors")
+    with caplog.at_level("WARNING", logger="fastoffload_ext.storage.source"):
+        enable_layerwise_offload(meta_stack(6), device="cpu", weights=path)
+    assert "has no parameter or buffer" not in caplog.text  # the matching model reads the whole checkpoint
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        reference_stack(4).load_state_dict(reference.state_dict())
+    caplog.clear()
+    model = meta_stack(4)
+    with caplog.at_level("WARNING", logger="fastoffload_ext.storage.source"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    unused = sorted(name for name in reference.state_dict() if name.startswith(("blocks.4.", "blocks.5.")))
+    assert f"fastoffload: checkpoint {path} holds {len(unused)} tensor(s) that the model has no parameter or " \
+           f"buffer for (e.g. {', '.join(unused[:3])}); they are not read" in caplog.text
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tests._checkpoints import write_sharded
+    reference = reference_stack(3)
+    index = write_sharded(reference, tmp_path / "ckpt", shards=2)
+    shards = sorted((tmp_path / "ckpt").glob("*.safetensors"))
+    name = "blocks.1.up.weight"
+    # A stale copy, with other values, left in the shard that the index does not name for the tensor.
+    other = next(shard for shard in shards if name not in open_checkpoint(shard).entries)
+    save_file({**load_file(str(other)), name: torch.zeros_like(reference.state_dict()[name])}, str(other))
+    model = meta_stack(3)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' is in both {re.escape(str(shards[0]))} and "
+                                              f"{re.escape(str(shards[1]))}; the checkpoint's shards overlap"):
+        enable_layerwise_offload(model, device="cpu", weights=index)
     _untouched(model)
 
 
@@ -295,6 +334,46 @@ def test_file_changed_during_enable(checkpoint: tuple[torch.nn.Module, Path], mo
     enable_layerwise_offload(model, device="cpu", weights=path, **budget)  # the file as it is now
     with torch.no_grad():
         assert torch.equal(model(inputs()), reference(inputs()))
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_a_file_rewritten_while_the_host_tier_blocks_are_read_is_refused(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         layout: str) -> None:
+    # A writer that preallocates the file (same size) rewrites a block's bytes after the resident tensors were
+    # read and checked, while the blocks' reads, queued before it, still wait: their host copies would hold the
+    # new bytes beside the old resident tensors, and a host-tier model never reads the file again to notice.
+    reference = reference_stack(6)
+    path = (write_single(reference, tmp_path / "model.safetensors") if layout == "single"
+            else write_sharded(reference, tmp_path / "sharded"))
+    entries = [entry for name, entry in open_checkpoint(path).entries.items() if name.startswith("blocks.3.")]
+    open_files, load_resident = CheckpointSource.open_files, CheckpointSource.load_resident
+
+    def slow_reads(self: CheckpointSource, engine: object) -> None:
+        open_files(self, engine)
+        self.reader._set_delay_us(200_000)  # the blocks' reads run after the rewrite below
+
+    def then_rewritten(self: CheckpointSource, *args: object) -> None:
+        load_resident(self, *args)
+        for entry in entries:
+            stat = os.stat(entry.path)
+            with open(entry.path, "r+b") as file:
+                file.seek(entry.offset)
+                file.write(b"\0" * entry.nbytes)
+            os.utime(entry.path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    monkeypatch.setattr(CheckpointSource, "open_files", slow_reads)
+    monkeypatch.setattr(CheckpointSource, "load_resident", then_rewritten)
+    model = meta_stack(6)
+    with pytest.raises(CheckpointError, match=f"fastoffload: checkpoint file {re.escape(entries[0].path)} changed "
+                                              "while enable read it .*Wait until the file is fully written"):
+        enable_layerwise_offload(model, device="cpu", weights=path)
+    _untouched(model)
+    monkeypatch.undo()
+    enable_layerwise_offload(model, device="cpu", weights=path)  # the file as it is now: one version throughout
+    disable_layerwise_offload(model, device="cpu")
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in model.blocks[3].parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.blocks[2].parameters(), reference.blocks[2].parameters()))
 
 
 def test_file_replaced_after_enable(checkpoint: tuple[torch.nn.Module, Path], tmp_path: Path) -> None:

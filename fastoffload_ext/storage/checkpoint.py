@@ -160,7 +160,15 @@ def _files_of(path: Path) -> list[str]:
         return [str(path)]
     indexes = _pick(path, "*.safetensors.index.json", _INDEX_NAMES)
     if len(indexes) == 1:
-        return _index_files(indexes[0])
+        shards = _index_files(indexes[0])
+        # A whole-model file beside an index it does not name: diffusers would read the index and transformers
+        # the file, so which one is meant is not clear from the folder (one of them is often left over).
+        single = [path / name for name in _FILE_NAMES if (path / name).is_file() and str(path / name) not in shards]
+        if single:
+            raise CheckpointError(f"fastoffload: folder {path} holds both the sharded checkpoint {indexes[0].name} "
+                                  f"and {single[0].name}, which that index does not name; pass weights= the one to "
+                                  "use (the index or the file), or remove the one that is left over")
+        return shards
     files = _pick(path, "*.safetensors", _FILE_NAMES)
     if len(indexes) > 1 or (len(files) > 1 and not indexes):
         listed = ", ".join(p.name for p in (indexes or files))

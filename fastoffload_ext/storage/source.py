@@ -30,7 +30,7 @@ from torch import nn
 
 from fastoffload_ext import _backend
 from fastoffload_ext.engine.state import parameter_names
-from fastoffload_ext.errors import CheckpointError
+from fastoffload_ext.errors import CheckpointError, CheckpointReadError
 from fastoffload_ext.planning.budgets import AUTO
 from fastoffload_ext.planning.tiers import region_bytes
 from fastoffload_ext.storage.checkpoint import Checkpoint, TensorEntry, open_checkpoint, safetensors_module
@@ -149,6 +149,7 @@ class CheckpointSource:
         sources, block_bytes = cls._block_sources(checkpoint, block_names, blocks, offloaded)
         cls._check_layouts(block_names, blocks, offloaded)
         resident = cls._resident_entries(checkpoint, model, blocks, offloaded)
+        cls._warn_unused(checkpoint, model)
         budget = resolve_host_budget(host_budget, *cls._host_use(blocks, offloaded, resident, device, host_budget))
         tiers = plan_tiers(block_bytes, budget.bytes, options.staging_buffers, budget.source)
         if tiers.disk:
@@ -166,6 +167,18 @@ class CheckpointSource:
         source.phases["checkpoint"] = opened - started
         source.phases["match"] = time.perf_counter() - opened
         return source
+
+    @classmethod
+    def _warn_unused(cls, checkpoint: Checkpoint, model: nn.Module) -> None:
+        """Says which tensors of the checkpoint the model has no name for: load_state_dict refuses them, and a
+        model built with another config than the checkpoint's (fewer blocks, say) would otherwise run without
+        them, with no sign of it."""
+        names = {name for name, _, _ in cls._named_tensors(model)}
+        unused = sorted(name for name in checkpoint.entries if name not in names)
+        if unused:
+            logger.warning("fastoffload: checkpoint %s holds %d tensor(s) that the model has no parameter or buffer "
+                           "for (e.g. %s); they are not read. Check that the model was built with the checkpoint's "
+                           "config", checkpoint.source, len(unused), ", ".join(unused[:3]))
 
     @staticmethod
     def _host_use(blocks: nn.ModuleList, offloaded: list[int], resident: dict[str, TensorEntry],
@@ -387,10 +400,17 @@ class CheckpointSource:
         ring is allocated and pinned while they still run, and the engine waits for them after that.
         """
         with self.timed("finish"):
-            if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
-                engine.start_disk_tier(self.tiers.staging_buffers)
-            else:
-                engine.finish_loading()
+            try:
+                if any(block.on_disk for block in self.blocks):  # not all promoted to the host tier (next_block)
+                    engine.start_disk_tier(self.tiers.staging_buffers)
+                else:
+                    engine.finish_loading()
+            except CheckpointReadError:
+                # The reader checks a job's files before and after its reads; a file written meanwhile is said
+                # as enable's own checks say it.
+                for path in sorted(self.file_index):
+                    self.checkpoint.check_unchanged(path)
+                raise
         logger.info("Start-up from %s, ms per phase: %s", self.checkpoint.source,
                     ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.phases.items()))
 

@@ -84,6 +84,10 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
         for owner_ref, leaf, param in reversed(self._originals):
             owner = owner_ref()
             if owner is not None:
+                current = owner._parameters.get(leaf)
+                if current is not None and current is not param:
+                    # A freeze or unfreeze made while the block was offloaded holds for its meta original too.
+                    param.requires_grad_(current.requires_grad)
                 owner._parameters[leaf] = param
         self._originals.clear()
 
