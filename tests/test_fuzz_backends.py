@@ -9,8 +9,8 @@ every parameter holds its exact value, and the engine is idle between steps. At 
 while offloaded or after a disable, is freed with its last reference (the cycle collector switched off).
 
 The models vary: 1 to 6 blocks of mixed kinds (a Linear with a buffer that counts calls, a weight tied
-inside the block, a block with no parameters, LayerNorm-heavy blocks, a bf16 weight big enough for the
-codec), weights tied across two blocks (refused unless both stay resident), parameters outside the block
+inside the block, a block with no parameters, LayerNorm-heavy blocks that leave a view of a weight for the
+model to read after they ran, a bf16 weight big enough for the codec), weights tied across two blocks (refused unless both stay resident), parameters outside the block
 list, and often a second list that runs after the first; a quarter of them run their blocks in a shuffled
 order (the run-order watch then rewires the prefetches in the first forward), and half of them run each block
 under activation checkpointing in grad mode (non-reentrant or reentrant: backward runs the blocks again, last
@@ -106,6 +106,7 @@ class FuzzBlock(nn.Module):
         elif self.kind == "norms":
             for norm in self.norms:
                 x = norm(x) * self.gate
+            self.kept = self.gate[: D // 2]  # a view of a weight that the model reads after the block ran
         elif self.kind in ("coded", "wide"):
             x = x + (x @ self.w.float()).unflatten(-1, (self.w.shape[1] // D, D)).sum(-2) * 0.01
         else:
@@ -143,11 +144,17 @@ class FuzzModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj_in(x)
         chain = self.chain
+        for block in chain:  # what a direct block call or a backward pass left there is not this forward's
+            block.__dict__.pop("kept", None)
         for index in self.run_order if self.run_order is not None else range(len(chain)):
             if self.checkpointed is not None and torch.is_grad_enabled():
                 x = checkpoint(chain[index], x, use_reentrant=self.checkpointed == "reentrant")
             else:
                 x = chain[index](x)
+        for block in chain:  # views of weights kept past their blocks' release, read now
+            kept = block.__dict__.pop("kept", None)
+            if kept is not None:
+                x = x + kept.sum() * 0.01
         return x * self.scale
 
 
