@@ -425,6 +425,88 @@ def test_a_load_state_dict_into_a_lazy_offloaded_transformer_is_kept() -> None:
         assert torch.equal(proxy(x), reference(x))
 
 
+def _fuse_and_unload_lora(text_encoder: object, safe_fusing: bool) -> None:
+    """diffusers' fuse_lora(lora_scale=0.5) then unload_lora_weights() on a text encoder: the base layers that come
+    back are the loaded ones, each parameter the same object, with the LoRA written into it through ``.data``."""
+    from diffusers.loaders.lora_base import _remove_text_encoder_monkey_patch, fuse_text_encoder_lora
+    from peft import LoraConfig, inject_adapter_in_model
+
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q", "v"], init_lora_weights="gaussian"), text_encoder)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in text_encoder.named_parameters():  # type: ignore[attr-defined]
+            if "lora_B" in name:
+                param.normal_()  # lora_B starts at zero: a fused LoRA would change nothing
+    fuse_text_encoder_lora(text_encoder, lora_scale=0.5, safe_fusing=safe_fusing)
+    _remove_text_encoder_monkey_patch(text_encoder)
+
+
+@pytest.mark.parametrize("safe_fusing", [False, True])
+def test_a_lora_fused_into_a_lazy_text_encoder_and_unloaded_is_kept_at_release(safe_fusing: bool) -> None:
+    """peft merges through ``.data``, which no version counter saw: release() dropped the fused text encoder, and
+    the next use reloaded it without the LoRA."""
+    from fastoffload_ext import LazyModule
+    from tests._pipelines import wan
+
+    build = wan.loaders(wan.TINY, torch.float32, 0, "cpu")["text_encoder"]
+    ids = torch.tensor([[3, 4, 5, 6, 1]])
+    resident = build()
+    _fuse_and_unload_lora(resident, safe_fusing)
+    proxy = LazyModule("text_encoder", build)
+    _fuse_and_unload_lora(proxy, safe_fusing)
+    with torch.no_grad():
+        expected = resident(ids).last_hidden_state
+        assert not torch.equal(expected, build()(ids).last_hidden_state)  # the LoRA changed the text encoder
+        assert torch.equal(proxy(ids).last_hidden_state, expected)
+        with pytest.warns(RuntimeWarning, match=r"^fastoffload: deferred module text_encoder was not released: it "
+                                                r"changed after it loaded \(its parameter '[\w.]+\.(q|v)\.weight' "
+                                                r"was written in place"):
+            assert proxy.release() is False
+        assert torch.equal(proxy(ids).last_hidden_state, expected)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("resident_blocks", [None, 3])
+def test_a_lora_merged_into_a_lazy_offloaded_transformer_is_kept_at_release(backend: str,
+                                                                            resident_blocks: int | None) -> None:
+    """The merge ran on the blocks' real weights (in their mutate scope, or resident) but through ``.data``:
+    release() dropped the merged transformer, and the reload ran the adapter unmerged, rounded otherwise."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from fastoffload_ext import LazyModule
+    from fastoffload_ext.pipeline.configure import apply_offload_config
+
+    def build() -> torch.nn.Module:
+        model = make_pair(3)[0]
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=["up"], init_lora_weights="gaussian"), model)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_()
+        return model.requires_grad_(False)
+
+    proxy = LazyModule("transformer", build)
+    options = {"backend": backend} if resident_blocks is None else {"backend": backend, "resident_blocks": 3}
+    apply_offload_config({"engine": {"offload": {"dit_layerwise": True}}}, transformer=proxy, device="cpu",
+                         layerwise_options=options)
+    reference = build()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        proxy(x)
+        for model in (proxy, reference):
+            for layer in model.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.merge()
+        expected = reference(x)
+        assert torch.equal(proxy(x), expected)
+        with pytest.warns(RuntimeWarning, match=r"its parameter 'blocks\.0\.up\.base_layer\.weight' was written "
+                                                r"in place"):
+            assert proxy.release() is False
+        assert torch.equal(proxy(x), expected)
+
+
 # ---- apply_offload_config: a requested offload the device policy turned off ---------------------------
 
 

@@ -54,6 +54,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from fastoffload_ext.engine.group import LayerwiseOffloadGroup, get_offload_group
@@ -205,6 +206,29 @@ def _blockwise(owners: dict[int, BlockOffloadState]) -> Iterator[None]:
         session.close()
 
 
+def _merged(layer: nn.Module) -> list[Any]:
+    return list(getattr(layer, "merged_adapters", ()))
+
+
+def _counted(function: Callable[..., Any], layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``function(layer, ...)``; when it merged or unmerged an adapter, the version counter of each weight of the
+    layer's base layer is advanced, also after an error part-way.
+
+    peft writes a merge through ``.data`` (``base_layer.weight.data += delta``), which leaves the counter as it
+    was: whatever compares counters to see a change would miss the merge. ``LazyModule.release()`` does, and
+    would drop a component that a LoRA was fused into (``fuse_lora()`` then ``unload_lora_weights()``), so that
+    its next use reloads it without the LoRA."""
+    before = _merged(layer)
+    try:
+        return function(layer, *args, **kwargs)
+    finally:
+        if _merged(layer) != before:
+            base = layer.get_base_layer() if callable(getattr(layer, "get_base_layer", None)) else layer
+            for param in base.parameters():
+                if param.numel() > 0:  # an offloaded placeholder holds no value to count
+                    torch.autograd.graph.increment_version(param)
+
+
 def _in_block_scope(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def call(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -213,22 +237,24 @@ def _in_block_scope(function: Callable[..., Any]) -> Callable[..., Any]:
         if not _holds_placeholder(layer):
             # Real weights: not offloaded, a resident block, inside a scope, or a forward running the block, where
             # peft itself unmerges (a forward with the adapters disabled on a fused layer). There the weights are
-            # the running step's, dropped at its release: the release rebuilds the host copy from them.
+            # the running step's, dropped at its release: the release rebuilds the host copy from them (in a
+            # mutate_params_scope(), whose writes count as changes).
             found = None if state is not None and state is session.open else _find(layer)
             if found is not None and getattr(found[1], "is_running", lambda: False)():
                 _check_mergeable(found[0], [found[1]], f"{type(layer).__name__}.{function.__name__}()")
                 _hook(found[1]).keep_running_changes()
-            return function(layer, *args, **kwargs)
+                return function(layer, *args, **kwargs)
+            return _counted(function, layer, *args, **kwargs)
         if session is not None and state is not None:
             session.enter(state)
-            return function(layer, *args, **kwargs)
+            return _counted(function, layer, *args, **kwargs)
         found = _find(layer)
         if found is None:  # empty parameters of its own, in no offloaded model
             return function(layer, *args, **kwargs)
         model, state = found
         _check_mergeable(model, [state], f"{type(layer).__name__}.{function.__name__}()")
         with _hook(state).mutate_params_scope():
-            return function(layer, *args, **kwargs)
+            return _counted(function, layer, *args, **kwargs)
 
     setattr(call, _PATCHED, True)
     return call

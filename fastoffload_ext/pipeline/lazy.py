@@ -50,7 +50,11 @@ keeps every value, and a pipeline moves the component again at its next use), th
 (``eval()``/``train()``, which pipelines also set again at each use), and what the comparison cannot
 see: writes through ``.data`` (``p.data.copy_(...)``), in-place writes to inference tensors (made under
 ``torch.inference_mode()``, which keep no version counter), a buffer replaced by one of the same dtype
-and shape, and plain attributes. Put such setup in the loader or in a materialize transform.
+and shape, and plain attributes. Put such setup in the loader or in a materialize transform. A LoRA merge
+by peft (``fuse_lora()``, ``merge_and_unload()``, a layer's ``merge()``/``unmerge()``) writes through
+``.data`` too, but counts: loading a component patches peft's layers to advance the version counters
+of the weights a merge wrote (``fastoffload_ext.integrations.peft``), so a LoRA fused and then unloaded
+(``fuse_lora()`` then ``unload_lora_weights()``) keeps the component.
 """
 from __future__ import annotations
 
@@ -283,6 +287,11 @@ class LazyModule:
 
             for _, transform in _state(self, "_lazy_transforms"):
                 component = _apply_transform(transform, component, name)
+        # peft merges write through .data, which no version counter sees: patched, a merge (fuse_lora) counts as
+        # the in-place write it is. Imported here: the integration imports the engine.
+        from fastoffload_ext.integrations.peft import patch_peft
+
+        patch_peft()
         _set_state(self, "_lazy_loaded_as", _loaded_as(component))
         _set_state(self, "_lazy_cast_seen", None)
         _set_state(self, "_lazy_module", component)
