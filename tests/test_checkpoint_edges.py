@@ -214,6 +214,35 @@ def test_a_checkpoint_written_by_save_model_fills_every_name_of_a_tie(tmp_path: 
     assert all(block.a.weight is block.b.weight for block in model.blocks)
 
 
+@pytest.mark.parametrize("resident_blocks", [None, 3])
+def test_a_tie_held_under_both_names_with_other_values_takes_what_load_state_dict_keeps(
+        tmp_path: Path, resident_blocks) -> None:
+    """A file that holds both names of a tied weight, with different values (written from an untied copy): the
+    tie keeps the values of the name load_state_dict copies last, inside a block and outside the blocks."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    state = {k: v.clone().contiguous() for k, v in TiedOutside().state_dict().items()}
+    for name in ("out.weight", *(f"blocks.{i}.a.weight" for i in range(3))):
+        state[name] = torch.randn_like(state[name])  # the second name of each tie, other values
+    path = tmp_path / "both.safetensors"
+    save_file(state, str(path))
+    reference = TiedOutside()
+    reference.load_state_dict(state)
+    assert torch.equal(reference.out.weight, state["out.weight"])  # the later name's values are the ones kept
+    assert all(torch.equal(block.b.weight, state[f"blocks.{i}.a.weight"]) for i, block in enumerate(reference.blocks))
+    with torch.device("meta"):
+        model = TiedOutside()
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model, device="cpu")
+    assert params_equal(model, reference)
+    assert model.out.weight is model.inp.weight and all(block.a.weight is block.b.weight for block in model.blocks)
+
+
 class StridedBlock(torch.nn.Module):
     """A block with a parameter created transposed (strides (1, 3)): its sum depends on the layout."""
 

@@ -217,11 +217,13 @@ class CheckpointSource:
         sources, sizes = [], []
         for index in offloaded:
             names, entries = [], []
-            # A weight tied inside the block may be stored under any one of its names.
+            # A weight tied inside the block may be stored under any one of its names; held under several, the
+            # last one load_state_dict would copy is the value it keeps.
             aliases = parameter_names(blocks[index], f"{block_names[index]}.")
             for name, param in blocks[index].named_parameters():
                 key = f"{block_names[index]}.{name}"
-                entry = next((found for found in map(checkpoint.get, aliases[id(param)]) if found is not None), None)
+                held = [found for found in map(checkpoint.get, aliases[id(param)]) if found is not None]
+                entry = held[-1] if held else None
                 if entry is None:
                     raise _missing(checkpoint, key, "parameter")
                 if entry.dtype != param.dtype or tuple(entry.shape) != tuple(param.shape):
@@ -249,7 +251,8 @@ class CheckpointSource:
         offloaded = {id(param) for i in offloaded_indices for param in blocks[i].parameters()}
         resident: dict[str, TensorEntry] = {}
         # A tensor held under several names (tied weights) needs only one of them in the checkpoint:
-        # safetensors' save_model, and the libraries built on it, keep one name of each tie.
+        # safetensors' save_model, and the libraries built on it, keep one name of each tie. Held under several,
+        # it takes the last one's values, as load_state_dict (which copies every name in that order) leaves it.
         stored: dict[int, TensorEntry] = {}
         # A real buffer that its module does not save (non-persistent: a table computed when the model is
         # built) keeps its values, as load_state_dict leaves it, even when an older checkpoint holds one
@@ -261,11 +264,11 @@ class CheckpointSource:
         for name, tensor, _ in cls._named_tensors(model):
             entry = checkpoint.get(name)
             if entry is not None:
-                stored.setdefault(id(tensor), entry)
+                stored[id(tensor)] = entry
         for name, tensor, kind in cls._named_tensors(model):
             if (kind == "parameter" and id(tensor) in offloaded) or (kind == "buffer" and name in computed):
                 continue
-            entry = checkpoint.get(name) or stored.get(id(tensor))
+            entry = stored.get(id(tensor))
             if entry is None:
                 # A parameter must come from the checkpoint even when it holds values (random init, empty
                 # weights): kept, it would run with values that are not the checkpoint's, without an error.
