@@ -500,6 +500,36 @@ def test_a_fault_moving_a_resident_block_rolls_back(backend: str, fault: type[Ba
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", [InjectedFault, KeyboardInterrupt])
+@pytest.mark.parametrize("step", ["_wire_prefetch_targets", "_watch_run_order", "_model_hooks"])
+def test_a_fault_after_the_blocks_are_attached_rolls_back(backend: str, fault: type[BaseException], step: str,
+                                                          monkeypatch, recording_core) -> None:
+    """Between attaching the blocks and putting the group on the model (the prefetch wiring, the run-order
+    watch, the state-dict hooks), a Ctrl-C left every block hooked and empty with no group to disable."""
+    from fastoffload_ext.engine import layerwise
+
+    model, reference, x, want = _setup()
+    original = snapshot(model)
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        raise fault(f"injected in {step}")
+
+    monkeypatch.setattr(layerwise, step, failing)
+    with pytest.raises(fault, match=f"injected in {step}"):
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[1])
+    monkeypatch.undo()
+    assert fo.get_offload_group(model) is None
+    _assert_untouched(model, original, range(N_BLOCKS))
+    assert mismatches(model, original) == []
+    if backend == "ext":
+        (pool,) = recording_core.pools
+        assert pool.stats()["in_use_bytes"] == 0
+    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, resident_blocks=[1])
+    assert_step_exact(model, group, x, want)
+    disable_and_check(model, group, reference)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_meta_parameter_in_a_resident_block_is_refused_before_anything_changes(backend: str) -> None:
     """Resident blocks are moved to the device only at the end of enable, so they are checked with the
     offloaded ones first: a resident block on the meta device gets the same ValueError as an offloaded

@@ -202,9 +202,13 @@ class _Enable:
             self.rendezvous.fail(error)  # a no-op once the negotiation ran
             raise
         _attach_blocks(group, options)
-        _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic, options.offloaded_indices)
-        group.run_order = _watch_run_order(group, options)
-        group.model_hooks = _model_hooks(model, group)
+        try:
+            _wire_prefetch_targets(group.states, options.prefetch_depth, options.cyclic, options.offloaded_indices)
+            group.run_order = _watch_run_order(group, options)
+            group.model_hooks = _model_hooks(model, group)
+        except BaseException as error:  # a Ctrl-C too: the blocks are attached, and the group is not on the model
+            _undo_attach(group, error)
+            raise
         return _finish(model, group, options, was_on_cuda)
 
 
@@ -596,16 +600,22 @@ def _resident_to_device(group: LayerwiseOffloadGroup, options: OffloadOptions) -
             buffer = module._buffers.get(key)
             if buffer is not None and buffer.device != device and device.type != "meta":
                 module._buffers[key] = buffer.to(device)
-        if group.model_hooks is not None:
-            group.model_hooks.detach()
-        hooks = [(s.module_ref, ModuleHookManager.get_from(s.module_ref).get_forward_hook(LayerwiseOffloadHook.name()))
-                 for s in group.states if ModuleHookManager.get_from(s.module_ref) is not None]
-        attached = [(b, h) for b, h in hooks if h is not None]
-        _roll_back(group, attached, None)
-        if group.checkpoint is not None:
-            group.checkpoint.roll_back()
-            _note_values_dropped(group, len(attached), error)
+        _undo_attach(group, error)
         raise
+
+
+def _undo_attach(group: LayerwiseOffloadGroup, error: BaseException) -> None:
+    """After the blocks were attached and before the group is on the model: every block detached with its values
+    (built from ``weights=``, to the meta device, see ``_roll_back``), and the checkpoint's tensors put back."""
+    if group.model_hooks is not None:
+        group.model_hooks.detach()
+    hooks = [(s.module_ref, ModuleHookManager.get_from(s.module_ref).get_forward_hook(LayerwiseOffloadHook.name()))
+             for s in group.states if ModuleHookManager.get_from(s.module_ref) is not None]
+    attached = [(b, h) for b, h in hooks if h is not None]
+    _roll_back(group, attached, None)
+    if group.checkpoint is not None:
+        group.checkpoint.roll_back()
+        _note_values_dropped(group, len(attached), error)
 
 
 def _finish(model: nn.Module, group: LayerwiseOffloadGroup, options: OffloadOptions,
