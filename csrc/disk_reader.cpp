@@ -79,6 +79,11 @@ std::string ReadJob::error() const {
   return error_;
 }
 
+bool ReadJob::file_changed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return file_changed_;
+}
+
 DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
     : chunk_bytes_(static_cast<size_t>(align_up(std::max<size_t>(chunk_bytes, kDirectAlignment)))), mode_(mode),
       read_slots_(threads), free_slots_(threads), made_(std::chrono::steady_clock::now()), idle_since_(made_) {
@@ -315,6 +320,7 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
       } catch (const c10::Error& e) {
         j.error_ = e.what_without_backtrace();
         j.read_failed_ = true;
+        j.file_changed_ = true;
       }
     }
     j.done_ = true;

@@ -214,6 +214,9 @@ class ReadJob {
  public:
   bool failed() const;
   std::string error() const;
+  // Failed because a file changed while the job read it (the check after its last chunk): what it read may mix
+  // two versions, and a new read finds out whether the file is still changed.
+  bool file_changed() const;
 
  private:
   friend class DiskReader;
@@ -223,6 +226,7 @@ class ReadJob {
   bool done_ = false;
   std::string error_;
   bool read_failed_ = false;  // error_ came from a read (not from the prepare step)
+  bool file_changed_ = false;
 };
 
 }  // namespace fastoffload

@@ -240,6 +240,7 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
   const auto start = std::chrono::steady_clock::now();
   const double idle_before = wait ? reader_->stats().idle_seconds : 0.0;
   bool waited = false;
+  bool read_again = false;
   for (;;) {
     int64_t k = staged_index(block);
     if (k < 0) {
@@ -274,6 +275,12 @@ const uint8_t* DiskTier::take(size_t block, bool wait) {
       const std::shared_ptr<ReadJob> failed = std::move(staging.job);
       staging.block = -1;  // free again; the block is read anew when it is next needed
       staging.ticket += 1;
+      if (failed->file_changed() && !read_again) {
+        // Read ahead while the file changed: read it once more now, which raises if the file still differs
+        // (and reads bytes of one version if it was put back).
+        read_again = true;
+        continue;
+      }
       DiskReader::wait(*failed);  // done: throws its error, with its type (a read failure or not)
     }
     return staging.base;

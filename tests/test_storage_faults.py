@@ -6,6 +6,7 @@ import gc
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,31 @@ def test_file_changed_after_enable(checkpoint: tuple[torch.nn.Module, Path]) -> 
                 model(x)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         assert torch.equal(model(x), expected)
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def test_a_read_ahead_that_saw_the_file_change_is_read_again_once_the_file_is_back(
+        checkpoint: tuple[torch.nn.Module, Path]) -> None:
+    """A disk-tier read that was queued before the file changed and finished after it fails (what it read may mix
+    two versions). The block's acquire reads it again: with the file put back, the step runs bit-exact."""
+    reference, path = checkpoint
+    model = meta_stack(6)
+    group = enable_layerwise_offload(model, device="cpu", weights=path, host_budget=_budget(3, reference))
+    reader = group.checkpoint.reader
+    x = inputs()
+    stat = path.stat()
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(model(x), expected)
+        reader._set_delay_us(300_000)  # the reads ahead that this step's last blocks queue start late
+        assert torch.equal(model(x), expected)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        time.sleep(1.5)  # they read while the file is changed, and fail when they end
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        reader._set_delay_us(0)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
     disable_layerwise_offload(model)
     assert params_equal(model, reference)
 
