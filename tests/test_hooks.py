@@ -171,6 +171,22 @@ def test_on_attach_failure_leaves_no_hook_behind(module: Affine, log: list[Event
     assert list(manager.forward_hooks) == ["A"]
 
 
+@pytest.mark.parametrize("name", ["B", "Other"])
+def test_a_failed_on_attach_in_a_replace_leaves_neither_hook(module: Affine, log: list[Event], name: str) -> None:
+    """The old hook is detached first; the new one whose on_attach raised is not left registered, where each
+    forward would call a hook that never attached."""
+    a, b, c = hook_class("A")(log), hook_class("B")(log), hook_class("C")(log)
+    manager = attach(module, a, b, c)
+    log.clear()
+    with pytest.raises(RuntimeError, match="attach failed"):
+        manager.replace_forward_hook("B", hook_class(name)(log, raise_in_attach=RuntimeError("attach failed")))
+    assert log == [("B", "on_detach", module), (name, "on_attach", module)]
+    assert list(manager.forward_hooks.items()) == [("A", a), ("C", c)]
+    log.clear()
+    assert torch.equal(module(X), X * module.weight.detach())
+    assert calls(log) == [("A", "pre_forward"), ("C", "pre_forward"), ("C", "post_forward"), ("A", "post_forward")]
+
+
 def test_get_forward_hook_and_forward_hooks_dict(module: Affine, log: list[Event]) -> None:
     a, b = hook_class("A")(log), hook_class("B")(log)
     manager = attach(module, a, b)

@@ -336,7 +336,8 @@ class ModuleHookManager:
     # Here and below the name is FastVideo's parameter, ``hook_name``: its callers may pass it by keyword.
     def replace_forward_hook(self, hook_name: str, new_hook: ForwardHook, run_on_attach: bool = True) -> None:
         """Swaps the hook called ``hook_name`` for ``new_hook`` in the same position: the old hook's
-        ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``."""
+        ``on_detach`` runs first, then (if ``run_on_attach``) the new hook's ``on_attach``. A failed ``on_attach``
+        leaves neither hook (the old one is detached already), as a failed append adds none."""
         self._check_manager_attached()
         if hook_name not in self.forward_hooks:
             raise OffloadConfigError(NO_HOOK_ERROR.format(name=hook_name))
@@ -348,7 +349,11 @@ class ModuleHookManager:
         self.forward_hooks = {(new_name if key == hook_name else key): (new_hook if key == hook_name else hook)
                               for key, hook in self.forward_hooks.items()}
         if run_on_attach:
-            new_hook.on_attach(self.module)
+            try:
+                new_hook.on_attach(self.module)
+            except BaseException:
+                del self.forward_hooks[new_name]
+                raise
 
     def remove_forward_hook(self, hook_name: str, run_detach: bool = True) -> None:
         """Removes the hook called ``hook_name``, calling its ``on_detach`` first when ``run_detach``."""
