@@ -39,7 +39,8 @@ Tables:
   where the planner keeps blocks resident knowing the disk tier: "plan ms" its prediction, "x plan"
   the step against it), step time against max(compute, H2D of every offloaded block,
   disk-tier bytes / read bandwidth) (target <= 1.05 x), the disk-tier stream rate against the read
-  bandwidth (target >= 0.90 when the step is disk-bound) and bit-exactness against the resident model.
+  bandwidth (target >= 0.90 when the step is disk-bound) and bit-exactness against the resident model (the
+  first step and one after the timed ones).
   The steps run in rounds, each bracketed by sequential reads of the bytes a step reads from the disk
   tier (the disk-tier blocks' tensors in the checkpoint, or the spill file when compressed: the same
   place on the disk, with the same reader settings) and judged against their mean ("bw"): the median

@@ -516,7 +516,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if row.get("backend") == "ext" and row.get("ms") and row["workload"] in python_rows:
             lines.append(f"{row['workload']}: python backend (FastVideo's algorithm) / ext = "
-                         f"{python_rows[row['workload']]['ms'] / row['ms']:.2f}x")
+                         f"{paired_ratio(python_rows[row['workload']], row):.2f}x")
     # The fastest other offloader that ran on each workload, whatever its correctness: ext must beat it.
     peers = ("python", *DIFFUSERS_VARIANTS, "accelerate")
     for row in rows:
@@ -528,5 +528,14 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
             best = min(others, key=lambda other: other["ms"])
             exact = "" if best.get("bit_equal") is not False else ", not bit-equal"
             lines.append(f"{row['workload']}: fastest other offloader: {best['backend']} {best['ms']:.2f} ms{exact}; "
-                         f"it / ext = {best['ms'] / row['ms']:.2f}x")
+                         f"it / ext = {paired_ratio(best, row):.2f}x")
     return lines
+
+
+def paired_ratio(row: dict[str, Any], reference: dict[str, Any]) -> float:
+    """``row`` over ``reference``: the median of the per-round ratios where both ran in the same interleaved rounds
+    (docs/DESIGN.md, "Measuring on a noisy host"), else (accelerate, timed on its own) the ratio of their medians."""
+    mine, theirs = row.get("rounds_ms"), reference.get("rounds_ms")
+    if mine and theirs and len(mine) == len(theirs):
+        return median([a / b for a, b in zip(mine, theirs)])
+    return row["ms"] / reference["ms"]

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,15 @@ def launch(ranks: int, share: str, cuda: bool, quick: bool) -> dict[str, Any]:
 # Worker: one rank, started by torchrun
 # --------------------------------------------------------------------------------------------------
 
-def _h2d_gbps(device: torch.device) -> float:
-    """H2D GB/s of 1 GiB pinned -> device copies; the caller has lined the ranks up on a barrier."""
+def _h2d_gbps(device: torch.device, line_up: Callable[[], None]) -> float:
+    """H2D GB/s of 1 GiB pinned -> device copies, all ranks at once: ``line_up`` (a barrier) runs once the buffers
+    exist. Pinning 1 GiB takes a rank a varying fraction of a second, longer than its copies: lined up before it,
+    one rank could be done copying before another started, and the figure would be a lone rank's."""
     from benchmarks.bandwidth import measure_copy_ms
 
-    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(GiB, dtype=torch.uint8, device=device)
+    line_up()
     return gbps(GiB, measure_copy_ms(dst, src, warmup=1, iters=5))
 
 
@@ -155,8 +159,11 @@ def worker() -> None:
     fo.enable_layerwise_offload(model, device=device, share_host_copy=share, compress=compress)
     stats = fo.get_offload_group(model).stats()
 
-    dist.barrier()
-    h2d = _h2d_gbps(device) if cuda else None
+    if cuda:
+        h2d: float | None = _h2d_gbps(device, dist.barrier)
+    else:
+        dist.barrier()
+        h2d = None
     iters = 5 if quick else 12
     with torch.inference_mode():
         equal = torch.equal(model(*inputs).cpu(), want)

@@ -418,13 +418,20 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
         elif row.get("ms") is not None:
             lines.append(f"forward {row['workload']}: ext {row['ms']:.2f} ms, "
                          f"bit-equal {verdict(row.get('bit_equal'))}")
-    overhead = [row for row in rows("overhead", "overhead") if row.get("backend") == "ext" and "pass" in row]
+    overhead = [row for row in rows("overhead", "overhead") if row.get("backend") == "ext" and row.get("device")]
     for device in dict.fromkeys(row["device"] for row in overhead):
-        mine = [row for row in overhead if row["device"] == device]
+        mine = [row for row in overhead if row["device"] == device and row.get("pass") is not None]
+        # A row that errored or was skipped has no verdict: the device's line must not pass without it.
+        missing = [row for row in overhead if row["device"] == device and row.get("pass") is None]
+        names = ", ".join(f"{row.get('params')} params" for row in missing)
+        absent = f"; {len(missing)} row(s) did not run ({names})" if missing else ""
+        if not mine:
+            lines.append(f"host cost per block on {device}: ext did not run ({names}): FAIL")
+            continue
         worst = max(mine, key=lambda row: row["x_target"])
         lines.append(f"host cost per block on {device}: ext at most {worst['x_target']:.2f}x target (worst at "
-                     f"{worst['params']} params, {worst['us_per_block']:.1f} us): "
-                     f"{verdict(all(row['pass'] for row in mine))}")
+                     f"{worst['params']} params, {worst['us_per_block']:.1f} us){absent}: "
+                     f"{verdict(not missing and all(row['pass'] for row in mine))}")
     for row in rows("startup", "startup"):
         if row.get("backend") == "ext" and row.get("enable_s") is not None:
             lines.append(f"startup {row['workload']}: ext enable {row['enable_s']:.2f} s = "
@@ -432,7 +439,10 @@ def targets_summary(results: dict[str, Any]) -> list[str]:
                          f"{row.get('pinned_ratio') or 0:.3f} ({verdict(row.get('pinned_ok'))}); peak RSS "
                          f"{verdict(row.get('rss_ok'))}")
     for row in rows("budgets", "budgets"):
-        if row.get("x_best") is not None:
+        if row.get("error") or row.get("skipped"):
+            lines.append(f"budgets {row.get('workload')} {row.get('budget')}: did not run "
+                         f"({row.get('error') or row.get('skipped')})"[:160])
+        elif row.get("x_best") is not None:
             extra = (f", {row['x_ideal']:.3f}x ideal, {row['x_floor']:.3f}x floor" if row.get("x_ideal") is not None
                      else "")
             lines.append(f"budgets {row['workload']} {row['budget']}: plan {row.get('plan')} = {row['x_best']:.3f}x "

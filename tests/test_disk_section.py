@@ -198,3 +198,32 @@ def test_the_stream_row_is_also_judged_against_the_read_table(monkeypatch) -> No
     assert row["note"] == "compress=True: ...; against the read table's 2.00 GB/s: x max(...) 1.100, stream/bw 0.909"
     child.pop("note")
     assert disk._stream_row({}, 1.0, 2e9)["note"].startswith("against the read table's 2.00 GB/s")
+
+
+def test_the_stream_row_checks_a_step_after_the_timed_ones_too(tmp_path: Path, monkeypatch) -> None:
+    import benchmarks.disk as disk
+    import benchmarks.disk_child as child
+    from benchmarks.workloads import StackSpec, build_stack_on_host
+    from safetensors.torch import save_file
+
+    spec = StackSpec("tiny", d=64, blocks=8, tokens=4, n_norms=2, character="")
+    path = tmp_path / "tiny.safetensors"
+    model = build_stack_on_host(spec, seed=3, init_device="cpu")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    monkeypatch.setattr(disk, "_spec", lambda cuda, quick: spec)
+    monkeypatch.setattr(child, "_h2d_bytes_per_s", lambda torch, device: 1e9)
+    keys = ("bytes", "in_place", "wall", "idle", "read", "waits", "wait_s", "idle_waits_s", "out_of_order",
+            "copy_wait_s")
+
+    def rounds(torch, device, group, step, bracket_read, count, timed, *, spoil):
+        step()
+        if spoil:  # a later step that no longer matches, as a race in the streaming ring would give
+            group.model_ref.forward = lambda x: x
+        return [1.0] * count, [1e9] * count, {key: 1.0 for key in keys}
+
+    config = {"mode": "stream", "path": str(path), "cuda": False, "quick": True, "compress": False}
+    for spoil in (False, True):
+        monkeypatch.setattr(child, "_rounds", lambda *args, spoil=spoil: rounds(*args, spoil=spoil))
+        result = child._stream(dict(config))
+        assert result["disk_blocks"] > 0 and result["exact_first"] is True
+        assert result["exact_last"] is (not spoil) and result["exact"] is (not spoil)

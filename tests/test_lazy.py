@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -727,3 +728,27 @@ def test_pickle_round_trips_the_unloaded_proxy_and_names_an_unpicklable_loader()
     with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
         pickle.dumps(unpicklable)
     assert not unpicklable.is_materialized
+
+
+def test_the_lazy_benchmark_counts_eager_building_its_components_in_its_wall_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.lazy as section
+
+    clock = [0.0]
+    monkeypatch.setattr(section, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def run_stage(stage: str, components: dict, inputs: dict, state: Any) -> torch.Tensor:
+        clock[0] += 1.0  # each stage's compute, in stand-in seconds
+        return torch.zeros(2)
+
+    monkeypatch.setattr(section, "_run_stage", run_stage)
+
+    def eager() -> tuple[dict, Callable[[str], list[str]]]:
+        clock[0] += 5.0  # building every component before the first stage
+        return {name: nn.Linear(2, 2) for name in ("text_encoder", "transformer", "vae")}, lambda stage: []
+
+    class _HostCtx:
+        cuda = False
+
+    row = section._variant_row(_HostCtx(), "eager", eager, {}, {}, {})
+    assert row["wall_s"] == 8.0

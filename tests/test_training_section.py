@@ -34,3 +34,31 @@ def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path:
     # Forward-order targets in backward: every block loads on demand there, and its prefetches are wasted.
     assert rows[training.EXT_BEFORE]["sync_loads"] == 6.0 and rows[training.EXT_BEFORE]["copies"] > 12.0
     assert rows["floor"]["skipped"] == "needs a CUDA device and the peak H2D"
+
+
+def test_the_training_rows_compare_a_step_after_the_timed_ones_too(tmp_path: Path, monkeypatch) -> None:
+    journal = tmp_path / "journal.jsonl"
+    ctx = Context("training", Options(quick=True, device="cpu", progress=False), str(journal))
+    spec = StackSpec("tiny", d=32, blocks=4, tokens=8, n_norms=2, character="")
+    timed = {"done": False}
+    real_step, real_rounds = training._step, training.run_interleaved
+
+    def step(model, x):
+        inner = real_step(model, x)
+        # After the timed rounds every step's gradient is off by one: only a check made then sees it.
+        return lambda: inner() + (1.0 if timed["done"] else 0.0)
+
+    def rounds(timers, count):
+        result = real_rounds(timers, count)
+        timed["done"] = True
+        return result
+
+    monkeypatch.setattr(training, "_step", step)
+    monkeypatch.setattr(training, "run_interleaved", rounds)
+    try:
+        training._workload(ctx, spec, None)
+    finally:
+        ctx.close()
+    rows = {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
+            if record.get("type") == "row"}
+    assert all(rows[name]["bit_equal"] is False for name in (training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT))
