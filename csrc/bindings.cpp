@@ -5,6 +5,8 @@
 // do. Methods that move whole blocks through host memory release it, always through without_gil().
 // Every method that can warn runs under warnings_to_python(), so TORCH_WARN becomes a Python warning.
 // Every handle, slot and index from Python is bounds-checked here before it reaches the engine.
+#include <typeinfo>
+
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
@@ -270,6 +272,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastoffload_ext core: pinned pool, packed block store, slot ring, copy engine, binder";
   // A thread that has to wait for an engine drops the GIL for the wait (see thread_gate.h).
   set_wait_hooks(WaitHooks{&drop_gil_if_held, &take_gil_back});
+  // The core's own refusals (a TORCH_CHECK whose message is the package's: a forward from another thread, a block
+  // that requires grad, a parameter rebound or written while offloaded, a refused load) reach Python as
+  // OffloadStateError, a RuntimeError, as the python backend raises them; torch's own errors and the typed ones
+  // (ValueError, IndexError, ...) keep their types. Registered first, so the translators below are tried before it.
+  py::register_local_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const c10::Error& failure) {
+      const std::string message = failure.what_without_backtrace();
+      if (typeid(failure) != typeid(c10::Error) || message.rfind("fastoffload:", 0) != 0) throw;
+      py::object type = py::module_::import("fastoffload_ext.errors").attr("OffloadStateError");
+      PyErr_SetString(type.ptr(), message.c_str());
+    }
+  });
   // Device memory refused (the slot ring) reaches Python as torch.OutOfMemoryError, like torch's own.
   py::register_local_exception_translator([](std::exception_ptr error) {
     try {

@@ -744,3 +744,35 @@ def test_lazy_loader_failure_names_the_component() -> None:
         proxy.materialize()
     text = " ".join([str(raised.value), *getattr(raised.value, "__notes__", [])])
     assert "transformer" in text, text
+
+
+# ---- the same refusal, the same type on both backends -------------------------------------------------------------
+
+def _rebind(model: nn.Module) -> None:
+    model.blocks[1].up.weight.data = torch.zeros(model.blocks[1].up.weight.shape)
+
+
+def _write(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.blocks[1].up.weight.mul_(2)
+
+
+def _train(model: nn.Module) -> None:
+    model.blocks[1].up.weight.requires_grad_(True)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("mistake", [_rebind, _write, _train], ids=["rebound", "written", "requires grad"])
+def test_a_refused_forward_raises_offload_state_error_on_both_backends(backend: str,
+                                                                       mistake: Callable[[nn.Module], None]) -> None:
+    """The ext backend's core raised a plain RuntimeError where the python backend raises OffloadStateError:
+    ``except OffloadStateError`` missed the default backend. Both are still RuntimeErrors."""
+    model, reference = make_pair(3)
+    fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    mistake(model)
+    with pytest.raises(fo.OffloadStateError, match="^fastoffload: ") as raised, torch.enable_grad():
+        model(x)
+    assert isinstance(raised.value, RuntimeError)

@@ -745,11 +745,12 @@ def test_a_taken_segment_name_falls_back_under_auto_and_raises_under_true(tmp_pa
         # Only the squatter's file is left: the owner's lock and reserved segments are gone.
         assert done[rank]["auto_names_after"] == [f"fastoffload-01{1:030x}-01{2:030x}"]
         assert done[rank]["True_names_after"] == [f"fastoffload-01{1:030x}-01{2:030x}"]
-    assert done[0]["True"].startswith("RuntimeError: fastoffload: could not create the shared segment"), done[0]["True"]
+    assert done[0]["True"].startswith("OffloadStateError: fastoffload: could not create the shared segment"), \
+        done[0]["True"]
     assert "File exists" in done[0]["True"] and "share_host_copy='auto'" in done[0]["True"]
     assert done[1]["True"].startswith("OffloadStateError: fastoffload: sharing the host copy failed on another rank so "
-                                    "this rank did not attach: rank 0: RuntimeError: fastoffload: could not create the "
-                                    "shared segment"), done[1]["True"]
+                                    "this rank did not attach: rank 0: OffloadStateError: fastoffload: could not create "
+                                    "the shared segment"), done[1]["True"]
 
 
 def _hold_a_live_job(job: str, segments: list[str], ready: Any) -> None:
