@@ -190,6 +190,19 @@ class TiedBlockFirstB(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _tied_outside_from(path: Path, reference: TiedOutside, resident_blocks: int | None) -> TiedOutside:
+    """A meta TiedOutside offloaded from ``path``, two steps bit-equal to ``reference``."""
+    with torch.device("meta"):
+        model = TiedOutside()
+    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(2):
+            assert torch.equal(model(x), expected)
+    return model
+
+
 @pytest.mark.parametrize("resident_blocks", [None, 3])
 def test_a_checkpoint_written_by_save_model_fills_every_name_of_a_tie(tmp_path: Path, resident_blocks) -> None:
     from safetensors import safe_open
@@ -200,14 +213,7 @@ def test_a_checkpoint_written_by_save_model_fills_every_name_of_a_tie(tmp_path: 
     save_model(reference, str(path))  # keeps one name of each tie
     with safe_open(str(path), "pt") as handle:
         assert "out.weight" not in handle.keys() and "blocks.0.b.weight" not in handle.keys()
-    with torch.device("meta"):
-        model = TiedOutside()
-    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
-    x = torch.randn(3, 32)
-    with torch.no_grad():
-        expected = reference(x)
-        for _ in range(2):
-            assert torch.equal(model(x), expected)
+    model = _tied_outside_from(path, reference, resident_blocks)
     assert model.out.weight is model.inp.weight
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
@@ -230,14 +236,7 @@ def test_a_tie_held_under_both_names_with_other_values_takes_what_load_state_dic
     reference.load_state_dict(state)
     assert torch.equal(reference.out.weight, state["out.weight"])  # the later name's values are the ones kept
     assert all(torch.equal(block.b.weight, state[f"blocks.{i}.a.weight"]) for i, block in enumerate(reference.blocks))
-    with torch.device("meta"):
-        model = TiedOutside()
-    enable_layerwise_offload(model, device="cpu", weights=path, resident_blocks=resident_blocks)
-    x = torch.randn(3, 32)
-    with torch.no_grad():
-        expected = reference(x)
-        for _ in range(2):
-            assert torch.equal(model(x), expected)
+    model = _tied_outside_from(path, reference, resident_blocks)
     disable_layerwise_offload(model, device="cpu")
     assert params_equal(model, reference)
     assert model.out.weight is model.inp.weight and all(block.a.weight is block.b.weight for block in model.blocks)

@@ -10,16 +10,21 @@ from benchmarks.utils import MiB, Context, Options, read_journal
 from benchmarks.workloads import StackSpec
 
 
-def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path: Path) -> None:
+def _rows(tmp_path: Path, spec: StackSpec) -> dict[str, dict]:
+    """The section's rows for ``spec`` on the host, by configuration."""
     journal = tmp_path / "journal.jsonl"
     ctx = Context("training", Options(quick=True, device="cpu", progress=False), str(journal))
-    spec = StackSpec("tiny", d=32, blocks=6, tokens=8, n_norms=2, character="")
     try:
         training._workload(ctx, spec, None)
     finally:
         ctx.close()
-    rows = {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
+    return {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
             if record.get("type") == "row"}
+
+
+def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path: Path) -> None:
+    spec = StackSpec("tiny", d=32, blocks=6, tokens=8, n_norms=2, character="")
+    rows = _rows(tmp_path, spec)
     assert set(rows) == {training.RESIDENT, training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT, "floor"}
     for name in (training.RESIDENT, training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT):
         assert "error" not in rows[name], rows[name].get("error")
@@ -37,8 +42,6 @@ def test_the_training_rows_count_the_copies_and_loads_a_backward_makes(tmp_path:
 
 
 def test_the_training_rows_compare_a_step_after_the_timed_ones_too(tmp_path: Path, monkeypatch) -> None:
-    journal = tmp_path / "journal.jsonl"
-    ctx = Context("training", Options(quick=True, device="cpu", progress=False), str(journal))
     spec = StackSpec("tiny", d=32, blocks=4, tokens=8, n_norms=2, character="")
     timed = {"done": False}
     real_step, real_rounds = training._step, training.run_interleaved
@@ -55,10 +58,5 @@ def test_the_training_rows_compare_a_step_after_the_timed_ones_too(tmp_path: Pat
 
     monkeypatch.setattr(training, "_step", step)
     monkeypatch.setattr(training, "run_interleaved", rounds)
-    try:
-        training._workload(ctx, spec, None)
-    finally:
-        ctx.close()
-    rows = {record["row"]["config"]: record["row"] for record in read_journal(str(journal))
-            if record.get("type") == "row"}
+    rows = _rows(tmp_path, spec)
     assert all(rows[name]["bit_equal"] is False for name in (training.EXT, training.EXT_BEFORE, training.EXT_REENTRANT))
