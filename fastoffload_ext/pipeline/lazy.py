@@ -23,6 +23,11 @@ own ``TypeError``), but ``hasattr(proxy, "__len__")`` and ``isinstance`` against
 structural classes (``Iterable``, ``Sized``, ``Container``) answer True for any proxy. Ask the loaded
 component (``materialize()``) where that distinction matters.
 
+Loads run as they would before the pipeline: a first use inside ``torch.inference_mode()`` or
+``torch.autocast`` loads the same weights as a use outside them (grad mode is kept). A loader or
+materialize transform that uses the proxy it is loading is refused with an error (there is no component
+yet; a transform gets it as its argument).
+
 Threads: the first use loads once. Threads that touch the proxy while it loads wait for that load
 and get the same instance, so a component is never in memory twice because two stages started
 together. The loader runs with the proxy's lock held; a loader that waits for another thread which
@@ -41,8 +46,9 @@ was done to the loaded instance afterwards (``to(dtype)``, ``half()``, ``load_st
 in-place edit, an added adapter) would be gone after a release, and the next use would silently run
 the component as the loader built it. :meth:`LazyModule.release` therefore compares an ``nn.Module``
 component with what it was when it loaded (its submodules and parameters, each the same object; each
-parameter's and persistent buffer's dtype, shape and version counter) and keeps a changed component
-loaded, with a ``RuntimeWarning`` naming the change, instead of dropping the change. A cast made through
+parameter's and persistent buffer's dtype, shape and version counter; each parameter's ``requires_grad``;
+the forward and backward hooks registered on each submodule) and keeps a changed component loaded, with a
+``RuntimeWarning`` naming the change, instead of dropping the change. A cast made through
 the proxy (``proxy.half()``, ``proxy.to(dtype)``) counts even when a later call casts back
 (``half().float()`` keeps the rounding, which a reload would not bring back).
 ``release(discard_changes=True)`` drops it anyway. Not compared, so not kept: the device (a move
@@ -82,7 +88,7 @@ __all__ = ["LazyModule", "is_lazy_module"]
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
 _STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_transforms", "_lazy_module", "_lazy_release_callbacks",
-                "_lazy_lock", "_lazy_loaded_as", "_lazy_cast_seen")
+                "_lazy_lock", "_lazy_loaded_as", "_lazy_cast_seen", "_lazy_loading")
 # nn.Module's casting methods: after one is called through the proxy, a cast it made is remembered even when a
 # later call casts back (half().float() keeps the rounding, which a reload would not).
 _CASTING_METHODS = frozenset({"to", "half", "float", "double", "bfloat16", "type", "_apply"})
@@ -116,19 +122,30 @@ def _set_state(proxy: LazyModule, slot: str, value: Any) -> None:
     object.__setattr__(proxy, slot, value)
 
 
+# The device types whose autocast a load turns off (torch.autocast takes each of them, built for it or not).
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "privateuseone")
+
+
 @contextlib.contextmanager
-def _outside_inference_mode() -> Iterator[None]:
-    """A load that a use inside ``torch.inference_mode()`` starts builds ordinary tensors, as a load outside it does.
+def _as_at_startup() -> Iterator[None]:
+    """A load that a use inside ``torch.inference_mode()`` or ``torch.autocast`` starts builds the component as a
+    load outside them does.
 
     Without this, the component's weights would be inference tensors when its first use happens to be inside
     inference mode: layerwise offload refuses those (it cannot watch them for in-place writes), they cannot be
     written outside inference mode, and release() could not see an in-place change to them. Grad mode is kept.
+    Under autocast, whatever the loader or a transform computes (a LoRA merged into a weight, a fused
+    projection) would be computed in the autocast dtype and rounded, so the component would hold other
+    weights than one loaded before the pipeline ran, and another load (after a release) could differ again.
     """
-    if not torch.is_inference_mode_enabled():
-        yield
-        return
-    grad = torch.is_grad_enabled()
-    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+    with contextlib.ExitStack() as stack:
+        if torch.is_inference_mode_enabled():
+            grad = torch.is_grad_enabled()
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.set_grad_enabled(grad))
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -149,7 +166,16 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 def _tensor_entry(kind: str, name: str, tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (kind, name, weakref.ref(tensor), tensor.dtype, tuple(tensor.shape), _version(tensor))
+    return (kind, name, weakref.ref(tensor), tensor.dtype, tuple(tensor.shape), _version(tensor), tensor.requires_grad)
+
+
+# The hooks a module runs around its forward and backward: one registered on the loaded component changes what it
+# computes, and a reload would come back without it.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hook_keys(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(getattr(module, hooks, {})) for hooks in _HOOK_DICTS)
 
 
 def _loaded_as(component: Any) -> list[tuple[Any, ...]] | None:
@@ -163,7 +189,7 @@ def _loaded_as(component: Any) -> list[tuple[Any, ...]] | None:
         return None
     entries: list[tuple[Any, ...]] = []
     for prefix, module in component.named_modules(remove_duplicate=False):
-        entries.append(("submodule", prefix, weakref.ref(module)))
+        entries.append(("submodule", prefix, weakref.ref(module), _hook_keys(module)))
         dot = prefix + "." if prefix else ""
         for name, param in module._parameters.items():
             if param is not None:
@@ -193,6 +219,9 @@ def _change(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | 
         if kind == "submodule":
             if not same_object:
                 return f"its submodule {name!r} was replaced"
+            if old[3] != new[3]:
+                where = f"its submodule {old[1]!r}" if old[1] else "the component"
+                return f"a forward or backward hook was registered on, or removed from, {where}"
             continue
         # nn.Module.to/cuda/half rebind a parameter in place (same object, version kept) but give a buffer a
         # new tensor: only a parameter's object is compared, and a buffer's version only while it is the same.
@@ -204,6 +233,8 @@ def _change(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | 
             return f"its {kind} {name!r} changed shape from {list(old[4])} to {list(new[4])}"
         if same_object and old[5] != new[5]:
             return f"its {kind} {name!r} was written in place, by load_state_dict or an in-place update"
+        if kind == "parameter" and old[6] != new[6]:
+            return f"its {kind} {name!r} was {'unfrozen' if new[6] else 'frozen'} (requires_grad_({new[6]}))"
     if len(before) != len(now):
         added = len(now) > len(before)
         extra = now[len(before)] if added else before[len(now)]
@@ -241,6 +272,7 @@ class LazyModule:
         _set_state(self, "_lazy_cast_seen", None)  # a cast seen through the proxy since the load (then undone)
         # Reentrant: a loader or transform may read the proxy's own state (lazy_name, is_materialized).
         _set_state(self, "_lazy_lock", threading.RLock())
+        _set_state(self, "_lazy_loading", False)  # a load is running (in the thread that holds the lock)
 
     @property
     def lazy_name(self) -> str:
@@ -258,6 +290,8 @@ class LazyModule:
         Raises:
             ValueError: the loader, or a materialize transform, returned None; a missing return
                 statement would otherwise surface much later as a confusing ``NoneType`` error.
+            OffloadStateError: the loader, or a materialize transform, used this proxy's component while
+                it loaded (there is none yet); it would otherwise recurse until Python's limit.
         """
         loaded = _state(self, "_lazy_module")
         if loaded is not None:
@@ -267,13 +301,24 @@ class LazyModule:
             loaded = _state(self, "_lazy_module")
             if loaded is not None:
                 return loaded
-            return self._load()
+            if _state(self, "_lazy_loading"):
+                # The lock is reentrant, so this is the thread that runs the load: its loader or a transform.
+                name = _state(self, "_lazy_name")
+                raise OffloadStateError(f"fastoffload: deferred module {name} was used by its own loader or "
+                                        "materialize transform while it loaded, before there is a component to use; "
+                                        "build it from something other than the proxy (a transform gets the "
+                                        "component as its argument: use that)")
+            _set_state(self, "_lazy_loading", True)
+            try:
+                return self._load()
+            finally:
+                _set_state(self, "_lazy_loading", False)
 
     def _load(self) -> Any:
         """Runs the loader and the transform; called with the lock held."""
         name = _state(self, "_lazy_name")
         logger.info("Loading deferred module %s", name)
-        with _outside_inference_mode():
+        with _as_at_startup():
             try:
                 component = _state(self, "_lazy_loader")()
             except Exception as error:
@@ -380,10 +425,10 @@ class LazyModule:
         runs and, where CUDA is available, the caching allocator hands its free blocks back; memory
         only comes back if nothing else still references the component.
 
-        A component that changed after it loaded (cast, written in place, a parameter or submodule
-        added or replaced: see the module docstring) is kept loaded, with a ``RuntimeWarning`` naming
-        the change: a reload would silently run it without the change. ``discard_changes=True`` drops
-        it anyway.
+        A component that changed after it loaded (cast, written in place, frozen or unfrozen, a hook
+        registered, a parameter or submodule added or replaced: see the module docstring) is kept
+        loaded, with a ``RuntimeWarning`` naming the change: a reload would silently run it without the
+        change. ``discard_changes=True`` drops it anyway.
 
         Returns:
             True if a loaded component was dropped, False if there was nothing to release or the

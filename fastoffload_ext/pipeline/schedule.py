@@ -42,6 +42,9 @@ Rules, and why:
   once with a ``KeyError`` instead of silently reloading a component the schedule already released.
 * ``keep`` names components that must stay loaded across runs (e.g. a transformer reused request
   after request); releasing is a latency cost on the next run, never a correctness one.
+* One component under two names (the same object in the mapping twice) is released after the last
+  use of either name, and never when either name is kept: releasing it after one name's last use
+  would load it again for the other's.
 * If a stage raises, :func:`run_pipeline` releases nothing more and the exception propagates: the
   components the failed run loaded stay loaded and are reused by a retry.
 """
@@ -183,7 +186,8 @@ class ReleaseSchedule:
     def release_after(self, stage_name: str, components: Mapping[str, Any]) -> list[str]:
         """Release the lazy components last used by ``stage_name``; return the names actually released.
 
-        A component that is not lazy, or lazy but not loaded (nothing to drop), is skipped.
+        A component that is not lazy, or lazy but not loaded (nothing to drop), is skipped, and so is one
+        that ``components`` also holds under another name that is kept or used by a later stage.
 
         Raises:
             ValueError: ``stage_name`` is not a stage of this schedule, or ``components`` lacks a
@@ -196,13 +200,29 @@ class ReleaseSchedule:
                              f"{stage_name!r} but missing from the components mapping; pass the same mapping the "
                              "stages use")
         released: list[str] = []
+        needed_later = self._needed_after(stage_name, components) if due else set()
         for name in due:
             component = components[name]
+            if id(component) in needed_later:
+                logger.debug("Kept %s after stage %s: the same component is used later under another name", name,
+                             stage_name)
+                continue
             if is_lazy_module(component) and component.release():
                 released.append(name)
         if released:
             logger.debug("Released %s after stage %s", ", ".join(released), stage_name)
         return released
+
+    def _needed_after(self, stage_name: str, components: Mapping[str, Any]) -> set[int]:
+        """The ids of the components that a stage after ``stage_name`` uses, or ``keep`` names (compared by
+        identity, which loads nothing)."""
+        names = set(self._kept)
+        later = False
+        for stage in self._stages:
+            if later:
+                names.update(stage.uses)
+            later = later or stage.name == stage_name
+        return {id(components[name]) for name in names if name in components}
 
     def _releases_for(self, stage_name: str) -> tuple[str, ...]:
         try:
