@@ -509,20 +509,23 @@ def measure_host_decode_gbps(*, nbytes: int = DECODE_PROBE_BYTES, repeats: int =
 
 def time_step_ms(step: Callable[[], Any], device: torch.device, repeats: int = 3) -> float:
     """Median wall time of ``step`` (ms), the device drained before and after each run, after one
-    untimed run: the step as a caller timing its loop sees it."""
+    untimed run: the step as a caller timing its loop sees it. Under ``inference_mode`` as the
+    measurement ran it (``measure_blocks``): in grad mode an offloaded block whose parameters require
+    grad refuses to run, and the time would count autograd's bookkeeping."""
 
     def drain() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    step()
     times = []
-    for _ in range(max(1, repeats)):
-        drain()
-        begin = time.perf_counter()
+    with torch.inference_mode():
         step()
-        drain()
-        times.append((time.perf_counter() - begin) * 1e3)
+        for _ in range(max(1, repeats)):
+            drain()
+            begin = time.perf_counter()
+            step()
+            drain()
+            times.append((time.perf_counter() - begin) * 1e3)
     return statistics.median(times)
 
 

@@ -9,9 +9,10 @@ Re-applying a plan whose resident set or depth differs means offloading again: e
 brought back to host memory with its current values (``disable_layerwise_offload(model, "cpu")``) and
 offload is enabled with the new plan and the arguments enable was first given. The new group replaces
 the old one on the model (``get_offload_group(model)``); the new plan is computed, and refused if it does
-not fit, before anything is undone, and if enabling it fails all the same the previous layout is
-applied again before the error is raised. A group that streams blocks from disk is never re-enabled
-(it would go through host memory): a new layout for it is refused, or kept out by a calibration.
+not fit, before anything is undone, and if enabling it fails all the same (or the disable is cut short)
+the previous layout is applied again before the error is raised. A group that streams blocks from disk
+is never re-enabled (it would go through host memory): a new layout for it is refused, or kept out by a
+calibration.
 
 From another thread, applying a new layout waits for a forward that runs in the model (between two
 blocks or inside a resident block too, which a block's own gate does not see), and forwards that start
@@ -86,6 +87,19 @@ def _coded_table(group: Any, table: BlockCosts) -> BlockCosts:
         moved[index] = (estimate_tensors(list(state.cpu_named_parameters.values())) if state is not None
                         else estimate_block(block))
     return dataclasses.replace(table, transfer_bytes=tuple(moved))
+
+
+def _with_current_sizes(group: Any, table: BlockCosts | None) -> BlockCosts | None:
+    """The last calibration's ``table`` with the blocks' sizes as they are now: a ``mutate_params_scope``
+    may have grown a block since (an adapter's parameters), and the engine's slots follow the real sizes,
+    so a plan from the old ones would hold more device memory than it counts."""
+    if table is None or table.blocks != len(group.blocks):
+        return table
+    sizes = _block_bytes(group)
+    if tuple(sizes) == table.block_bytes:
+        return table
+    moved = transfer_bytes(group, sizes) if table.compressed else None
+    return dataclasses.replace(table, block_bytes=tuple(sizes), transfer_bytes=moved)
 
 
 def _check_current(group: Any) -> None:
@@ -203,7 +217,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
     changes (``DISK_REPLAN_ERROR``), or with ``keep_layout`` (a calibration's own re-plan) logged,
     the layout kept and its plan scored again from ``costs``."""
     _check_current(group)
-    table = costs if costs is not None else group.costs
+    table = costs if costs is not None else _with_current_sizes(group, group.costs)
     if table is None:
         raise OffloadStateError("fastoffload: nothing to re-plan from: call group.calibrate(step) first, or pass a "
                                 "BlockCosts table")
@@ -395,21 +409,34 @@ def _apply(group: Any, plan: Any, costs: BlockCosts) -> Any:
     # resident would hold inference tensors from then on, which autograd and requires_grad_ refuse.
     with layout_change(model), torch.inference_mode(False):
         _check_current(group)  # another thread's disable or re-plan may have come first while this one waited
-        disable_layerwise_offload(model, device="cpu")
         try:
+            disable_layerwise_offload(model, device="cpu")
             fresh = enable_layerwise_offload(model, **arguments, plan=plan, device_budget=plan.device_budget)
         except BaseException:
-            # Enable rolled itself back; the layout that ran before is applied again, so a failed re-plan
-            # leaves the model offloaded as it was (with its current values), then the error is raised.
-            try:
-                reapply(group)
-            except BaseException as second:
-                logger.error("fastoffload: re-planning failed and the previous layout could not be applied again "
-                             "(%s); the model is in host memory without offload", second)
+            # Enable rolled itself back (a disable cut short did not): the layout that ran before is applied
+            # again, so a failed re-plan leaves the model offloaded as it was (with its current values).
+            _back_to(group)
             raise
     fresh.costs = costs
     _carry_fixed(group, fresh)
     return fresh
+
+
+def _back_to(group: Any) -> None:
+    """After a re-plan failed part-way: the layout ``group`` ran is applied again with the model's current
+    values. A disable cut short (a Ctrl-C between two blocks) left the group on the model with some blocks
+    restored and others still offloaded, which no forward runs: it is finished first, as is an offload
+    the failed enable left on the model."""
+    from fastoffload_ext.engine.layerwise import disable_layerwise_offload, get_offload_group
+
+    model = group.model_ref
+    try:
+        if get_offload_group(model) is not None:
+            disable_layerwise_offload(model, device="cpu")
+        reapply(group)
+    except BaseException as second:
+        logger.error("fastoffload: re-planning failed and the previous layout could not be applied again (%s); the "
+                     "model is in host memory without offload", second)
 
 
 def reapply_refusal(group: Any) -> str | None:
