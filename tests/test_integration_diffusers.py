@@ -98,6 +98,21 @@ def test_a_move_away_from_the_offload_device_is_refused_and_nothing_moves(move: 
     assert torch.equal(_video(pipe), expected)
 
 
+@pytest.mark.parametrize("args", [("meta", None), (torch.device("meta"), None)])
+def test_pipe_to_a_device_with_a_none_dtype_is_refused_before_any_component_moves(args: tuple[Any, ...],
+                                                                                   expected: torch.Tensor) -> None:
+    """diffusers reads ``pipe.to(device, None)`` as a move to ``device``: the None dtype hid the device from the
+    check, the text encoder went to meta, and only then did the transformer's own guard refuse."""
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu")
+    with pytest.raises(OffloadStateError, match=r"^fastoffload: pipe\.to\('meta'\) would move the layerwise-offloaded "
+                                                r"pipe\.transformer to meta"):
+        pipe.to(*args)
+    for component in (pipe.text_encoder, pipe.vae, pipe.transformer):
+        assert {p.device.type for p in component.parameters()} == {"cpu"}
+    assert torch.equal(_video(pipe), expected)
+
+
 def test_a_disabled_transformer_copies_and_pickles_as_before(expected: torch.Tensor) -> None:
     pipe = tiny_pipeline()
     offload_transformer(pipe, device="cpu")
@@ -134,6 +149,54 @@ def test_model_cpu_offload_keeps_the_layerwise_offload(expected: torch.Tensor) -
     # maybe_free_model_hooks re-enables the hooks at the end of every call, through the same wrapper.
     assert not hasattr(pipe.transformer, "_hf_hook")
     assert torch.equal(_video(pipe), expected)
+
+
+def _text_encoder_hook(pipe: Any) -> Any:
+    return next(hook for hook in pipe._all_hooks if hook.model is pipe.text_encoder)
+
+
+def test_model_cpu_offload_sends_the_text_encoder_back_when_the_offloaded_transformer_runs(
+        expected: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastoffload_ext.integrations import diffusers as integration
+
+    # On the CPU every component is on the CPU already, so the hand-over would find nothing to send back: it is
+    # told the text encoder is on its execution device, and accelerate's offload is recorded instead of run.
+    monkeypatch.setattr(integration, "on_execution_device", lambda hook: True)
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cpu")
+    events: list[str] = []
+    pipe.text_encoder.register_forward_pre_hook(lambda module, args: events.append("text encoder"))
+    pipe.transformer.register_forward_pre_hook(lambda module, args: events.append("transformer"))
+    pipe.enable_model_cpu_offload(device="cpu")
+    for _ in range(2):  # maybe_free_model_hooks enables the offload again after each call: one hand-over, not two
+        hook = _text_encoder_hook(pipe)
+        monkeypatch.setattr(hook, "offload", lambda: events.append("offload"))
+        events.clear()
+        assert torch.equal(_video(pipe), expected)
+        first = events.index("transformer")
+        assert "offload" not in events[:first] and "text encoder" not in events[first:]
+        assert events[first:] == ["transformer", "offload"] * events.count("transformer")
+    pipe.remove_all_hooks()  # the hook it served is gone: the transformer sends nothing back any more
+    events.clear()
+    assert torch.equal(_video(pipe), expected)
+    assert "offload" not in events and "transformer" in events
+
+
+@pytest.mark.cuda
+def test_model_cpu_offload_on_cuda_keeps_the_text_encoder_off_the_gpu_while_the_transformer_runs() -> None:
+    reference = tiny_pipeline()
+    reference.enable_model_cpu_offload(device="cuda")
+    want = _video(reference)
+    pipe = tiny_pipeline()
+    offload_transformer(pipe, device="cuda")
+    pipe.enable_model_cpu_offload(device="cuda")
+    seen: list[str] = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda module, args: seen.append(next(pipe.text_encoder.parameters()).device.type))
+    for _ in range(2):
+        seen.clear()
+        assert torch.equal(_video(pipe), want)
+        assert seen and set(seen) == {"cpu"}
 
 
 def test_sequential_cpu_offload_is_refused() -> None:

@@ -8,6 +8,8 @@ hand it this suite's model instead.
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,3 +249,91 @@ def test_a_block_under_fastvideos_own_hook_manager_is_refused_and_nothing_change
     x = torch.randn(2, 16)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_a_fastvideo_module_imported_while_installed_gets_fastvideos_names_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A FastVideo module first imported after install() takes the replacements from the source modules, under
+    # any name; a second install() must give it the new options, and uninstall() FastVideo's own objects.
+    name = f"{integration.PACKAGE}._fastoffload_imported_late"
+    late = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, late)
+    integration.install(device="cpu", prefetch_depth=2)
+    exec("from fastvideo.hooks.layerwise_offload import enable_layerwise_offload, LayerwiseOffloadHook as Hook\n"
+         "from fastvideo.hooks.hooks import ModuleHookManager", vars(late))
+    assert late.Hook is our_layerwise.LayerwiseOffloadHook and late.ModuleHookManager is our_hooks.ModuleHookManager
+    integration.install(device="cpu", backend="python")
+    assert f"{name}.enable_layerwise_offload" in integration.replaced_names()
+    model, reference = make_pair(3)
+    late.enable_layerwise_offload(model)
+    group = get_offload_group(model)
+    assert group is not None and group.backend == "python" and group.prefetch_depth == 1
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert integration.uninstall() is True
+    assert late.enable_layerwise_offload is ORIGINAL_ENABLE
+    assert late.Hook is ORIGINAL_HOOK and late.ModuleHookManager is ORIGINAL_MANAGER
+    assert integration.uninstall() is False and late.enable_layerwise_offload is ORIGINAL_ENABLE
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_fastvideo_lora_layers_converted_and_merged_in_the_scope_are_bit_exact(monkeypatch: pytest.MonkeyPatch,
+                                                                                backend: str) -> None:
+    # FastVideo's LoRA pipeline, in each block's mutate_params_scope, wraps the block's linear layers in its LoRA
+    # layers (renaming the parameters they hold), and later merges the adapters into the base weights there.
+    linear = import_fastvideo("fastvideo.layers.linear")
+    lora_linear = import_fastvideo("fastvideo.layers.lora.linear")
+    monkeypatch.setattr(lora_linear, "get_local_torch_device", lambda: torch.device("cpu"))
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.to_q = linear.ReplicatedLinear(16, 16, bias=True, params_dtype=torch.float32)
+            self.ff = linear.ReplicatedLinear(16, 16, bias=True, params_dtype=torch.float32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.ff(torch.relu(self.to_q(x)[0]))[0]
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+            self.proj_out = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.proj_out(x)
+
+    def build() -> Model:
+        model = Model()
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():  # FastVideo's linear layers leave their weights uninitialized
+                param.copy_(torch.randn(param.shape, generator=generator))
+        return model
+
+    def apply_lora(model: Model) -> None:
+        generator = torch.Generator().manual_seed(1)
+        for index, block in enumerate(model.blocks):
+            with lora_pipeline._get_hook_ctx(block):
+                for name in ("to_q", "ff"):
+                    layer = lora_linear.get_lora_layer(getattr(block, name))
+                    lora_pipeline.replace_submodule(model, f"blocks.{index}.{name}", layer)
+        for block in model.blocks:
+            with lora_pipeline._get_hook_ctx(block):
+                for name in ("to_q", "ff"):
+                    a, b = torch.randn(4, 16, generator=generator), torch.randn(16, 4, generator=generator)
+                    getattr(block, name).set_lora_weights(a, b, strength=0.5)
+
+    integration.install(device="cpu", backend=backend)
+    model, reference = build(), build()
+    fv_offload.enable_layerwise_offload(model)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        model(x)  # a forward first: the cyclic prefetch leaves a block loaded
+        apply_lora(model)
+        apply_lora(reference)
+        assert isinstance(model.blocks[0].to_q, lora_linear.BaseLayerWithLoRA) and model.blocks[0].to_q.merged
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))

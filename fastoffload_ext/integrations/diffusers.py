@@ -19,7 +19,10 @@ device, and defines the pipeline's device operations on the offloaded model:
   again.
 - ``pipe.enable_model_cpu_offload()``: works for the other components and keeps the layerwise
   offload: the offloaded transformer is kept out of accelerate's whole-model hooks (which would move
-  it to the CPU after every call) and stays on its offload device.
+  it to the CPU after every call) and stays on its offload device. It still takes its place in the
+  pipeline's offload sequence: when it runs, the component before it (the text encoder) goes back to
+  the CPU, as accelerate's next hook would have sent it, instead of staying on the device through the
+  denoising loop until the VAE runs.
 - ``pipe.enable_sequential_cpu_offload()`` would put accelerate's per-parameter hooks on the
   offloaded blocks; it raises :class:`OffloadStateError` instead.
 - ``model.fuse_qkv_projections()`` and ``model.enable_layerwise_casting()`` rewrite weights that offloaded
@@ -71,6 +74,7 @@ _GUARDED_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", 
 _FLOAT_CASTS = {"half": torch.float16, "float": torch.float32, "bfloat16": torch.bfloat16, "double": torch.float64}
 _NAMES_ATTRIBUTE = "_fastoffload_denoisers"  # on the pipeline: every attribute offload_transformer offloaded
 _WRAPPED = "_fastoffload_wrapped"  # on a pipeline method this module defined
+_HANDOVER_ATTRIBUTE = "_fastoffload_handovers"  # on the pipeline: hooks from hand_over_in_sequence
 
 MOVE_ERROR = ("fastoffload: {what} would move the layerwise-offloaded {model} to {target}, but its blocks are "
               "offloaded to {device} and the rest of the model must run there too. Move it to {device} (or leave "
@@ -171,13 +175,15 @@ def _check_cast(model: nn.Module, group: LayerwiseOffloadGroup, what: str, model
 
 
 def _pipeline_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.device | None, torch.dtype | None]:
-    """The device and dtype of a ``DiffusionPipeline.to`` call: its arguments are a device, a dtype, or both."""
-    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    """The device and dtype of a ``DiffusionPipeline.to`` call: its arguments are a device, a dtype, or both. A None
+    argument names neither: diffusers reads ``to("cuda", None)`` as a move of every component to ``"cuda"``."""
+    device, dtype = None, None
     for arg in args:
         if isinstance(arg, torch.dtype):
             dtype = arg
-        else:
+        elif arg is not None:
             device = arg
+    device, dtype = kwargs.get("device") or device, kwargs.get("dtype") or dtype
     return (None if device is None else torch.device(device)), dtype
 
 
@@ -350,6 +356,50 @@ def _check_pipeline_to(pipe: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             _check_cast(model, group, f"pipe.to({dtype})", f"pipe.{name}", cast, hint=FROM_PIPE_HINT)
 
 
+def hand_over_in_sequence(pipe: Any, names: Iterable[str]) -> None:
+    """After ``enable_model_cpu_offload()``, which left the offloaded models ``names`` out of accelerate's chain:
+    each of them, as it starts a forward, sends the hooked component before it in ``model_cpu_offload_seq``
+    back to the CPU, which is what the chain's hook for it would have done. Without this the text encoder
+    would stay on the device through the whole denoising loop, until the VAE's hook sends it back.
+
+    The pipeline's earlier hand-overs are removed first (``maybe_free_model_hooks`` enables the offload again
+    at the end of every call), and one does nothing once the hook it serves is no longer the pipeline's
+    (``remove_all_hooks()``)."""
+    for handle in vars(pipe).pop(_HANDOVER_ATTRIBUTE, ()):
+        handle.remove()
+    hooks = {id(hook.model): hook for hook in getattr(pipe, "_all_hooks", ()) if hasattr(hook, "model")}
+    sequence = [name for name in getattr(pipe, "model_cpu_offload_seq", "").split("->") if name]
+    handles = []
+    for position, name in enumerate(sequence):
+        if name not in names:
+            continue
+        before = (getattr(pipe, earlier, None) for earlier in reversed(sequence[:position]))
+        hook = next((hooks[id(component)] for component in before if id(component) in hooks), None)
+        if hook is not None:
+            handles.append(getattr(pipe, name).register_forward_pre_hook(_handing_over(pipe, hook)))
+    if handles:
+        object.__setattr__(pipe, _HANDOVER_ATTRIBUTE, handles)
+
+
+def on_execution_device(hook: Any) -> bool:
+    """Whether the component of accelerate's offload ``hook`` is on the device it runs on (not sent back yet)."""
+    param = next(hook.model.parameters(), None)
+    return param is not None and param.device.type != "cpu"
+
+
+def _handing_over(pipe: Any, hook: Any) -> Callable[..., None]:
+    pipe_ref = weakref.ref(pipe)  # the model holds this hook; the pipeline holds the model
+
+    def hand_over(module: nn.Module, args: Any) -> None:
+        owner = pipe_ref()
+        if owner is None or not any(kept is hook for kept in getattr(owner, "_all_hooks", ())):
+            return
+        if on_execution_device(hook):
+            hook.offload()
+
+    return hand_over
+
+
 def _pipeline_methods() -> dict[str, Callable[..., Callable[..., Any]]]:
     """For each pipeline method defined on offloaded models: a function of the original (called as
     ``original(pipe, *args, **kwargs)``) giving its replacement (same signature)."""
@@ -364,8 +414,11 @@ def _pipeline_methods() -> dict[str, Callable[..., Callable[..., Any]]]:
         def keeping_layerwise(pipe: Any, *args: Any, **kwargs: Any) -> Any:
             # Hidden from the pipeline's components for the call: diffusers first moves every component
             # to the CPU, then hooks each one in its offload sequence.
-            with hidden_components(pipe, _offloaded_names(pipe)):
-                return original(pipe, *args, **kwargs)
+            names = _offloaded_names(pipe)
+            with hidden_components(pipe, names):
+                result = original(pipe, *args, **kwargs)
+            hand_over_in_sequence(pipe, names)
+            return result
         return keeping_layerwise
 
     def enable_sequential_cpu_offload(original: Callable[..., Any]) -> Callable[..., Any]:
