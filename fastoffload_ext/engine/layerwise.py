@@ -426,13 +426,17 @@ def _budget_check(group: LayerwiseOffloadGroup, block: nn.Module) -> Callable[[]
     return check
 
 
-def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cuda.Stream | None) -> LayerwiseOffloadHook:
-    """Hooks ``block`` (its state takes the weights) and moves its buffers to the device."""
+def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cuda.Stream | None,
+                attached: list[tuple[nn.Module, LayerwiseOffloadHook]]) -> None:
+    """Hooks ``block`` (its state takes the weights) and moves its buffers to the device. The hook goes into
+    ``attached`` before it goes on the block: however early an interrupt lands, a hook that holds the block's
+    weights is one that ``_roll_back`` finds (it skips one that never went on)."""
     group.original_devices.append(next((p.device for p in block.parameters()), group.device))
     state = _new_state(group, stream)
     hook = LayerwiseOffloadHook(state)
     hook.after_mutation = _budget_check(group, block)
     manager = ModuleHookManager.get_from_or_default(block)
+    attached.append((block, hook))
     if manager.get_forward_hook(hook.name()) is not None:
         manager.replace_forward_hook(hook.name(), hook)
     else:
@@ -443,7 +447,6 @@ def _attach_one(group: LayerwiseOffloadGroup, block: nn.Module, stream: torch.cu
         for key, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.device != group.device:
                 setattr(module, key, buffer.to(group.device))
-    return hook
 
 
 def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> None:
@@ -458,7 +461,7 @@ def _attach_blocks(group: LayerwiseOffloadGroup, options: OffloadOptions) -> Non
         if group.checkpoint is not None:
             group.checkpoint.load_block_buffers(group.model_ref, group.device)  # attaching moves them
         for block in options.offloaded:
-            attached.append((block, _attach_one(group, block, stream)))
+            _attach_one(group, block, stream, attached)
         if share is not None and not share.after_attach(group.states):  # the owner unlinks the names
             group.share = None  # the ranks fell back to one copy each
         if group.checkpoint is not None:
@@ -494,11 +497,6 @@ def _note_values_dropped(group: LayerwiseOffloadGroup, attached: int, error: Bas
 
 def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, LayerwiseOffloadHook]],
                failed_block: nn.Module | None) -> None:
-    # The block whose attach failed kept its parameters (attaching is all-or-nothing per block),
-    # but may have been given a hook manager: take it off again.
-    failed = ModuleHookManager.get_from(failed_block) if failed_block is not None else None
-    if failed is not None and not failed.forward_hooks and all(failed_block is not b for b, _ in attached):
-        ModuleHookManager.remove_from_manager(failed_block)
     # Built from a checkpoint, an attached block's old values went as its host copy was read, and that
     # copy may be incomplete (the read that failed): the block goes back to the meta device, never to
     # a mix of old, new and unread bytes (_note_values_dropped says so on the error).
@@ -510,6 +508,11 @@ def _roll_back(group: LayerwiseOffloadGroup, attached: list[tuple[nn.Module, Lay
             manager.remove_forward_hook(hook.name())
             if not manager.forward_hooks:
                 ModuleHookManager.remove_from_manager(block)
+    # A block whose hook never went on kept its parameters (a failed on_attach puts back what its state took),
+    # but may have been given a hook manager: take it off again.
+    failed = ModuleHookManager.get_from(failed_block) if failed_block is not None else None
+    if failed is not None and not failed.forward_hooks:
+        ModuleHookManager.remove_from_manager(failed_block)
     if group.engine is not None:
         group.engine.close()
 
@@ -724,6 +727,7 @@ def _detach_all(model: nn.Module, group: LayerwiseOffloadGroup, target: torch.de
             continue
         if isinstance(hook, LayerwiseOffloadHook):
             hook.detach_device = target
+            hook.detaching = True  # if this disable is cut short, the block's next forward says to call it again
         manager.remove_forward_hook(LayerwiseOffloadHook.name())
         if not manager.forward_hooks:
             ModuleHookManager.remove_from_manager(block)

@@ -21,10 +21,16 @@ from fastoffload_ext.engine.messages import warn_caller
 from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
+from fastoffload_ext.errors import OffloadStateError
 
 __all__ = ["LayerwiseOffloadHook", "offload_hook_of"]
 
 logger = logging.getLogger(__name__)
+
+DISABLE_CUT_SHORT_ERROR = ("fastoffload: a disable_layerwise_offload(model) was cut short (a Ctrl-C or an error) after "
+                           "this block's weights came back and before every block was detached; call "
+                           "disable_layerwise_offload(model) again to finish it (every parameter keeps its values), "
+                           "then enable offload again to use it offloaded")
 
 # Not -1 while autograd runs a backward pass on this thread (where checkpointed blocks run again).
 _graph_task_id = torch._C._current_graph_task_id
@@ -41,6 +47,7 @@ class LayerwiseOffloadHook(ForwardHook):
         # Called as the outermost mutate_params_scope ends, before the rebuild (the budget check, set at enable).
         self.after_mutation: Callable[[], None] | None = None
         self.detach_device: torch.device | None = None  # where on_detach puts the parameters
+        self.detaching = False  # set by disable_layerwise_offload as it detaches the block
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
         # The ext state acquires and prefetches in one call into the compiled core where it can; any
@@ -68,11 +75,22 @@ class LayerwiseOffloadHook(ForwardHook):
         return "LayerwiseOffloadHook"
 
     def on_attach(self, module: nn.Module) -> None:
+        before = next((p.device for p in module.parameters()), self.state.device)
         self.state.on_init(module)
-        self.state_dict_hooks.attach(module)
+        try:
+            self.state_dict_hooks.attach(module)
+        except BaseException:
+            # The state holds the block's weights now, and the hook manager drops a hook whose on_attach raised
+            # without its on_detach: they go back before the error (a Ctrl-C too) propagates. A block read from a
+            # checkpoint goes to the meta device, never to a copy whose reads may not have finished.
+            self._put_back(module, torch.device("meta") if getattr(self.state, "restores_to_meta", False) else before)
+            raise
 
     def on_detach(self, module: nn.Module) -> None:
-        device = self.detach_device if self.detach_device is not None else self.state.device
+        self._put_back(module, self.detach_device if self.detach_device is not None else self.state.device)
+
+    def _put_back(self, module: nn.Module, device: torch.device) -> None:
+        """The block's parameters real tensors again, on ``device``, and its state-dict hooks off."""
         lost_edit = getattr(self.state, "lost_edit", None)  # optional: a state built by hand may lack it
         lost = lost_edit() if lost_edit is not None else None
         if device.type == "meta" and not getattr(self.state, "restores_to_meta", False):
@@ -125,7 +143,7 @@ class LayerwiseOffloadHook(ForwardHook):
             elif self._one_call_entry is None or not self._one_call_entry():
                 self._acquire_then_prefetch(state.prefetch_targets)
             self.saved_tensors.enter()
-        except BaseException:
+        except BaseException as error:
             # A Ctrl-C is raised at the first bytecode after the engine's acquire returns (an acquire that
             # waits for a disk read drops the GIL, so that is where it lands): the block is running then,
             # but the caller never learns that this entry completed and never releases it. Each such block
@@ -136,6 +154,9 @@ class LayerwiseOffloadHook(ForwardHook):
                     release()
                 except Exception:  # the original error is the one to raise
                     logger.exception("fastoffload: releasing a block after its entry raised failed")
+            if self.detaching and isinstance(error, RuntimeError) and state.weight_bytes() == 0:
+                # A disable cut short after this block's weights came back, before its hook came off.
+                raise OffloadStateError(DISABLE_CUT_SHORT_ERROR) from error
             raise
 
     def _acquire_then_prefetch(self, targets: Sequence[BlockOffloadState]) -> None:
