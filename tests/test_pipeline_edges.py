@@ -513,7 +513,7 @@ def test_a_lora_merged_into_a_lazy_offloaded_transformer_is_kept_at_release(back
 @pytest.mark.parametrize("platform", ["unified", "mps"])
 def test_layerwise_offload_the_policy_turned_off_is_a_warning(platform: str, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    """The policy's own line is INFO (unified memory) or absent (MPS): at the default level nothing was said."""
+    """The policy's own line is INFO on unified memory: at the default level nothing named the setting."""
     import logging
 
     import fastoffload_ext.policy.platform as device_platform

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from fastoffload_ext import policy
 from fastoffload_ext.policy import platform
 
 
@@ -162,3 +163,26 @@ def test_real_cuda_machine_answers() -> None:
     assert platform.device_name(0) == torch.cuda.get_device_name(0)
     assert platform.has_unified_memory(torch.cuda.device_count()) is False  # no such device: "not unified"
     assert platform.device_name(torch.cuda.device_count()) == "cuda"  # no such device: the generic name
+
+
+@pytest.mark.parametrize("device", ["cuda:1", torch.device("cuda", 1)])
+def test_device_given_as_torch_device_or_string(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                device: Any) -> None:
+    """torch's queries take "cuda:1" and torch.device too: the device reaches torch as given, and a failed
+    query still logs its line (a %d format would turn it into a logging error)."""
+    _fake_platform(monkeypatch, cuda=True, mps=False)
+    asked: list[Any] = []
+
+    def properties(device_id: Any) -> SimpleNamespace:
+        asked.append(device_id)
+        return SimpleNamespace(is_integrated=True)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert platform.has_unified_memory(device) is True
+    assert asked == [device]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", _raise)
+    with caplog.at_level(logging.DEBUG, logger="fastoffload_ext.policy"):
+        assert platform.has_unified_memory(device) is False
+        monkeypatch.setattr(platform, "has_unified_memory", _raise)
+        assert policy.has_unified_memory(device) is False
+    assert caplog.text.count(f"Treating device {device} as discrete") == 2

@@ -46,6 +46,10 @@ def lazy_message(device: str = DEVICE) -> str:
             "together. Set engine.offload.lazy_module_load to false to keep every component loaded.")
 
 
+def mps_message(flag: str) -> str:
+    return f"Disabling {flag}: MPS runs neither FSDP inference nor layerwise offload."
+
+
 FSDP_WARNING = "dit_layerwise_offload is enabled, automatically disabling use_fsdp_inference."
 DIT_WARNING = "dit_layerwise_offload is enabled, automatically disabling dit_cpu_offload."
 
@@ -80,8 +84,11 @@ def expected_outcome(inputs: dict[str, Any], *, unified: bool, mps: bool, apply:
         if final["lazy"]:
             logs.append((logging.INFO, lazy_message()))
 
-    # MPS: never FSDP inference, never layerwise, whatever was asked.
+    # MPS: never FSDP inference, never layerwise, whatever was asked; a warning for each that was on.
     if mps:
+        for key, flag in (("fsdp", "use_fsdp_inference"), ("layerwise", "dit_layerwise_offload")):
+            if final[key]:
+                logs.append((logging.WARNING, mps_message(flag)))
         final["fsdp"] = False
         final["layerwise"] = False
         decided["fsdp"] = MPS_STEP
@@ -313,3 +320,22 @@ def test_steps_decide_nothing_when_switched_off(device: dict[str, Any], monkeypa
     view = ResolutionView({"engine": {"use_fsdp_inference": True, "offload": {"dit_layerwise": True, "dit": True}}})
     assert [step(view) for step in DEVICE_POLICY_STEPS] == [{}, {}, {}, {}]
     assert device["queries"] == 0
+
+
+def test_mps_says_when_it_turns_off_what_was_asked(device: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A real Mac: MPS is unified memory, so layerwise goes with the unified policy and FSDP with the MPS step.
+    FSDP inference the user asked for must not disappear without a line at the default log level."""
+    device["mps"] = True
+    device["unified"] = True
+    config = {"engine": {"use_fsdp_inference": True, "offload": {"dit_layerwise": True}}}
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
+        result = resolve(config, DEVICE_POLICY_STEPS)
+    assert result.get("engine.use_fsdp_inference") is False
+    assert result.decided_by("engine.use_fsdp_inference") == MPS_STEP
+    assert (logging.WARNING, mps_message("use_fsdp_inference")) in [(r.levelno, r.getMessage())
+                                                                   for r in caplog.records]
+    assert mps_message("dit_layerwise_offload") not in caplog.text  # already off, and said so, by the unified step
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastoffload_ext.policy"):
+        resolve({"engine": {"use_fsdp_inference": False}}, DEVICE_POLICY_STEPS)
+    assert "MPS" not in caplog.text  # nothing asked, nothing to report

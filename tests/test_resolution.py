@@ -449,3 +449,31 @@ def test_self_referencing_containers_outside_the_schema_are_copied_once() -> Non
     result = resolve({"extra": {"loop": loop}}, [])
     copied = result.config["extra"]["loop"]
     assert copied is not loop and copied[0] is copied
+
+
+@pytest.mark.parametrize("config", [
+    {"engine.offload.dit_layerwise": True},
+    {"engine": {"offload.dit_layerwise": True}},
+    {"engine.offload": {"dit_layerwise": True}},
+])
+def test_dotted_key_for_a_setting_is_rejected_not_dropped(config: dict[str, Any]) -> None:
+    """A setting written as a dotted key would be carried through unread while the real setting takes its
+    default, so a requested offload would end up off without a word; it must be refused instead."""
+    with pytest.raises(InvalidValueError, match=r"fastoffload: the config key '[a-z_.]+' holds .*engine.offload."
+                                                r"dit_layerwise.* nest it: \{'engine': \{'offload': "
+                                                r"\{'dit_layerwise': \.\.\.\}\}\}"):
+        resolve(config, [])
+
+
+def test_dotted_keys_outside_the_schema_are_still_carried_through() -> None:
+    result = resolve({"model.name": "wan", "engine": {"compile.mode": "max"}}, [])
+    assert result.config["model.name"] == "wan"
+    assert result.config["engine"]["compile.mode"] == "max"
+
+
+def test_numpy_bool_is_refused_with_its_real_type() -> None:
+    """numpy's bool prints its type name as plain 'bool'; the message must not claim a bool was refused."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(InvalidValueError, match=r"got np\.True_ \(numpy\.bool_?, not a Python bool; pass "
+                                                r"bool\(value\)\)"):
+        resolve({"engine": {"offload": {"vae": np.True_}}}, [])

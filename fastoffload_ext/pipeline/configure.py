@@ -306,8 +306,9 @@ def _apply_layerwise(resolution: Resolution, target: Any, device: torch.device |
     if not resolution.get(_LAYERWISE_PATH):
         decided_by = resolution.decided_by(_LAYERWISE_PATH)
         if resolution.input_values.get(_LAYERWISE_PATH) is True and decided_by is not None:
-            # Asked for and overruled by the device policy (unified memory, MPS): the policy's own line is INFO,
-            # or absent (MPS), so at the default log level a run would otherwise drop the offload without a word.
+            # Asked for and overruled by the device policy (unified memory, MPS): the policy's own line is INFO on
+            # unified memory, so at the default log level a run would otherwise drop the offload without a word;
+            # this line names the setting, the step and where to read why, on every platform.
             logger.warning("engine.offload.dit_layerwise was requested but %s turned it off, so the transformer is not "
                            "offloaded; AppliedOffload.explain() says why", decided_by)
         return LayerwiseAction.DISABLED, None

@@ -11,7 +11,8 @@ are final. The rules, in the order :data:`DEVICE_POLICY_STEPS` applies them:
 2. :func:`fill_lazy_module_load`: an unset ``engine.offload.lazy_module_load`` becomes True for
    non-training runs on unified memory (the components cannot all stay resident there) and False
    otherwise. An explicit value is never changed.
-3. :func:`apply_mps_offload_policy`: on MPS, FSDP inference and layerwise offload turn off.
+3. :func:`apply_mps_offload_policy`: on MPS, FSDP inference and layerwise offload turn off (with a
+   warning for each that was on).
 4. :func:`apply_layerwise_offload_conflicts`: with layerwise offload on, FSDP inference and whole-DiT
    CPU offload turn off (each would fight the layerwise engine for the same weights).
 
@@ -26,7 +27,8 @@ input values). It is read at call time; test isolation sets it to False so that 
 not depend on the machine that produced them.
 
 The decisions and log messages are FastVideo's (``fastvideo/api/device_policy.py``), so logs and
-resolved configs read the same under either implementation.
+resolved configs read the same under either implementation, with one addition: the MPS step warns
+when it turns off a setting that was on, where FastVideo turns it off without a word.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def has_unified_memory(device_id: int = LOCAL_DEVICE_ID) -> bool:
     try:
         return bool(_platform.has_unified_memory(device_id))
     except Exception as error:
-        logger.debug("Treating device %d as discrete: the unified-memory query failed (%s)", device_id, error)
+        logger.debug("Treating device %s as discrete: the unified-memory query failed (%s)", device_id, error)
         return False
 
 
@@ -117,11 +119,24 @@ def fill_lazy_module_load(view: ResolutionView) -> dict[str, Any]:
     return {"engine.offload.lazy_module_load": lazy_module_load}
 
 
+_MPS_DISABLED_PATHS: dict[str, str] = {
+    "use_fsdp_inference": "engine.use_fsdp_inference",
+    "dit_layerwise_offload": "engine.offload.dit_layerwise",
+}
+
+
 def apply_mps_offload_policy(view: ResolutionView) -> dict[str, Any]:
-    """On MPS, turn off FSDP inference and layerwise offload (neither runs there)."""
+    """On MPS, turn off FSDP inference and layerwise offload (neither runs there).
+
+    Both are decided whatever their input; one that was on is turned off with a warning, so a request
+    is never dropped without a word.
+    """
     if not APPLY_DEVICE_POLICY or not _platform.is_mps():
         return {}
-    return {"engine.use_fsdp_inference": False, "engine.offload.dit_layerwise": False}
+    for flag, path in _MPS_DISABLED_PATHS.items():
+        if view.get(path):
+            logger.warning("Disabling %s: MPS runs neither FSDP inference nor layerwise offload.", flag)
+    return {path: False for path in _MPS_DISABLED_PATHS.values()}
 
 
 def apply_layerwise_offload_conflicts(view: ResolutionView) -> dict[str, Any]:

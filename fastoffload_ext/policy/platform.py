@@ -65,7 +65,7 @@ def platform_name() -> str:
     return "cpu"
 
 
-def has_unified_memory(device_id: int = 0) -> bool:
+def has_unified_memory(device_id: int | str | torch.device = 0) -> bool:
     """Whether device ``device_id`` shares one physical memory pool with the host.
 
     CUDA answers with the device property ``integrated`` (``cudaDevAttrIntegrated``: Jetson, Grace
@@ -81,11 +81,11 @@ def has_unified_memory(device_id: int = 0) -> bool:
             return False
         return bool(torch.cuda.get_device_properties(device_id).is_integrated)
     except Exception as error:
-        logger.debug("Treating device %d as discrete: the unified-memory query failed (%s)", device_id, error)
+        logger.debug("Treating device %s as discrete: the unified-memory query failed (%s)", device_id, error)
         return False
 
 
-def device_name(device_id: int = 0) -> str:
+def device_name(device_id: int | str | torch.device = 0) -> str:
     """A human-readable name for device ``device_id``, for log messages; never raises.
 
     Falls back to :func:`platform_name` (``"cuda"``, ``"mps"``, ``"cpu"``) whenever the device
@@ -98,5 +98,5 @@ def device_name(device_id: int = 0) -> str:
     try:
         return str(torch.cuda.get_device_name(device_id))
     except Exception as error:
-        logger.debug("Naming device %d %r: its name could not be read (%s)", device_id, generic, error)
+        logger.debug("Naming device %s %r: its name could not be read (%s)", device_id, generic, error)
         return generic

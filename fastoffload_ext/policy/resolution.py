@@ -28,6 +28,9 @@ The contract:
   live inside a larger config. Its containers (mappings, lists, tuples, sets) are copied, so the result
   shares none with the input; every other value is the caller's own object, never copied, since a
   config may hold a lock, a module or a device handle that cannot or must not be copied.
+* Schema settings are read from nested mappings only. A key that spells one with dots
+  (``{"engine.offload.vae": True}``) would be carried through unread while the setting took its
+  default, so it raises :class:`InvalidValueError` saying how to nest it.
 
 :class:`Resolution` carries the final ``config``, ``provenance`` (path → name of the step that set it
 last), the full ``history`` of decisions, and :meth:`Resolution.explain`, a readable table of every
@@ -113,8 +116,13 @@ def _normalize_flag(value: Any) -> bool:
     # bool is a subclass of int, but 0/1 and "false" are rejected on purpose: "false" is truthy.
     if isinstance(value, bool):
         return value
-    raise TypeError(f"fastoffload: expected true or false (or None to leave it unset), got {value!r} "
-                    f"({type(value).__name__})")
+    kind = type(value)
+    if kind.__module__ != "builtins":
+        # numpy's bool calls itself "bool": name the module, or the message would say a bool was refused.
+        hint = f"{kind.__module__}.{kind.__qualname__}, not a Python bool; pass bool(value)"
+    else:
+        hint = kind.__name__
+    raise TypeError(f"fastoffload: expected true or false (or None to leave it unset), got {value!r} ({hint})")
 
 
 def _normalize_mode(value: Any) -> ExecutionMode:
@@ -209,6 +217,35 @@ def _check_parents(config: Mapping[str, Any], path: str) -> None:
             parent = ".".join(keys[:depth + 1])
             raise InvalidValueError(f"fastoffload: cannot set {path}: {parent} holds {node!r}, not a mapping; make "
                                     f"{parent} a mapping of settings (or remove it) in the config")
+
+
+def _nested_example(path: str) -> str:
+    example = "..."
+    for key in reversed(path.split(".")):
+        example = f"{{{key!r}: {example}}}"
+    return example
+
+
+def _check_dotted_keys(config: Mapping[str, Any], schema: Mapping[str, SchemaField], prefix: str = "") -> None:
+    """Reject a key that spells a schema path (or a parent of one) with dots instead of nesting.
+
+    Such a key is never read, so the setting would silently take its default: an offload the user asked for
+    would end up off.
+    """
+    for key, value in config.items():
+        if not isinstance(key, str):
+            continue
+        path = prefix + key
+        below = [other for other in schema if other.startswith(path + ".")]
+        if "." in key and (path in schema or below):
+            present = [other for other in below
+                       if isinstance(value, Mapping) and _lookup(value, other[len(path) + 1:]) is not _UNSET]
+            setting = path if path in schema else (present or below)[0]
+            raise InvalidValueError(f"fastoffload: the config key {key!r} holds {setting}, but settings are read from "
+                                    f"nested mappings only, so it would be ignored; nest it: "
+                                    f"{_nested_example(setting)}")
+        if below and isinstance(value, Mapping):
+            _check_dotted_keys(value, schema, path + ".")
 
 
 def _check_schema(schema: Mapping[str, SchemaField]) -> None:
@@ -353,7 +390,8 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
     Raises:
         TypeError: ``config`` is not a mapping.
         InvalidValueError: a schema setting has a value of the wrong kind, in the input or from a
-            step, or the input holds a non-mapping where a schema path needs a mapping of settings.
+            step, the input holds a non-mapping where a schema path needs a mapping of settings, or
+            the input spells a schema path as a dotted key instead of nesting it.
         ResolutionError: two schema paths overlap (one is the parent of another).
         UnknownPathError: a step returned a path the schema does not name.
         StepResultError: a step returned something other than a mapping with string keys.
@@ -367,6 +405,7 @@ def resolve(config: Mapping[str, Any], steps: Iterable[ResolutionStep],
     origins: dict[str, str] = {}
     input_values: dict[str, Any] = {}
     _check_schema(schema)
+    _check_dotted_keys(working, schema)
     for path in schema:
         _check_parents(working, path)
         value = _lookup(working, path)
