@@ -25,7 +25,8 @@ cover a parameter rebound into any other module), and a load that names it rebui
 
 A load is all or nothing for the offloaded model: torch loads a parent before its children, so a
 pre-hook on the model and on the block list (``ModelStateDictHooks``) refuses, before any module has loaded, a
-state dict that names a parameter of a block that would refuse it (disk tier, shared host copy).
+state dict that names a parameter of a block that would refuse it (disk tier, shared host copy, a block
+running a forward: a load from a hook inside it).
 Otherwise the blocks before that one would already hold the new values when the error is raised.
 """
 from __future__ import annotations
@@ -51,6 +52,10 @@ from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
 logger = logging.getLogger(__name__)
+
+RUNNING_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: it is running a forward (the load "
+                      "was made from a hook inside it), and its parameters are views of the device copy that its "
+                      "release drops. Load between forwards, for instance after the model's forward returns")
 
 __all__ = ["ModelStateDictHooks", "StateDictHooks"]
 
@@ -249,8 +254,17 @@ class StateDictHooks:
         held = {id(param) for param in self._block.parameters()}
         return [param for param in objects.values() if id(param) not in held]
 
+    def _index(self) -> object:
+        index = getattr(self.state, "handle", None)
+        return getattr(self.state, "block_index", "?") if index is None else index
+
     def refusal(self) -> Exception | None:
         """The error a load into this block raises before it changes anything (None: it loads)."""
+        running = getattr(self.state, "is_running", None)
+        if callable(running) and running():
+            # Loaded from a hook inside the block's forward: its parameters are views of the device copy that its
+            # release drops, and the rebuild would leave the rest of its forward placeholders.
+            return OffloadStateError(RUNNING_LOAD_ERROR.format(index=self._index()))
         if getattr(self.state, "shared_segment", None) is not None:
             index = getattr(self.state, "handle", None)
             return OffloadStateError(SHARED_LOAD_ERROR.format(index=index, n=getattr(self.state, "shared_by", 0)))
@@ -265,10 +279,8 @@ class StateDictHooks:
             # now, or the load would stop at this block's end with the modules after it not loaded.
             for name, param in self._block.named_parameters():
                 if param.is_meta or param.layout != torch.strided:
-                    index = getattr(self.state, "handle", None)
-                    index = getattr(self.state, "block_index", "?") if index is None else index
                     what = "is on the meta device" if param.is_meta else f"has layout {param.layout}"
-                    return OffloadStateError(UNPACKABLE_LOAD_ERROR.format(index=index, name=name, what=what))
+                    return OffloadStateError(UNPACKABLE_LOAD_ERROR.format(index=self._index(), name=name, what=what))
         return refused
 
     def finish_interrupted_load(self) -> None:
