@@ -322,3 +322,107 @@ def test_a_calibrated_group_keeps_the_run_order_for_its_plans() -> None:
     with torch.inference_mode():
         costs = group.calibrate(lambda: model(x), repeats=2)
     assert costs.run_order == (3, 4, 5, 0, 1, 2)
+
+class CheckpointedRotation(nn.Module):
+    """Wan VACE-shaped: registers ``blocks`` before ``vace_blocks`` and runs every VACE block first, each under
+    ``torch.utils.checkpoint`` (a training step's forward, followed by a backward pass that runs them again)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d, 2) for _ in range(3))
+        self.vace_blocks = nn.ModuleList(Block(d, 2) for _ in range(3))
+        self.blocks.requires_grad_(False)
+        self.vace_blocks.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.proj_in(x)
+        for block in [*self.vace_blocks, *self.blocks]:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rotated_cyclic_ring_wraps_where_the_step_ends_in_training(backend: str) -> None:
+    # Ring: blocks 0-2, vace_blocks 0-2; the forward runs vace_blocks first, a rotation of the cyclic ring: its
+    # prefetch targets stay, but a training forward must leave out the copy that wraps into the next step where the
+    # step ends (after blocks.2), not where the ring ends (after vace_blocks.2, mid-step). Wired at the ring's end,
+    # a training step loaded blocks.0 on demand in the forward and two blocks in backward, every step.
+    torch.manual_seed(0)
+    model = CheckpointedRotation()
+    torch.manual_seed(0)
+    reference = CheckpointedRotation()
+    group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
+    x = torch.randn(2, 4, 16)
+    targets = _targets(group)
+    for step in range(4):
+        latents = x.clone().requires_grad_(True)
+        before = group.stats()
+        out = model(latents)
+        out.square().sum().backward()
+        after = group.stats()
+        want = x.clone().requires_grad_(True)
+        expected = reference(want)
+        expected.square().sum().backward()
+        assert torch.equal(out, expected) and torch.equal(latents.grad, want.grad)
+        assert torch.equal(model.proj_in.weight.grad, reference.proj_in.weight.grad)
+        if group.engine is not None and step >= 2:
+            # Each direction copies the blocks the two slots do not hold: 2 x (6 - 2), none on demand.
+            assert (after["copies"] - before["copies"], after["sync_loads"] - before["sync_loads"]) == (8, 0)
+    assert group.stats()["run_order"] == "ring" and _targets(group) == targets == [1, 2, 3, 4, 5, 0]
+    # The training forward's targets: nothing past the step's last block, the next block everywhere else.
+    last = group.states[2]  # blocks.2
+    assert last.training_targets == [] and group.states[5].training_targets is None
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+class CheckpointedOrder(nn.Module):
+    """Runs its blocks in ``order``, each under ``torch.utils.checkpoint``, with resident compute around them."""
+
+    def __init__(self, order: list[int], d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d, 2) for _ in range(len(order)))
+        self.blocks.requires_grad_(False)
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.proj(x)
+        for i in self.order:
+            x = checkpoint(self.blocks[i], x, use_reentrant=False)
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", [[5, 4, 3, 2, 1, 0], [0, 3, 1, 4, 2, 5]], ids=["reversed", "interleaved"])
+def test_a_release_prefetch_in_a_training_forward_keeps_the_blocks_backward_left_cached(backend: str,
+                                                                                       order: list[int]) -> None:
+    # Rewired along an order whose list positions jump, every block prefetches one more as it releases. After a
+    # backward pass the next block sits cached in its slot, touched before the one just released: that copy evicted
+    # it, and the next block was loaded on demand in every training step.
+    torch.manual_seed(0)
+    model = CheckpointedOrder(order)
+    torch.manual_seed(0)
+    reference = CheckpointedOrder(order)
+    group = enable_layerwise_offload(model, device="cpu", backend=backend)
+    x = torch.randn(2, 4, 16)
+    for step in range(4):
+        latents = x.clone().requires_grad_(True)
+        before = group.stats()
+        out = model(latents)
+        out.square().sum().backward()
+        after = group.stats()
+        want = x.clone().requires_grad_(True)
+        expected = reference(want)
+        expected.square().sum().backward()
+        assert torch.equal(out, expected) and torch.equal(latents.grad, want.grad)
+        if group.engine is not None and step >= 2:
+            assert after["sync_loads"] - before["sync_loads"] == 0
+    assert group.stats()["run_order"] == "rewired"
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)

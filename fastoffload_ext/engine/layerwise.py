@@ -564,9 +564,9 @@ def _watch_run_order(group: LayerwiseOffloadGroup, options: OffloadOptions) -> R
     # The engine, not the group: the watch is kept on the group, and a closure holding the group would be a cycle.
     disk_engine = group.engine if any(getattr(state, "on_disk", False) for state in group.states) else None
 
-    def rewire(states: list[BlockOffloadState], positions: list[int]) -> None:
+    def rewire(states: list[BlockOffloadState], positions: list[int], disk: bool) -> None:
         _wire_prefetch_targets(states, depth, cyclic, positions)
-        if disk_engine is not None:
+        if disk and disk_engine is not None:
             # The disk tier reads ahead in the same order, from the block that starts now (the pass's last). Only
             # its speed depends on it: a failure leaves the ring's order (blocks read out of turn on demand).
             try:

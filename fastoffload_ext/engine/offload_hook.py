@@ -182,6 +182,13 @@ class LayerwiseOffloadHook(ForwardHook):
         targets = getattr(state, "release_targets", ())
         if targets and _graph_task_id() == -1 and not (
                 getattr(state, "release_wraps", False) and state.in_training_step):
+            # The blocks that run next may sit cached (a backward pass that ran blocks again left them) and older
+            # than the slot just freed: prefetched again they are touched, so the copy takes that slot instead of
+            # evicting them. Only once a backward pass has run blocks: inference pays nothing for it.
+            runs = getattr(state, "backward_runs", None)
+            if runs is not None and runs.count:
+                for upcoming in state.prefetch_targets:
+                    upcoming.prefetch()
             for target in targets:
                 target.prefetch()
 

@@ -11,7 +11,8 @@ acquire), so nothing but the step time shows it.
 So the hooks report each offloaded block as it starts, until every offloaded block has started once. If
 they started in another order than the ring's (a rotation of a cyclic ring is the same ring), every block's
 prefetch targets are wired again along the order they ran in (the last one prefetching the first, as the
-ring did), and a log line says so. The
+ring did), and a log line says so. A cyclic ring that ran rotated keeps its targets but is wired along the
+order too, so that the wrap into the next step is where the step ends (a training forward leaves it out). The
 block lists, their indices, the resident set and the plan stay as enable made them; only which block each
 block prefetches changes.
 
@@ -41,12 +42,13 @@ class RunOrderWatch:
     """Watches the first pass of the offloaded blocks and rewires the prefetches when it differs from the ring.
 
     ``states``: the offloaded blocks' states in ring order; ``positions``: their indices in the ring of every
-    listed block; ``names``: their names in the model, for the log; ``rewire(states, positions)`` wires the
-    prefetch targets along ``states`` (layerwise._wire_prefetch_targets with the group's depth and cycle).
+    listed block; ``names``: their names in the model, for the log; ``rewire(states, positions, disk)`` wires the
+    prefetch targets along ``states`` (layerwise._wire_prefetch_targets with the group's depth and cycle) and,
+    with ``disk``, sets the disk tier's read-ahead to that order.
     """
 
     def __init__(self, states: Sequence[Any], positions: Sequence[int], names: Sequence[str],
-                 rewire: Callable[[list[Any], list[int]], None], device: torch.device, cyclic: bool) -> None:
+                 rewire: Callable[[list[Any], list[int], bool], None], device: torch.device, cyclic: bool) -> None:
         # States hold their blocks weakly and are held by the hooks; the watch is held by the hooks and the group.
         self._states = [weakref.ref(state) for state in states]
         self._rank = {id(state): i for i, state in enumerate(states)}
@@ -94,14 +96,19 @@ class RunOrderWatch:
         count = len(order)
         # A cyclic ring started elsewhere (Wan VACE runs its VACE blocks, registered last, first) prefetches the same.
         rotation = all(order[k] == (order[0] + k) % count for k in range(count))
-        if rotation and (self._cyclic or order[0] == 0):
-            self._end("ring")
-            return
         states = [ref() for ref in self._states]
         if any(state is None for state in states):
             self._end("not learned")
             return
-        self._rewire([states[i] for i in order], [self._positions[i] for i in order])
+        if rotation and (self._cyclic or order[0] == 0):
+            if order[0] != 0:
+                # The same prefetch targets, but the step ends elsewhere: the copies that wrap into the next step
+                # (left out by a training forward) and the release prefetches go where it really ends. The disk
+                # tier reads ahead along the same cycle and keeps its order.
+                self._rewire([states[i] for i in order], [self._positions[i] for i in order], False)
+            self._end("ring")
+            return
+        self._rewire([states[i] for i in order], [self._positions[i] for i in order], True)
         ran = [self._names[i] for i in order]
         lists = _lists_in_order(ran)
         hint = f"; block_lists={lists!r} starts in that order" if lists is not None else ""
