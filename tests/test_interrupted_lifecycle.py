@@ -57,6 +57,20 @@ def _interrupt_on_call(calls: list[int], at: int) -> None:
         raise KeyboardInterrupt
 
 
+def _rolled_back_and_usable(model: nn.Module, reference: nn.Module, x: torch.Tensor, before: dict[str, torch.Tensor],
+                            backend: str) -> None:
+    """After an enable that failed part-way: no offload left, every value exact, and the model offloads again."""
+    assert fo.get_offload_group(model) is None
+    assert not any(has_hooks(block) for block in model.blocks)
+    _same_values(model, before)
+    assert params_equal(model, reference)
+    _runs_exactly(model, reference, x)
+    assert fo.enable_layerwise_offload(model, device="cpu", backend=backend) is not None
+    _runs_exactly(model, reference, x)
+    fo.disable_layerwise_offload(model)
+    _same_values(model, before)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_an_interrupt_in_a_blocks_on_attach_after_its_state_took_the_weights_loses_nothing(
@@ -80,17 +94,7 @@ def test_an_interrupt_in_a_blocks_on_attach_after_its_state_took_the_weights_los
         fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     monkeypatch.undo()
     assert len(calls) == 2
-    assert fo.get_offload_group(model) is None
-    assert not any(has_hooks(block) for block in model.blocks)
-    _same_values(model, before)
-    assert params_equal(model, reference)
-    _runs_exactly(model, reference, x)
-
-    group = fo.enable_layerwise_offload(model, device="cpu", backend=backend)
-    assert group is not None
-    _runs_exactly(model, reference, x)
-    fo.disable_layerwise_offload(model)
-    _same_values(model, before)
+    _rolled_back_and_usable(model, reference, x, before, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,14 +119,7 @@ def test_an_interrupt_after_a_blocks_hook_is_on_but_before_its_attach_finished_l
         fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     monkeypatch.undo()
     assert len(seen) == 2
-    assert fo.get_offload_group(model) is None
-    assert not any(has_hooks(block) for block in model.blocks)
-    _same_values(model, before)
-    _runs_exactly(model, reference, x)
-    assert fo.enable_layerwise_offload(model, device="cpu", backend=backend) is not None
-    _runs_exactly(model, reference, x)
-    fo.disable_layerwise_offload(model)
-    _same_values(model, before)
+    _rolled_back_and_usable(model, reference, x, before, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -357,7 +358,25 @@ def test_a_rotated_cyclic_ring_wraps_where_the_step_ends_in_training(backend: st
     group = enable_layerwise_offload(model, device="cpu", backend=backend, block_lists="all")
     x = torch.randn(2, 4, 16)
     targets = _targets(group)
-    for step in range(4):
+    counts = _training_steps(model, reference, group, x, 4)
+    assert torch.equal(model.proj_in.weight.grad, reference.proj_in.weight.grad)
+    if group.engine is not None:
+        # Each direction copies the blocks the two slots do not hold: 2 x (6 - 2), none on demand.
+        assert counts[2:] == [(8, 0), (8, 0)]
+    assert group.stats()["run_order"] == "ring" and _targets(group) == targets == [1, 2, 3, 4, 5, 0]
+    # The training forward's targets: nothing past the step's last block, the next block everywhere else.
+    last = group.states[2]  # blocks.2
+    assert last.training_targets == [] and group.states[5].training_targets is None
+    disable_layerwise_offload(model)
+    assert params_equal(model, reference)
+
+
+def _training_steps(model: nn.Module, reference: nn.Module, group: Any, x: torch.Tensor,
+                    steps: int) -> list[tuple[int, int]]:
+    """``steps`` training steps of ``model`` and ``reference`` on ``x``, outputs and input gradients checked bit for
+    bit; each step's (copies, loads on demand) from the group's counters."""
+    counts = []
+    for _ in range(steps):
         latents = x.clone().requires_grad_(True)
         before = group.stats()
         out = model(latents)
@@ -367,16 +386,9 @@ def test_a_rotated_cyclic_ring_wraps_where_the_step_ends_in_training(backend: st
         expected = reference(want)
         expected.square().sum().backward()
         assert torch.equal(out, expected) and torch.equal(latents.grad, want.grad)
-        assert torch.equal(model.proj_in.weight.grad, reference.proj_in.weight.grad)
-        if group.engine is not None and step >= 2:
-            # Each direction copies the blocks the two slots do not hold: 2 x (6 - 2), none on demand.
-            assert (after["copies"] - before["copies"], after["sync_loads"] - before["sync_loads"]) == (8, 0)
-    assert group.stats()["run_order"] == "ring" and _targets(group) == targets == [1, 2, 3, 4, 5, 0]
-    # The training forward's targets: nothing past the step's last block, the next block everywhere else.
-    last = group.states[2]  # blocks.2
-    assert last.training_targets == [] and group.states[5].training_targets is None
-    disable_layerwise_offload(model)
-    assert params_equal(model, reference)
+        counts.append((after.get("copies", 0) - before.get("copies", 0),
+                       after.get("sync_loads", 0) - before.get("sync_loads", 0)))
+    return counts
 
 
 class CheckpointedOrder(nn.Module):
@@ -411,18 +423,9 @@ def test_a_release_prefetch_in_a_training_forward_keeps_the_blocks_backward_left
     reference = CheckpointedOrder(order)
     group = enable_layerwise_offload(model, device="cpu", backend=backend)
     x = torch.randn(2, 4, 16)
-    for step in range(4):
-        latents = x.clone().requires_grad_(True)
-        before = group.stats()
-        out = model(latents)
-        out.square().sum().backward()
-        after = group.stats()
-        want = x.clone().requires_grad_(True)
-        expected = reference(want)
-        expected.square().sum().backward()
-        assert torch.equal(out, expected) and torch.equal(latents.grad, want.grad)
-        if group.engine is not None and step >= 2:
-            assert after["sync_loads"] - before["sync_loads"] == 0
+    counts = _training_steps(model, reference, group, x, 4)
+    if group.engine is not None:
+        assert [loads for _, loads in counts[2:]] == [0, 0]
     assert group.stats()["run_order"] == "rewired"
     disable_layerwise_offload(model)
     assert params_equal(model, reference)
