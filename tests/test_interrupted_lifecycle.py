@@ -8,6 +8,7 @@ disable restores every parameter exactly. Both backends, the host as the device.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,10 +52,21 @@ def _runs_exactly(model: nn.Module, reference: nn.Module, x: torch.Tensor) -> No
             assert torch.equal(model(x), reference(x))
 
 
-def _interrupt_on_call(calls: list[int], at: int) -> None:
-    calls.append(1)
-    if len(calls) == at:
-        raise KeyboardInterrupt
+def _interrupting(original: Callable[[Any, nn.Module], None], calls: list[int],
+                  when: str) -> Callable[[Any, nn.Module], None]:
+    """``original`` (a hook method taking the block), with a KeyboardInterrupt at its second call: before
+    ``original`` runs for that block ("before") or after it ran ("after")."""
+
+    def interrupted(self: Any, module: nn.Module) -> None:
+        if when == "after":
+            original(self, module)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        if when == "before":
+            original(self, module)
+
+    return interrupted
 
 
 def _rolled_back_and_usable(model: nn.Module, reference: nn.Module, x: torch.Tensor, before: dict[str, torch.Tensor],
@@ -77,19 +89,10 @@ def test_an_interrupt_in_a_blocks_on_attach_after_its_state_took_the_weights_los
         backend: str, when: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model, reference, x = _pair()
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    attach = StateDictHooks.attach
     calls: list[int] = []
-
-    def interrupted(self: StateDictHooks, module: nn.Module) -> None:
-        # The second block's state has taken its weights (on_init ran); its state-dict hooks are not on yet
-        # ("before") or are on ("after").
-        if when == "after":
-            attach(self, module)
-        _interrupt_on_call(calls, 2)
-        if when == "before":
-            attach(self, module)
-
-    monkeypatch.setattr(StateDictHooks, "attach", interrupted)
+    # The second block's state has taken its weights (on_init ran); its state-dict hooks are not on yet
+    # ("before") or are on ("after").
+    monkeypatch.setattr(StateDictHooks, "attach", _interrupting(StateDictHooks.attach, calls, when))
     with pytest.raises(KeyboardInterrupt):
         fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     monkeypatch.undo()
@@ -130,18 +133,9 @@ def test_a_second_disable_after_an_interrupted_one_restores_every_parameter_exac
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     fo.enable_layerwise_offload(model, device="cpu", backend=backend)
     _runs_exactly(model, reference, x)
-    on_detach = LayerwiseOffloadHook.on_detach
     calls: list[int] = []
-
-    def interrupted(self: LayerwiseOffloadHook, module: nn.Module) -> None:
-        # The second block: before its state restores its weights, or after it did.
-        if when == "after":
-            on_detach(self, module)
-        _interrupt_on_call(calls, 2)
-        if when == "before":
-            on_detach(self, module)
-
-    monkeypatch.setattr(LayerwiseOffloadHook, "on_detach", interrupted)
+    # The second block: before its state restores its weights, or after it did.
+    monkeypatch.setattr(LayerwiseOffloadHook, "on_detach", _interrupting(LayerwiseOffloadHook.on_detach, calls, when))
     with pytest.raises(KeyboardInterrupt):
         fo.disable_layerwise_offload(model)
     monkeypatch.undo()
