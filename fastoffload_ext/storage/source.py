@@ -108,7 +108,7 @@ class CheckpointSource:
         self.reader: Any = None
         self.file_index: dict[str, int] = {}
         self._undo: list[tuple[nn.Module, str, str, Any]] = []  # (module, kind, key, old value)
-        self._replaced: dict[int, nn.Parameter] = {}  # tied parameters get one new parameter
+        self._replaced: dict[int, torch.Tensor] = {}  # tied parameters and buffers get one new tensor
         self._loaded: set[str] = set()  # resident names already read
         self.block_buffers: set[str] = set()  # resident names that are buffers of offloaded blocks
         self.kept: list[str] = []  # real buffers outside the offloaded blocks that the checkpoint does not hold
@@ -380,7 +380,7 @@ class CheckpointSource:
                         self._loaded.add(name)
                 self.checkpoint.check_unchanged(path)  # what was just read is the file the header described
 
-    def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, nn.Parameter]) -> None:
+    def _assign(self, model: nn.Module, name: str, load: Any, replaced: dict[int, torch.Tensor]) -> None:
         prefix, _, leaf = name.rpartition(".")
         module = model.get_submodule(prefix)
         if leaf in module._parameters:
@@ -393,8 +393,15 @@ class CheckpointSource:
             module._parameters[leaf] = new
         else:
             old = module._buffers[leaf]
+            # A buffer held under several names (one running statistic or table shared by modules) stays one
+            # tensor, as load_state_dict (which copies into it) leaves it: an in-place update through one name
+            # must reach the others.
+            buffer = replaced.get(id(old))
+            if buffer is None:
+                buffer = _laid_out_as(old, load())
+                replaced[id(old)] = buffer
             self._undo.append((module, "buffer", leaf, old))
-            module._buffers[leaf] = _laid_out_as(old, load())
+            module._buffers[leaf] = buffer
 
     def start(self, engine: Any) -> None:
         """Waits for the host tier's reads and pins, and starts the disk tier, if any.
