@@ -364,7 +364,8 @@ def hand_over_in_sequence(pipe: Any, names: Iterable[str]) -> None:
 
     The pipeline's earlier hand-overs are removed first (``maybe_free_model_hooks`` enables the offload again
     at the end of every call), and one does nothing once the hook it serves is no longer the pipeline's
-    (``remove_all_hooks()``)."""
+    (``remove_all_hooks()``). A hand-over runs before the model's other forward pre-hooks, however often it was
+    registered again since they were."""
     for handle in vars(pipe).pop(_HANDOVER_ATTRIBUTE, ()):
         handle.remove()
     hooks = {id(hook.model): hook for hook in getattr(pipe, "_all_hooks", ()) if hasattr(hook, "model")}
@@ -376,7 +377,7 @@ def hand_over_in_sequence(pipe: Any, names: Iterable[str]) -> None:
         before = (getattr(pipe, earlier, None) for earlier in reversed(sequence[:position]))
         hook = next((hooks[id(component)] for component in before if id(component) in hooks), None)
         if hook is not None:
-            handles.append(getattr(pipe, name).register_forward_pre_hook(_handing_over(pipe, hook)))
+            handles.append(getattr(pipe, name).register_forward_pre_hook(_handing_over(pipe, hook), prepend=True))
     if handles:
         object.__setattr__(pipe, _HANDOVER_ATTRIBUTE, handles)
 
