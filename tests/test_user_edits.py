@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import fastoffload_ext as fo
+from fastoffload_ext.errors import OffloadStateError
 
 from ._models import make_pair, params_equal
 
@@ -327,8 +328,12 @@ def test_state_dict_holds_the_real_values(backend: str) -> None:
     buffer.seek(0)
     saved = torch.load(buffer)
     assert all(torch.equal(saved[k], want[k]) for k in want)
-    # The values are copies: writing into them cannot reach the offloaded weights behind the engine's back.
+    # The values are copies: writing into them cannot reach the offloaded weights behind the engine's back, and
+    # the block refuses to run while such an edited copy is alive (a resident model's forward would see the edit).
     got["blocks.0.o.weight"].zero_()
+    with torch.no_grad(), pytest.raises(OffloadStateError, match="state_dict.. entry 'blocks.0.o.weight'"):
+        model(_x())
+    del got
     with torch.no_grad():
         assert torch.equal(model(_x()), reference(_x()))
     fo.disable_layerwise_offload(model)

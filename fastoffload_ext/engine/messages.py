@@ -11,9 +11,10 @@ import warnings
 
 import torch
 
-__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING", "REBUILD_FAILED_NOTE", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR", "UNPACKABLE_LOAD_ERROR", "SHARED_MUTATION_ERROR",
-           "STALE_GROUP_ERROR", "scalar_type_name",
-           "warn_caller"]
+__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "DROPPED_COPY_ERROR", "EDITED_COPY_ERROR",
+           "EDITED_COPY_SAVE_WARNING", "EDITED_COPY_WARNING", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING",
+           "REBUILD_FAILED_NOTE", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR",
+           "UNPACKABLE_LOAD_ERROR", "SHARED_MUTATION_ERROR", "STALE_GROUP_ERROR", "scalar_type_name", "warn_caller"]
 
 # The compiled core raises the same advice from OffloadEngine::check_grad (csrc/offload_engine.cpp);
 # tests/test_binding_surface.py keeps the two texts identical.
@@ -50,6 +51,32 @@ STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was chan
                       "slot held no lasting copy, so state_dict() holds its value from before that change, and the next "
                       "forward refuses the block. Apply the change inside mutate_params_scope(), or disable offload "
                       "first.")
+
+# An in-place edit of a state_dict() entry of an offloaded block (state_dict.py): the entry is a copy of the host value,
+# where a resident model's shares the parameter's storage, so the edit never reaches the model. {what} is "was changed
+# in place" or "was changed in place and then dropped"; {more} names how many other entries of the block were too.
+_EDITED_COPY = ("state_dict() entry '{key}' (parameter '{name}' of block {index}{more}) {what}, but while a block is "
+                "offloaded, state_dict() returns copies of its host values, so the change did not reach the model (a "
+                "resident model's entries share the parameters' storage)")
+# The block's forward, and a mutate_params_scope() on it, while the edited copy is alive and not loaded.
+EDITED_COPY_ERROR = ("fastoffload: " + _EDITED_COPY + ". The block refuses to run while the edited copy is alive and "
+                     "not loaded, rather than run with its old values. Load the changed values with "
+                     "model.load_state_dict(state_dict), or drop the edited dict and make the change inside "
+                     "mutate_params_scope(); to keep a changed copy apart from the model, clone it before changing it.")
+# Once, for a copy edited and dropped before anything said so: the edit is gone, the block has its old values.
+DROPPED_COPY_ERROR = ("fastoffload: " + _EDITED_COPY + ", and the block keeps its old values. Refused once to say so "
+                      "(the next call runs): apply the change again with model.load_state_dict(state_dict) before "
+                      "dropping the dict, or inside mutate_params_scope(); to keep a changed copy apart from the "
+                      "model, clone it before changing it.")
+# Disable with such an edited copy: it is the way out, so it warns.
+EDITED_COPY_WARNING = ("fastoffload: " + _EDITED_COPY + "; offload was disabled with the parameter's value from "
+                       "before that change. Apply the change again now (model.load_state_dict() of the changed "
+                       "values), and clone a copy before changing it to keep it apart from the model.")
+# A later state_dict() of the block, whose values are the model's.
+EDITED_COPY_SAVE_WARNING = ("fastoffload: " + _EDITED_COPY + "; this state_dict() holds the model's value from "
+                            "before that change, not the edit's, and the block refuses to run while the edited copy "
+                            "is alive and not loaded. Load the changed values with model.load_state_dict(state_dict), "
+                            "or clone a copy before changing it to keep it apart from the model.")
 
 # Added to the error of a mutate_params_scope() or load_state_dict() whose closing rebuild of the host copy failed.
 REBUILD_FAILED_NOTE = ("fastoffload: the block's host copy was not rebuilt, so the block keeps the values of the scope (or "

@@ -17,7 +17,7 @@ from torch import nn
 
 from fastoffload_ext.engine.autograd import SavedTensorGuard
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
-from fastoffload_ext.engine.messages import warn_caller
+from fastoffload_ext.engine.messages import EDITED_COPY_WARNING, warn_caller
 from fastoffload_ext.engine.run_order import RunOrderWatch
 from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation
 from fastoffload_ext.engine.state_dict import StateDictHooks
@@ -50,6 +50,9 @@ class LayerwiseOffloadHook(ForwardHook):
         self.detaching = False  # set by disable_layerwise_offload as it detaches the block
         self.saved_tensors = SavedTensorGuard()
         self.state_dict_hooks = StateDictHooks(state)
+        # The copies of the block's host values that its state_dict() handed out (the same list, changed in place):
+        # empty, the forward's entry pays one test for them.
+        self._copies = self.state_dict_hooks.copies
         # The ext state acquires and prefetches in one call into the compiled core where it can; any
         # other state (the python backend, one built by hand) through its acquire and prefetch.
         self._one_call_entry = getattr(state, "try_acquire_and_prefetch", None)
@@ -93,6 +96,8 @@ class LayerwiseOffloadHook(ForwardHook):
         """The block's parameters real tensors again, on ``device``, and its state-dict hooks off."""
         lost_edit = getattr(self.state, "lost_edit", None)  # optional: a state built by hand may lack it
         lost = lost_edit() if lost_edit is not None else None
+        # A copy that state_dict() handed out and the caller changed in place: it never reached the block.
+        edited = self.state_dict_hooks.edited_copy(EDITED_COPY_WARNING) if self._copies else None
         if device.type == "meta" and not getattr(self.state, "restores_to_meta", False):
             # A parameter cannot be rebound across device kinds (``param.data = meta`` raises), so the
             # block comes back on the host and then goes to meta as ``module.to("meta")`` takes it there.
@@ -101,8 +106,11 @@ class LayerwiseOffloadHook(ForwardHook):
         else:
             self.state.restore(module, device)
         self.state_dict_hooks.detach()
+        self.state_dict_hooks.forget_copies()  # the parameters are the model's own tensors from here on
         if lost is not None:
             warn_caller(lost)
+        if edited is not None:
+            warn_caller(edited)
 
     # The entry points are compiler boundaries: torch.compile must not trace into host-side weight
     # movement (stream waits, copies, rebinding). Without the boundary dynamo would break the graph
@@ -119,6 +127,10 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
+        if self._copies:
+            # Before anything of the block changes: a copy of its values that state_dict() handed out was changed in
+            # place, and would be lost silently.
+            self.state_dict_hooks.refuse_edited_copies()
         state = self.state
         if _graph_task_id() != -1:
             # A backward pass runs the block again (activation checkpointing), last block first: the blocks
@@ -214,21 +226,31 @@ class LayerwiseOffloadHook(ForwardHook):
             owner = hook()
             if owner is None:
                 return
-            with owner.mutate_params_scope(), torch.no_grad():
+            with owner._mutation_scope(), torch.no_grad():
                 for param, value in live:
                     param.copy_(value)
 
         state.release = release_then_rebuild  # type: ignore[method-assign]
 
-    @contextlib.contextmanager
-    def mutate_params_scope(self) -> Iterator[None]:
+    def mutate_params_scope(self) -> contextlib.AbstractContextManager[None]:
         """The block's weights are on the device, as ordinary tensors, for the whole scope.
 
         Change them in place (LoRA merge) or replace submodules (adapter conversion adds parameters):
         on exit, the host copy is rebuilt from whatever parameters the block has then, and offload
         resumes. The rebuild also runs when the scope exits with an exception. Scopes on one block nest
         (so does a ``load_state_dict()`` inside one): the outermost exit rebuilds.
+
+        Refused, as the block's forward is, while a copy of its values that ``state_dict()`` handed out is
+        changed in place and alive (state_dict.py): the scope would rebuild the block without that change.
         """
+        if self._copies and getattr(self.state, "mutation_depth", 0) == 0:
+            self.state_dict_hooks.refuse_edited_copies()
+        return self._mutation_scope()
+
+    @contextlib.contextmanager
+    def _mutation_scope(self) -> Iterator[None]:
+        """``mutate_params_scope`` without its check of the copies ``state_dict()`` handed out (the rebuild of
+        ``keep_running_changes``, at the release of a forward that passed that check)."""
         self.state_dict_hooks.finish_interrupted_load()
         if getattr(self.state, "mutation_depth", 0) == 0:
             self.state_dict_hooks.settle_foreign()  # a parameter moved here from another block: that block's first

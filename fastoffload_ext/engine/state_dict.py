@@ -7,7 +7,23 @@ with a size mismatch. Module state-dict hooks put the host copy in:
 - ``state_dict()`` gets a copy of each offloaded parameter's host values (on the CPU, in the
   parameter's current dtype). Copies rather than views: a write into the returned tensor must not
   change an offloaded weight behind the engine's back (device slots would keep the old bytes). A
-  block that is running or inside ``mutate_params_scope`` already holds real values and is left as is.
+  block inside ``mutate_params_scope`` already holds real values and saves the parameters' own tensors,
+  as a resident model does; a running block's values are views of a device slot, and are saved as copies.
+- A copy is where a resident model's entry is not: its entries share the parameters' storage (and
+  ``keep_vars=True`` gives the parameters), so an in-place edit of one (an EMA update,
+  ``sd[k].copy_(new)``) changes the model. Here it would change only the copy, so the hooks record each
+  copy they hand out (``StateDictHooks.copies``): the tensor, weakly, with its version counter then and
+  its key and parameter. A copy changed in place and still alive makes the block's next forward raise
+  ``messages.EDITED_COPY_ERROR`` before anything of the block runs, and again at each forward (and at a
+  ``mutate_params_scope()`` entry, whose rebuild would drop the edit) until it is loaded
+  (``model.load_state_dict(state_dict)``, which records the loaded copies at their versions then) or
+  dropped; a ``state_dict()`` of the block meanwhile warns (``EDITED_COPY_SAVE_WARNING``), and a disable
+  warns (``EDITED_COPY_WARNING``) and forgets the records. A dropped dict frees its memory, and its
+  records go at the next check; one edited and dropped before any of this said so (a temporary dict in
+  an EMA loop) is said once, by the next check (``DROPPED_COPY_ERROR`` for a forward), for every block
+  at once. The version counter is read through an empty alias sharing it, so a dropped copy is still
+  told apart. An edit through ``.data``, which counts no version, is not seen. A block with no copy
+  recorded pays one test of an empty list per forward.
 - ``load_state_dict()`` makes the block's parameters ordinary device tensors for the load (as
   ``mutate_params_scope`` does), lets the module load into them, and rebuilds the host copy from
   them; a block whose host copy is shared with other ranks refuses (``messages.SHARED_LOAD_ERROR``).
@@ -42,6 +58,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fastoffload_ext.engine.messages import (
     COPY_ERROR,
+    DROPPED_COPY_ERROR,
+    EDITED_COPY_ERROR,
+    EDITED_COPY_SAVE_WARNING,
     SHARED_LOAD_ERROR,
     STALE_SAVE_WARNING,
     UNPACKABLE_LOAD_ERROR,
@@ -57,7 +76,38 @@ RUNNING_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index
                       "was made from a hook inside it), and its parameters are views of the device copy that its "
                       "release drops. Load between forwards, for instance after the model's forward returns")
 
-__all__ = ["ModelStateDictHooks", "StateDictHooks"]
+__all__ = ["HandedOutCopy", "ModelStateDictHooks", "StateDictHooks"]
+
+
+class HandedOutCopy:
+    """One copy of an offloaded block's host value that a ``state_dict()`` handed out, held weakly.
+
+    ``counter`` is an empty alias of the copy that shares its version counter but not its storage: it tells an
+    in-place edit made before the copy was dropped, and keeps none of the copy's memory."""
+
+    __slots__ = ("ref", "counter", "version", "key", "name", "param_id", "reported")
+
+    def __init__(self, value: torch.Tensor, key: str, name: str, param_id: int | None) -> None:
+        self.ref = weakref.ref(value)
+        counter: torch.Tensor | None = None
+        try:
+            with torch.no_grad(), torch.inference_mode(False):
+                counter = value.detach()
+                counter.set_(torch.empty(0, dtype=value.dtype, device=value.device))  # counts a version: read after
+        except (RuntimeError, NotImplementedError):
+            counter = None  # a layout without set_ (sparse): its edit is told while the copy is alive only
+        self.counter = counter
+        self.version = self.version_now()
+        self.key, self.name, self.param_id = key, name, param_id
+        self.reported = False  # an edit of it was raised or warned about: once dropped it is forgotten
+
+    def version_now(self) -> int | None:
+        tensor = self.counter if self.counter is not None else self.ref()
+        return None if tensor is None else tensor._version
+
+    def edited(self) -> bool:
+        now = self.version_now()
+        return now is not None and now != self.version
 
 
 class StateDictHooks:
@@ -77,6 +127,11 @@ class StateDictHooks:
         # Every block's hooks of the same offload, held weakly (set by ModelStateDictHooks.attach): a parameter
         # moved from one block into another, or into a module outside the blocks, is found by its owner.
         self._peers: list[weakref.ref[StateDictHooks]] = []
+        # Each copy of this block's host values handed out while it was offloaded (see the module's docstring). The
+        # hook's forward entry holds this same list and tests it for emptiness alone: it is changed in place only.
+        self.copies: list[HandedOutCopy] = []
+        self._prune_at = 64  # a record past this many prunes the dropped copies first
+        self._loading_params: set[int] = set()  # the parameters the load under way names
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
@@ -137,6 +192,83 @@ class StateDictHooks:
                 owners.setdefault(id(param), (peer, name))
         return owners
 
+    def hand_out(self, value: torch.Tensor, key: str, name: str, param: nn.Parameter | None) -> torch.Tensor:
+        """Records ``value``, a copy of the host value of this block's parameter ``name`` saved under ``key``."""
+        if len(self.copies) >= self._prune_at:
+            self._edited()
+            self._prune_at = max(64, 2 * len(self.copies))
+        if not value.is_inference():  # made outside inference mode: an inference tensor counts no versions
+            self.copies.append(HandedOutCopy(value, key, name, None if param is None else id(param)))
+        return value
+
+    def _edited(self) -> list[HandedOutCopy]:
+        """The records of copies changed in place: alive, or dropped since without being reported. Forgets the others
+        that were dropped: a dropped dict costs nothing from the next check on."""
+        kept, edited = [], []
+        for copy in self.copies:
+            changed = copy.edited()
+            if copy.ref() is not None or (changed and not copy.reported):
+                kept.append(copy)
+                if changed:
+                    edited.append(copy)
+        self.copies[:] = kept
+        return edited
+
+    def edited_copy(self, template: str | None = None) -> str | None:
+        """The message for a copy of this block's host values changed in place (None: none): ``template`` (by default
+        ``EDITED_COPY_ERROR``, or ``DROPPED_COPY_ERROR`` where every such copy was dropped since). Each of them counts
+        as reported from then on: a dropped one is forgotten, one alive is reported again at each check."""
+        edited = self._edited()
+        if not edited:
+            return None
+        alive = [copy for copy in edited if copy.ref() is not None]
+        first = (alive or edited)[0]
+        reported, touched = list(edited), [self]
+        if not alive:
+            # Dropped: the dropped edits of every block of this offload are said in this one message, so that the
+            # blocks after this one do not refuse again, one by one, for the same dict.
+            for peer in self.peers()[1:]:
+                dropped = [copy for copy in peer._edited() if copy.ref() is None]
+                reported += dropped
+                touched += [peer] if dropped else []
+        for copy in reported:
+            copy.reported = True
+        for hooks in touched:
+            hooks._edited()  # forgets the dropped ones now reported
+        if template is None:
+            template = EDITED_COPY_ERROR if alive else DROPPED_COPY_ERROR
+        more = f", and {len(reported) - 1} more entries" if len(reported) > 1 else ""
+        what = "was changed in place" if alive else "was changed in place and then dropped"
+        return template.format(key=first.key, name=first.name, index=self._index(), more=more, what=what)
+
+    def refuse_edited_copies(self) -> None:
+        """Raises ``EDITED_COPY_ERROR`` for a copy of this block's host values changed in place and still alive (on
+        each call until it is loaded or dropped), ``DROPPED_COPY_ERROR`` once for one dropped since."""
+        for copy in self.copies:  # the common case first, at a forward's cost: every copy alive and unchanged
+            counter = copy.counter
+            if counter is None or counter._version != copy.version or copy.ref() is None:
+                break
+        else:
+            return
+        message = self.edited_copy()
+        if message is not None:
+            raise OffloadStateError(message)
+
+    def forget_copies(self) -> None:
+        self.copies.clear()
+
+    def loaded(self, params: set[int]) -> None:
+        """A load gave each parameter of ``params`` (by id) the value the caller chose: an edit of a copy of its
+        value made so far is no longer lost. A copy still alive is recorded at its version now, so a later edit of
+        it still is."""
+        if not params:
+            return
+        for peer in self.peers():
+            for copy in peer.copies:
+                if copy.param_id in params:
+                    copy.version, copy.reported = copy.version_now(), False
+            peer._edited()
+
     def fill_placeholders(self, state_dict: dict[str, Any], entries: list[tuple[str, nn.Parameter]]) -> None:
         """For each (key, parameter) of ``entries`` whose saved value is the empty placeholder of a parameter that a
         block of this offload still offloads, saves that block's host copy instead: a parameter moved out of its
@@ -157,9 +289,7 @@ class StateDictHooks:
                 host_values[id(peer)] = peer.state.cpu_named_parameters  # one decode of a compressed host copy
             host = host_values[id(peer)].get(name)
             if host is not None and host.numel() != 0:
-                entry = state_dict[key]
-                value = host.detach().clone()
-                state_dict[key] = value if value.dtype == entry.dtype else value.to(entry.dtype)
+                state_dict[key] = peer.hand_out(_copy(host, state_dict[key].dtype), key, name, param)
 
     def _live(self) -> bool:
         """Whether the block holds its values now (running, inside a scope, or kept materialized by a failed
@@ -215,6 +345,9 @@ class StateDictHooks:
         running = not getattr(self.state, "mutating", False)
         live = self._live()
         checked = False
+        edited = self.edited_copy(EDITED_COPY_SAVE_WARNING) if self.copies else None
+        if edited is not None:
+            warn_caller(edited)  # the values saved are the model's, not those of the copy changed in place
         for name, host in host_values.items():
             value = None
             param = objects.get(name)
@@ -230,7 +363,7 @@ class StateDictHooks:
                     # model saves it. In a running block (a state_dict() from a hook inside the forward) it is a
                     # view of a device slot that the next block's copy overwrites: saved as a copy.
                     if running and not self._saving_keeps_vars:
-                        state_dict[key] = entry.clone()
+                        state_dict[key] = self.hand_out(_copy(entry, entry.dtype), key, name, param)
                     continue
                 if not checked:
                     checked = True  # what the host copy lacks, said once per state_dict() of the block
@@ -238,9 +371,8 @@ class StateDictHooks:
                     lost = lost_edit(STALE_SAVE_WARNING) if callable(lost_edit) else None
                     if lost is not None:
                         warn_caller(lost)
-                if value is None:
-                    value = host.detach().clone()
-                    value = value if value.dtype == entry.dtype else value.to(entry.dtype)
+                if value is None:  # one copy for every name of a tied parameter, recorded once
+                    value = self.hand_out(_copy(host, entry.dtype), key, name, param)
                 state_dict[key] = value
         # A parameter moved into this block from another one, still offloaded there.
         self.fill_placeholders(state_dict, [(prefix + alias[len(within):], param) for alias, param in
@@ -303,6 +435,8 @@ class StateDictHooks:
             moved = {id(param) for param in self.moved_out()}
             if any(id(param) in moved and prefix + name in state_dict for name, param in module._parameters.items()):
                 self.settle()
+            self.loaded({id(param) for name, param in module._parameters.items()
+                         if param is not None and prefix + name in state_dict})
             return
         if self._loading and self._reached(self._loading_at, prefix, within):
             return  # a submodule the load under way has made real already
@@ -316,14 +450,26 @@ class StateDictHooks:
         enter_mutation(self.state)  # inside mutate_params_scope() the load goes into the scope's live values
         self._loading = True
         self._loading_at = (prefix, within)
+        self._loading_params = {id(param) for alias, param in self._block.named_parameters(remove_duplicate=False)
+                                if alias.startswith(within) and prefix + alias[len(within):] in state_dict}
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         if not self._loading or self._loading_at is None or self._within(module) != self._loading_at[1]:
             return  # no load of ours, or a submodule inside the load that entered the block above it
         self._loading = False
         self._loading_at = None
+        loaded, self._loading_params = self._loading_params, set()
+        self.loaded(loaded)  # the block holds the loaded values now, whether or not the rebuild below succeeds
         with torch.no_grad():
             leave_mutation(self.state)
+
+
+def _copy(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``value`` in ``dtype`` that shares memory with nothing; an ordinary tensor inside inference mode too,
+    as a resident model's entries are, so that an in-place edit of it counts a version."""
+    with torch.inference_mode(False):
+        copy = value.detach().clone()
+        return copy if copy.dtype == dtype else copy.to(dtype)
 
 
 class ModelStateDictHooks:
@@ -390,6 +536,8 @@ class ModelStateDictHooks:
         for hooks in owner.peers() if owner is not None else ():
             if any(id(param) in empty for param in hooks.moved_out()):
                 hooks.settle()  # the rebuild leaves the moved parameters as ordinary tensors
+        if owner is not None:
+            owner.loaded(empty)  # a copy of a moved parameter's value that the load now replaces
 
     @staticmethod
     def _moved(first: weakref.ref[StateDictHooks], recurse: bool, module: nn.Module, state_dict: dict[str, Any],
