@@ -321,7 +321,7 @@ def _stand_in_graph(model, group) -> tuple[OffloadedCUDAGraph, list[int]]:
     graph.handles = [state.handle for state in group.states]
     graph.generation, graph.static_output = group.engine.generation, "output"
     graph.layout_generation, graph.slots = group.engine.layout_generation, slot_snapshot(group.engine)
-    graph.resumable = True
+    graph.resumable, graph.watch = True, graphs._ModelWatch(model)
     replays: list[int] = []
     graph.graph = types.SimpleNamespace(replay=lambda: replays.append(1))
     return graph, replays

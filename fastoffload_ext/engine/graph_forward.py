@@ -22,8 +22,11 @@ What a call does:
   the model twice a step (guidance) keeps both answers.
 - After the weights change (``load_state_dict``, ``mutate_params_scope()``, an adapter), or an eager
   forward that raised part-way, a graph is captured again at its next call.
-- It runs eagerly, with one warning saying why, where a graph cannot serve the call: a tensor argument on
-  another device, an argument that is not a tensor, a number, a string, or a container of them, or a new
+- A call under other numeric settings (TF32, reduced-precision reductions, deterministic algorithms) gets a
+  graph of its own; a module, parameter or adapter state changed since a capture (an adapter injected, switched,
+  scaled, disabled, merged; ``model.train()``) makes the graph capture again (see ``OffloadedCUDAGraph.replay``).
+- It runs eagerly, with one warning saying why, where a graph cannot serve the call: autocast on, a tensor argument
+  on another device, an argument that is not a tensor, a number, a string, or a container of them, or a new
   signature once ``max_graphs`` are captured (a Python float that changes every step would need a graph
   per call: pass it as a tensor).
 - A forward that cannot be captured (one that synchronizes with the host, for example) raises
@@ -38,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -72,6 +76,8 @@ def _signature(value: Any, where: str) -> Hashable:
     """What a graph is captured for: the structure, each tensor's shape, dtype and device, every other value."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, float):  # 0.0 == -0.0, but a forward can tell them apart (x * t, 1 / t)
+        return (float, value, math.copysign(1.0, value))
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if isinstance(value, (list, tuple)):
@@ -83,9 +89,18 @@ def _signature(value: Any, where: str) -> Hashable:
     raise _Unkeyable(f"{where} is a {type(value).__name__}, not a tensor, a number, a string or a container of them")
 
 
+def _numerics() -> Hashable:
+    """The global settings that choose the kernels a forward launches, and so its bits: a graph replays the ones
+    its capture chose, so a call under other settings needs a graph of its own."""
+    matmul = torch.backends.cuda.matmul
+    return (torch.get_float32_matmul_precision(), matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
+
+
 def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return (tuple(_signature(value, f"argument {i}") for i, value in enumerate(args)),
-            tuple((key, _signature(kwargs[key], f"keyword argument {key!r}")) for key in sorted(kwargs)))
+            tuple((key, _signature(kwargs[key], f"keyword argument {key!r}")) for key in sorted(kwargs)), _numerics())
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -111,6 +126,12 @@ def _copy_output(value: Any) -> Any:
         return type(value)(_copy_output(v) for v in value)
     if isinstance(value, dict):
         return type(value)((key, _copy_output(v)) for key, v in value.items())
+    inner = getattr(value, "__dict__", None)
+    if not isinstance(value, _PLAIN) and isinstance(inner, dict) and _tensors(list(inner.values())):
+        raise OffloadConfigError(
+            f"fastoffload: the forward returns a {type(value).__name__} holding tensors, which graph_forward cannot "
+            "copy, and the next replay would overwrite them under the caller; return tensors, or tuples, lists, dicts "
+            "or dataclasses of them (return_dict=False), or run the model eagerly: remove_graph_forward(model)")
     return value
 
 
@@ -168,6 +189,10 @@ class GraphedForward:
         if torch.is_grad_enabled() or get_offload_group(model) is not self.group:
             # A forward autograd records (a graph records none); an offload enabled anew.
             return self._eager(model, forward, args, kwargs, None)
+        if torch.is_autocast_enabled(self.group.device.type):
+            return self._eager(model, forward, args, kwargs,
+                               "autocast is on; a graph replays the precision of its capture, and autocast's cache of "
+                               "cast weights cannot live in a graph's memory")
         try:
             key = _key(args, kwargs)
         except _Unkeyable as error:

@@ -34,14 +34,20 @@ Loading or editing a block's weights (``load_state_dict``, ``mutate_params_scope
 eager forward that raised part-way, invalidates it, and the next replay raises (``recapture()`` makes a new
 one); after ``disable_layerwise_offload`` it raises for good. A cast, a rebind (``param.data = t``)
 or an in-place write to an offloaded parameter since the capture is refused at the next replay, as the
-next eager forward refuses it. As with any CUDA graph, tensors outside the blocks are read at the
+next eager forward refuses it; so is an in-place edit of a ``state_dict()`` entry of an offloaded block
+that was not loaded back (``engine/state_dict.py``). As with any CUDA graph, tensors outside the blocks are read at the
 addresses they had at capture: after assigning a new module or parameter there, call ``recapture()``.
+A replay runs none of the model's Python either, so it refuses (``recapture()``) once the model's modules,
+parameter or buffer objects, train/eval mode, or a peft adapter's state (injected, active, disabled, merged,
+scaled) changed since the capture (``_ModelWatch``).
 The output of a replay is a static tensor that the next replay overwrites: clone it to keep it.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,6 +128,78 @@ def capturable_group(model: nn.Module) -> LayerwiseOffloadGroup:
         raise OffloadConfigError("fastoffload: OffloadedCUDAGraph needs a CUDA device, but offload runs on "
                                  f"{group.device}")
     return group
+
+
+# Bumped by torch's global registration hooks whenever any module, parameter or buffer is assigned to a module
+# (an adapter injected or unloaded, a layer replaced, load_state_dict(assign=True)): a replay walks its model only
+# when it moved.
+_registrations = [0]
+_watching: list[Any] = []
+
+
+def _registered(*_: Any) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    if not _watching:
+        _watching.extend(register(_registered) for register in (
+            torch.nn.modules.module.register_module_module_registration_hook,
+            torch.nn.modules.module.register_module_parameter_registration_hook,
+            torch.nn.modules.module.register_module_buffer_registration_hook))
+
+
+def _structure(model: nn.Module) -> tuple[Any, ...]:
+    """Each module of ``model`` with its parameter and buffer objects: what the captured kernels were launched on."""
+    return tuple((id(module), tuple(map(id, module._parameters.values())), tuple(map(id, module._buffers.values())))
+                 for module in model.modules())
+
+
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    """``model``'s peft layers (LoRA and the like), whose forward takes its path from Python state."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    base = getattr(tuners, "BaseTunerLayer", None)
+    return [module for module in model.modules() if isinstance(module, base)] if base is not None else []
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(value.items())
+    return tuple(value) if isinstance(value, (list, set)) else value
+
+
+def _tuner_state(layers: list[nn.Module]) -> tuple[Any, ...]:
+    """What each peft layer's forward reads besides tensors: the active adapters, whether adapters are disabled,
+    which are merged, and each adapter's scale."""
+    return tuple((_frozen(state.get("_active_adapter")), state.get("_disable_adapters"),
+                  _frozen(state.get("merged_adapters")), _frozen(state.get("scaling")))
+                 for state in (layer.__dict__ for layer in layers))
+
+
+class _ModelWatch:
+    """What a captured forward took from Python, which a replay does not run again: the module tree, the
+    parameter and buffer objects, the mode (train/eval) and the peft adapters' state."""
+
+    def __init__(self, model: nn.Module) -> None:
+        _watch_registrations()
+        self.registrations = _registrations[0]
+        self.structure = _structure(model)
+        self.layers = _tuner_layers(model)
+        self.tuners = _tuner_state(self.layers)
+        self.training = model.training
+
+    def change(self, model: nn.Module) -> str | None:
+        """Why a replay would not do what a forward of ``model`` does now; None when it would."""
+        if model.training != self.training:
+            return f"the model was switched to {'train' if model.training else 'eval'} mode"
+        if _registrations[0] != self.registrations:
+            if _structure(model) != self.structure:
+                return ("a module, parameter or buffer of the model was added, replaced or removed (an adapter "
+                        "injected or unloaded, a layer swapped, load_state_dict(assign=True))")
+            self.registrations = _registrations[0]
+        if self.layers and _tuner_state(self.layers) != self.tuners:
+            return "an adapter was switched, scaled, enabled, disabled, merged or unmerged (set_adapters, disable_lora)"
+        return None
 
 
 def slot_snapshot(engine: Any) -> tuple[tuple[int, str, int], ...]:
@@ -228,7 +306,8 @@ def _copy_inputs(static: Any, fresh: Any, where: str = "input") -> None:
     elif isinstance(static, dict):
         matches = isinstance(fresh, dict) and fresh.keys() == static.keys()
     else:
-        matches = not isinstance(fresh, (torch.Tensor, list, tuple, dict)) and bool(static == fresh)
+        matches = type(fresh) is type(static) and bool(static == fresh) and (
+            not isinstance(static, float) or math.copysign(1.0, static) == math.copysign(1.0, fresh))
     if not matches:
         raise OffloadConfigError(f"fastoffload: {where} must match the captured input, {_describe(static)}, got "
                                  f"{_describe(fresh)}; a replay runs exactly the captured forward, so capture "
@@ -316,6 +395,7 @@ class OffloadedCUDAGraph:
                 self.engine.end_capture()
         del previous
         self.graph, self.static_output = graph, static_output
+        self.watch = _ModelWatch(self.model)
         self.generation = self.engine.generation
         self.layout_generation = self.engine.layout_generation
         # The slots a replay starts from. A step that ends where it began (every cyclic forward) lets a replay
@@ -340,12 +420,23 @@ class OffloadedCUDAGraph:
         if self.graph is None:
             raise OffloadStateError("fastoffload: the last capture of this graph failed, so there is nothing to "
                                     "replay; call recapture() once the forward can be captured")
+        changed = self.watch.change(self.model)
+        if changed is not None:
+            raise OffloadStateError(f"fastoffload: {changed} since this graph was captured; a replay runs the "
+                                    "captured kernels, not the model's Python, so it would not see that. Call "
+                                    "recapture() before replaying")
         if self.engine.generation != self.generation:
             self._resume()
         # A cast, a rebind or an in-place write to an offloaded parameter since the capture: an eager forward
         # refuses it at the block's acquire, and a replay, which would not see it either, refuses it here.
         for handle in self.handles:
             self.engine.check_offloaded_bindings(handle)
+        # A copy of a block's values that state_dict() handed out and the caller changed in place: an eager forward
+        # refuses the block at its entry (state_dict.py), and a replay, which runs no hook, refuses it here.
+        model_hooks = self.group.model_hooks
+        for _, block_hooks in model_hooks.blocks if model_hooks is not None else ():
+            if block_hooks.copies:
+                block_hooks.refuse_edited_copies()
         self.graph.replay()
         return self.static_output
 
