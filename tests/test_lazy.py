@@ -525,6 +525,7 @@ def test_transform_returning_none_on_loaded_instance_raises_and_changes_nothing(
     with pytest.raises(ValueError, match=r"Materialize transform for module vae returned None"):
         proxy.set_materialize_transform(lambda module: None)
     assert proxy.materialize() is resident
+    del resident  # held, the released instance would come back instead of a reload
     proxy.release()
     assert proxy.tags == ["kept"]  # the rejected transform was not stored
     assert loader.calls == 2
@@ -550,6 +551,7 @@ def test_a_keyed_transform_registered_again_on_a_loaded_instance_applies_only_th
     loaded = proxy.materialize()
     proxy.set_materialize_transform(tag("second", applied), key="offload")
     assert proxy.materialize() is loaded and loaded.tags == ["first", "second"] and loader.calls == 1
+    del loaded  # held, the released instance would come back instead of a reload
     proxy.release()
     assert proxy.tags == ["second"]  # a new load runs the chain with the replacement only
 

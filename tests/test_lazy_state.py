@@ -120,11 +120,12 @@ def test_a_loader_that_uses_its_own_proxy_is_refused_clearly() -> None:
 
 def test_one_component_under_two_names_is_released_after_the_last_use_of_either() -> None:
     """It was released after the first name's last stage and loaded again for the second name's."""
-    loads: list[nn.Module] = []
+    loads: list[int] = []
 
     def load() -> nn.Linear:
-        loads.append(_linear())
-        return loads[-1]
+        component = _linear()
+        loads.append(id(component))  # not the component: held, a release would hand the same one back
+        return component
 
     proxy, plain = LazyModule("text_encoder", load), _linear()
     components = {"text_encoder": proxy, "text_encoder_2": proxy}

@@ -61,6 +61,11 @@ by peft (``fuse_lora()``, ``merge_and_unload()``, a layer's ``merge()``/``unmerg
 ``.data`` too, but counts: loading a component patches peft's layers to advance the version counters
 of the weights a merge wrote (``fastoffload_ext.integrations.peft``), so a LoRA fused and then unloaded
 (``fuse_lora()`` then ``unload_lora_weights()``) keeps the component.
+
+A component that something else still references after a release (a variable that holds ``materialize()``'s
+result) is not freed, and the release logs a warning saying so. Its next use through the proxy gets that same
+instance back, not a second copy from the loader: the two would differ as soon as either changed, and both would
+take memory. Once nothing else holds it, the next use loads it again.
 """
 from __future__ import annotations
 
@@ -88,7 +93,7 @@ __all__ = ["LazyModule", "is_lazy_module"]
 # The proxy's own state lives in slots and is read with object.__getattribute__, because ordinary
 # attribute access on the proxy belongs to the real component.
 _STATE_SLOTS = ("_lazy_name", "_lazy_loader", "_lazy_transforms", "_lazy_module", "_lazy_release_callbacks",
-                "_lazy_lock", "_lazy_loaded_as", "_lazy_cast_seen", "_lazy_loading")
+                "_lazy_lock", "_lazy_loaded_as", "_lazy_cast_seen", "_lazy_loading", "_lazy_released")
 # nn.Module's casting methods: after one is called through the proxy, a cast it made is remembered even when a
 # later call casts back (half().float() keeps the rounding, which a reload would not).
 _CASTING_METHODS = frozenset({"to", "half", "float", "double", "bfloat16", "type", "_apply"})
@@ -101,6 +106,9 @@ CHANGED_WARNING = ("fastoffload: deferred module {name} was not released: it cha
                    "loader or in a materialize transform (set_materialize_transform), keep the component loaded "
                    "(ReleaseSchedule/run_pipeline keep=...), or call release(discard_changes=True) to drop it and "
                    "the change.")
+HELD_WARNING = ("fastoffload: deferred module {name} was released, but it is still referenced elsewhere, so its memory "
+                "was not freed; its next use gets that same instance back. Drop the other references (a variable that "
+                "holds materialize()'s result) to free it.")
 CHANGED_COPY_ERROR = ("fastoffload: cannot copy or pickle deferred module {name}: its loaded component changed after "
                       "it loaded ({change}), and a copy is an unloaded proxy that would load the component without "
                       "that change. Copy the component itself (copy.deepcopy(proxy.materialize())), or make the "
@@ -201,6 +209,15 @@ def _loaded_as(component: Any) -> list[tuple[Any, ...]] | None:
     return entries
 
 
+def _weak_record(component: Any, loaded_as: Any, cast_seen: str | None) -> tuple[Any, ...] | None:
+    """What a release keeps of the component it drops: a weak reference and what it loaded as (None for a
+    component that takes no weak reference)."""
+    try:
+        return (weakref.ref(component), loaded_as, cast_seen)
+    except TypeError:
+        return None
+
+
 def _first_cast(before: list[tuple[Any, ...]], now: list[tuple[Any, ...]]) -> str | None:
     """A parameter or buffer of ``before`` whose dtype is another now, in words; None when there is none."""
     for old, new in zip(before, now):
@@ -249,7 +266,8 @@ class LazyModule:
     iteration, ``in``) is forwarded to the real component, which is loaded first if needed; a truth
     test loads nothing.
     :meth:`release` drops the reference and empties the allocator cache; any later use runs the loader
-    again and the transforms of :meth:`set_materialize_transform`. What was done to the loaded
+    again and the transforms of :meth:`set_materialize_transform` (unless something else still holds the
+    released instance: that instance comes back, see the module docstring). What was done to the loaded
     instance afterwards (``eval()``, ``to(dtype)``, ``load_state_dict``) is not replayed: put such
     setup in the loader or in a materialize transform, and releasing early then costs time, never
     correctness. A component changed that way is not released (see the module docstring).
@@ -273,6 +291,8 @@ class LazyModule:
         # Reentrant: a loader or transform may read the proxy's own state (lazy_name, is_materialized).
         _set_state(self, "_lazy_lock", threading.RLock())
         _set_state(self, "_lazy_loading", False)  # a load is running (in the thread that holds the lock)
+        # The last released component, weakly, with what it loaded as: (ref, loaded_as, cast_seen) or None.
+        _set_state(self, "_lazy_released", None)
 
     @property
     def lazy_name(self) -> str:
@@ -301,6 +321,9 @@ class LazyModule:
             loaded = _state(self, "_lazy_module")
             if loaded is not None:
                 return loaded
+            revived = self._revive()
+            if revived is not None:
+                return revived
             if _state(self, "_lazy_loading"):
                 # The lock is reentrant, so this is the thread that runs the load: its loader or a transform.
                 name = _state(self, "_lazy_name")
@@ -339,6 +362,7 @@ class LazyModule:
         patch_peft()
         _set_state(self, "_lazy_loaded_as", _loaded_as(component))
         _set_state(self, "_lazy_cast_seen", None)
+        _set_state(self, "_lazy_released", None)
         _set_state(self, "_lazy_module", component)
 
         allocated = _cuda_allocated_gib()
@@ -382,6 +406,8 @@ class LazyModule:
         else:
             chain = (*transforms, (key, transform))
         loaded = _state(self, "_lazy_module")
+        if loaded is None:
+            loaded = self._revive()
         if loaded is not None:
             unchanged = self._change() is None
             transformed = _apply_transform(transform, loaded, self.lazy_name)
@@ -395,14 +421,36 @@ class LazyModule:
     def _change(self) -> str | None:
         """How the loaded component differs from what it loaded as, in words; None when it does not (or is not
         loaded, or is no ``nn.Module``)."""
-        loaded_as = _state(self, "_lazy_loaded_as")
         component = _state(self, "_lazy_module")
+        loaded_as, seen = _state(self, "_lazy_loaded_as"), _state(self, "_lazy_cast_seen")
+        released = _state(self, "_lazy_released")
+        if component is None and released is not None:
+            # Released, but still referenced elsewhere: the next use gets it back (see _revive).
+            component, loaded_as, seen = released[0](), released[1], released[2]
         if loaded_as is None or component is None:
             return None
         now = _loaded_as(component)
         change = _change(loaded_as, now) if now is not None else "it is no longer an nn.Module"
-        seen = _state(self, "_lazy_cast_seen")
         return change if change is not None or seen is None else f"{seen} and back, which kept the rounding"
+
+    def _revive(self) -> Any:
+        """The component a release dropped, made the loaded one again while something else still holds it
+        (called with the lock held); None when there is none. A reload would build a second, different copy: the
+        caller that holds the released instance would see changes the proxy's copy lacks, and both would take
+        memory. What it loaded as comes back with it, so a change made since its load still counts."""
+        released = _state(self, "_lazy_released")
+        if released is None:
+            return None
+        _set_state(self, "_lazy_released", None)
+        component = released[0]()
+        if component is None:
+            return None
+        logger.info("Deferred module %s is still referenced elsewhere since its release: using that instance again",
+                    _state(self, "_lazy_name"))
+        _set_state(self, "_lazy_loaded_as", released[1])
+        _set_state(self, "_lazy_cast_seen", released[2])
+        _set_state(self, "_lazy_module", component)
+        return component
 
     def _note_cast(self) -> None:
         """After a casting method ran through the proxy: remembers the first cast it made since the load."""
@@ -444,6 +492,8 @@ class LazyModule:
                 warn_caller(CHANGED_WARNING.format(name=_state(self, "_lazy_name"), change=change))
                 return False
             before = _cuda_allocated_gib()
+            _set_state(self, "_lazy_released", _weak_record(component, _state(self, "_lazy_loaded_as"),
+                                                            _state(self, "_lazy_cast_seen")))
             _set_state(self, "_lazy_module", None)
             _set_state(self, "_lazy_loaded_as", None)
             _set_state(self, "_lazy_cast_seen", None)
@@ -455,6 +505,9 @@ class LazyModule:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        released = _state(self, "_lazy_released")
+        if released is not None and released[0]() is not None:
+            logger.warning(HELD_WARNING.format(name=name))
 
         after = _cuda_allocated_gib()
         if before is not None and after is not None:
