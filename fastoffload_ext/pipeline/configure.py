@@ -18,8 +18,10 @@ What it does, in order:
 1. Checks every argument, so a mistake fails before anything is loaded or hooked: the components,
    the transformer, the names and values of ``layerwise_options`` (against ``enable_layerwise_offload``
    itself) and, when layerwise offload will run, ``device``, ``backend``, ``share_host_copy``,
-   ``compress`` and ``weights``. What only the loaded model can tell (its block lists' names,
-   ``resident_blocks`` against its length) is checked by the engine when it runs.
+   ``compress`` and ``weights``; and the config's keys: one that spells a setting otherwise (FastVideo's flat
+   name such as ``dit_layerwise_offload``, or a near miss such as ``dit_layerwize`` under ``engine.offload``)
+   raises, since the resolution would carry it through unread. What only the loaded model can tell (its block
+   lists' names, ``resident_blocks`` against its length) is checked by the engine when it runs.
 2. Resolves ``config`` through ``steps`` (default :data:`~fastoffload_ext.policy.DEVICE_POLICY_STEPS`)
    with :func:`~fastoffload_ext.policy.resolution.resolve`. The caller's config is not mutated.
 3. Components: when ``engine.offload.lazy_module_load`` resolved to True, each loader is wrapped in a
@@ -53,6 +55,7 @@ CUDA device; ``"cpu"`` runs the engine with the host as the device (how the CPU 
 """
 from __future__ import annotations
 
+import difflib
 import enum
 import inspect
 import logging
@@ -67,7 +70,7 @@ from torch import nn
 from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.pipeline.lazy import LazyModule, is_lazy_module
 from fastoffload_ext.policy import DEVICE_POLICY_STEPS
-from fastoffload_ext.policy.resolution import Resolution, ResolutionStep, resolve
+from fastoffload_ext.policy.resolution import DEFAULT_SCHEMA, Resolution, ResolutionStep, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,21 @@ _NOT_IMPLEMENTED_PATHS = (
     "engine.offload.image_encoder",
     "engine.offload.vae",
 )
+# FastVideo's flat argument names (FastVideoArgs) for the settings the config holds nested.
+_FLAT_NAMES = {
+    "dit_layerwise_offload": "engine.offload.dit_layerwise",
+    "dit_cpu_offload": "engine.offload.dit",
+    "text_encoder_cpu_offload": "engine.offload.text_encoder",
+    "image_encoder_cpu_offload": "engine.offload.image_encoder",
+    "vae_cpu_offload": "engine.offload.vae",
+    "use_fsdp_inference": "engine.use_fsdp_inference",
+}
+# Keys of FastVideo's offload config that the schema does not name, carried through as they are.
+_OTHER_OFFLOAD_KEYS = ("pin_cpu_memory",)
+UNREAD_SETTING_ERROR = (
+    "fastoffload: the config key {where} is not a setting this config reads, so it would be carried through unread "
+    "while {meant} kept its default (the offload it asks for would silently not happen); write it as "
+    "{example}")
 # Arguments of enable_layerwise_offload that apply_offload_config supplies itself.
 _RESERVED_LAYERWISE_OPTIONS = ("model", "device")
 # The key of the layerwise offload among a lazy transformer's materialize transforms: registered again, it
@@ -177,6 +195,42 @@ def _check_components(components: Mapping[str, Callable[[], Any]] | None) -> dic
                             "zero-argument callable that returns the module")
         loaders[name] = loader
     return loaders
+
+
+def _nested_example(path: str, value: Any) -> str:
+    parts = path.split(".")
+    text = f"{{{parts[-1]!r}: {value!r}}}"
+    for part in reversed(parts[:-1]):
+        text = f"{{{part!r}: {text}}}"
+    return text
+
+
+def _check_unread_settings(config: Any) -> None:
+    """Refuses a key that spells one of the schema's settings otherwise (FastVideo's flat argument name such as
+    ``dit_layerwise_offload``, or a near miss such as ``dit_layerwize``) where the config's settings live: the
+    resolution carries unknown keys through unread, so the setting would take its default without a word. Keys
+    that are no near miss (a larger config's own settings) are left alone."""
+    containers = {"": sorted({path.split(".")[0] for path in DEFAULT_SCHEMA})}
+    for path in DEFAULT_SCHEMA:
+        parent, _, leaf = path.rpartition(".")
+        containers.setdefault(parent, []).append(leaf)
+    for parent, known in containers.items():
+        node: Any = config
+        for part in parent.split(".") if parent else ():
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping):
+            continue
+        for key, value in node.items():
+            if not isinstance(key, str) or key in known or key in _OTHER_OFFLOAD_KEYS:
+                continue
+            meant = _FLAT_NAMES.get(key)
+            if meant is None and parent:  # not at the top, where a larger config's "model" is no "mode"
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+                meant = f"{parent}.{close[0]}" if close else None
+            if meant is not None and meant in DEFAULT_SCHEMA:
+                where = f"{parent}.{key}".lstrip(".")
+                raise OffloadConfigError(UNREAD_SETTING_ERROR.format(where=repr(where), meant=meant,
+                                                                     example=_nested_example(meant, value)))
 
 
 def _check_transformer(transformer: nn.Module | LazyModule | str | None, loaders: Mapping[str, Any]) -> None:
@@ -393,6 +447,7 @@ def apply_offload_config(
             (:class:`~fastoffload_ext.policy.resolution.ResolutionError`) and errors of
             ``enable_layerwise_offload`` propagate.
     """
+    _check_unread_settings(config)
     loaders = _check_components(components)
     _check_transformer(transformer, loaders)
     options = _check_layerwise_options(layerwise_options)
