@@ -52,10 +52,11 @@ def test_a_fixed_prefetch_depth_survives_a_second_replan(backend: str) -> None:
     group = fo.enable_layerwise_offload(model, device="cpu", backend=backend, device_budget=5 * BLOCK_BYTES,
                                         prefetch_depth=2)
     assert group.plan.prefetch_depth == 2
-    # Half-size blocks 0-2: every block fits, a new layout (nothing offloaded).
-    fresh = group.replan(BlockCosts([0.1] * N, [BLOCK_BYTES // 2] * 3 + [BLOCK_BYTES] * 3, 1e-3))
-    assert fresh is not group and fresh.resident == tuple(range(N))
-    again = fresh.replan(BlockCosts([1.0, 0.1] * 3, [BLOCK_BYTES] * N, 1e-3))
+    # A measured table: the two resident blocks spread, a new layout at the depth the caller fixed.
+    fresh = group.replan(BlockCosts([0.1] * N, [BLOCK_BYTES] * N, 1e-3))
+    assert fresh is not group and fresh.resident == (0, 3)
+    again = fresh.replan(BlockCosts([0.1] * 5 + [3.0], [BLOCK_BYTES] * N, 1e-2))
+    assert again is not fresh and again.resident == (2, 5)
     assert again.plan.prefetch_depth == 2 and again.prefetch_depth == 2
     with torch.inference_mode():
         assert torch.equal(model(x), reference(x))

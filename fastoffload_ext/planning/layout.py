@@ -243,6 +243,45 @@ def _check_plan_form(plan: object, n: int, list_name: str, resident_blocks: obje
                                  f"plan already sets resident {list(plan.resident)} and depth {plan.prefetch_depth}")
 
 
+PLAN_SIZES_ERROR = ("fastoffload: the plan was made for blocks of other sizes than {list_name!r} has (block {index}: "
+                    "{planned} in the plan, {actual} here): it was made for another model, or this one changed since "
+                    "(a cast such as model.half()), so its device and host bytes are not this model's; make a plan "
+                    "from this model's costs (plan_offload on a table of these sizes, or enable with device_budget=... "
+                    "and use group.plan)")
+
+
+PLAN_RESERVE_ERROR = ("fastoffload: the plan's layout holds {layout} of device memory, which with activation_reserve "
+                      "{reserve} makes {need}, more than device_budget {budget}; make the plan with this reserve "
+                      "(plan_offload(costs.with_activation_bytes(reserve), budget)), lower activation_reserve, or "
+                      "raise device_budget")
+
+
+def _check_plan_sizes(plan: OffloadPlan, blocks: Sequence[nn.Module], list_name: str) -> None:
+    """A plan counts the block sizes it was made from: on blocks of other sizes its figures, and the budget
+    checks made with them, would be another model's."""
+    actual = _offload_bytes(blocks)
+    for index, (planned, size) in enumerate(zip(plan.costs.block_bytes, actual)):
+        if planned != size:
+            raise OffloadConfigError(PLAN_SIZES_ERROR.format(list_name=list_name, index=index,
+                                                             planned=format_bytes(planned), actual=format_bytes(size)))
+
+
+def _with_given_reserve(plan: OffloadPlan, reserve: int | None, budget: int | None, cyclic: bool) -> OffloadPlan:
+    """The plan's layout scored again with an ``activation_reserve`` given beside it; refused, with the
+    numbers, when the layout and that reserve do not fit the budget (the given one, else the plan's)."""
+    if reserve is None or reserve == plan.costs.activation_bytes:
+        return plan
+    limit = budget if budget is not None else plan.device_budget
+    layout = plan.device_bytes - plan.activation_bytes
+    if limit is not None and layout + reserve > limit:
+        raise OffloadConfigError(PLAN_RESERVE_ERROR.format(layout=format_bytes(layout), reserve=format_bytes(reserve),
+                                                           need=format_bytes(layout + reserve),
+                                                           budget=format_bytes(limit)))
+    return plan_offload(plan.costs.with_activation_bytes(reserve), limit,
+                        host_budget=plan.host_budget, resident=plan.resident, prefetch_depth=plan.prefetch_depth,
+                        cyclic=cyclic, cuda_graph=plan.cuda_graph)
+
+
 def check_layout_arguments(n: int, list_name: str, *, resident_blocks: object, prefetch_depth: object,
                            device_budget: object = None, host_budget: object = AUTO, activation_reserve: object = None,
                            plan: object = None) -> None:
@@ -266,6 +305,7 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
                costs: BlockCosts | None, compress: str = "off", cyclic: bool = True,
                tied: Collection[int] = ()) -> Layout:
     _check_plan_form(plan, len(blocks), list_name, resident_blocks, prefetch_depth)
+    _check_plan_sizes(plan, blocks, list_name)
     if compress == "on" and not plan.costs.compressed:
         # A plan made for raw copies, applied with compress=True: the copies move coded bytes and the decoder
         # keeps its staging on the device, so the same layout is scored (and checked) again with both.
@@ -280,16 +320,19 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
         plan = plan_offload(raw, plan.device_budget, host_budget=plan.host_budget, resident=plan.resident,
                             prefetch_depth=plan.prefetch_depth, cyclic=cyclic, cuda_graph=plan.cuda_graph)
     budget, host, _ = _budgets(settings, blocks, device, costs)
+    plan = _with_given_reserve(plan, settings["activation_reserve"], budget, cyclic)
     if budget is not None and plan.device_bytes > budget:
         raise OffloadConfigError(f"fastoffload: the plan needs {format_bytes(plan.device_bytes)} of device memory, "
                                  f"more than device_budget {format_bytes(budget)}; re-plan with this budget")
     _check_host(host, blocks, plan.resident, settings["host_budget"] != AUTO,
                 "on" if plan.compressed and compress != "off" else "off")
-    if budget is not None and plan.device_budget != budget:
-        # The budget given beside the plan is the one its re-plans keep to: a plan made without one (or
-        # with another) would otherwise re-plan to any layout, above the budget the caller gave here.
-        plan = plan_offload(plan.costs, budget, host_budget=plan.host_budget, resident=plan.resident,
-                            prefetch_depth=plan.prefetch_depth, cyclic=cyclic, cuda_graph=plan.cuda_graph)
+    # The budgets given beside the plan are the ones its re-plans keep to: a plan made without them (or
+    # with others) would otherwise re-plan to any layout, above the budgets the caller gave here.
+    given_host = host if settings["host_budget"] not in (None, AUTO) else plan.host_budget
+    if (budget is not None and plan.device_budget != budget) or given_host != plan.host_budget:
+        plan = plan_offload(plan.costs, budget if budget is not None else plan.device_budget, host_budget=given_host,
+                            resident=plan.resident, prefetch_depth=plan.prefetch_depth, cyclic=cyclic,
+                            cuda_graph=plan.cuda_graph)
     # The reserve the plan counts (a re-plan keeps it unless the caller gave one or a calibration measured it).
     reserve = settings["activation_reserve"]
     settings.update(fixed_resident=None, fixed_depth=None, device_budget_bytes=budget,
@@ -298,5 +341,6 @@ def _from_plan(plan: OffloadPlan, blocks: Sequence[nn.Module], device: torch.dev
     return Layout(plan.resident, plan.prefetch_depth, plan, settings, _planned_mode(plan, compress))
 
 
-__all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "Layout", "activation_reserve", "check_layout_arguments",
-           "check_prefetch_depth", "check_reserve_has_budget", "default_costs", "resolve_layout"]
+__all__ = ["AUTO_RESERVE_FRACTION", "MEASURED_RESERVE", "PLAN_RESERVE_ERROR", "PLAN_SIZES_ERROR", "Layout",
+           "activation_reserve", "check_layout_arguments", "check_prefetch_depth", "check_reserve_has_budget",
+           "default_costs", "resolve_layout"]

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 from typing import Any
 
+from fastoffload_ext.errors import OffloadConfigError
 from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.costs import BlockCosts
 
 logger = logging.getLogger(__name__)
+
+STEP_TIME_ERROR = ("fastoffload: a measured step must be a time in milliseconds > 0 (the wall time of one forward, the "
+                   "device drained), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +109,10 @@ class OffloadPlan:
 
     def drifted(self, measured_step_ms: float) -> bool:
         """Whether a measured step is further from :attr:`reference_step_ms` than ``tolerance`` (relative)."""
+        if isinstance(measured_step_ms, bool) or not isinstance(measured_step_ms, numbers.Real) or \
+                not math.isfinite(measured_step_ms) or measured_step_ms <= 0:
+            # NaN compares as no drift and a negative time as drift: neither is a step to judge the plan by.
+            raise OffloadConfigError(STEP_TIME_ERROR.format(value=measured_step_ms))
         if not self.calibrated or self.reference_step_ms <= 0:
             return True
         return abs(measured_step_ms / self.reference_step_ms - 1.0) > self.tolerance
@@ -171,4 +181,4 @@ class OffloadPlan:
                 + (f", {self.compressed_blocks} blocks compressed" if self.compressed else "") + f". {self.why}")
 
 
-__all__ = ["OffloadPlan"]
+__all__ = ["STEP_TIME_ERROR", "OffloadPlan"]

@@ -144,7 +144,7 @@ def calibrate(group: Any, step: Callable[[], Any], *, replan: bool = True, repea
             settings[MEASURED_RESERVE] = measured.activation_bytes
         costs = costs.with_activation_bytes(activation_reserve(settings) or 0)
     group.costs = costs
-    if group.plan is not None and group.plan.calibrated:
+    if group.plan is not None and group.plan.calibrated and measured.step_ms > 0:
         verdict = "outside" if group.plan.drifted(measured.step_ms) else "within"
         logger.info("measured step %.3f ms against the plan's reference %.3f ms: %s the %.0f %% tolerance",
                     measured.step_ms, group.plan.reference_step_ms, verdict, 100 * group.plan.tolerance)
@@ -207,6 +207,22 @@ def _kept(group: Any, table: BlockCosts) -> Any:
                         prefetch_depth=old.prefetch_depth, cyclic=group.cyclic, cuda_graph=old.cuda_graph)
 
 
+TABLE_SIZES_ERROR = ("fastoffload: the cost table's block sizes are not those of {list_name!r} (block {index}: {table} "
+                     "in the table, {actual} here); nothing was changed. A plan from them would count other bytes than "
+                     "the engine holds; build the table from this model (group.calibrate(step) measures one), or call "
+                     "group.replan() to plan from the last calibration with the blocks' current sizes")
+
+
+def _check_table_sizes(group: Any, table: BlockCosts) -> None:
+    """Refuses a table whose block sizes are not the blocks' own, before anything changes: the slots and
+    resident blocks hold the real sizes, so the plan's device and host bytes (and the budget checks made
+    with them) would be wrong."""
+    for index, (given, actual) in enumerate(zip(table.block_bytes, _block_bytes(group))):
+        if given != actual:
+            raise OffloadConfigError(TABLE_SIZES_ERROR.format(list_name=group.list_name, index=index,
+                                                              table=format_bytes(given), actual=format_bytes(actual)))
+
+
 def replan(group: Any, costs: BlockCosts | None = None) -> Any:
     """A fresh plan from ``costs`` (default: the last calibration) under the enable-time budgets."""
     return replan_group(group, costs)
@@ -226,6 +242,7 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
         raise OffloadConfigError(f"fastoffload: the cost table has {table.blocks} blocks, but the offloaded list "
                                  f"'{group.list_name}' has {len(group.blocks)}; nothing was changed. Build the table "
                                  "from this model (group.calibrate(step) measures one)")
+    _check_table_sizes(group, table)
     old = group.plan
     if old is None:
         raise OffloadStateError("fastoffload: this offload has a fixed layout (enabled without device_budget or "
@@ -477,5 +494,6 @@ def reapply(group: Any) -> Any:
     return restored
 
 
-__all__ = ["DISK_REPLAN_ERROR", "GROWN_OVER_BUDGET", "SHARED_REPLAN_ERROR", "calibrate", "read_gbps", "reapply",
-           "reapply_refusal", "recheck", "replan", "replan_group", "transfer_bytes", "warn_if_grown", "with_disk_tier"]
+__all__ = ["DISK_REPLAN_ERROR", "GROWN_OVER_BUDGET", "SHARED_REPLAN_ERROR", "TABLE_SIZES_ERROR", "calibrate",
+           "read_gbps", "reapply", "reapply_refusal", "recheck", "replan", "replan_group", "transfer_bytes",
+           "warn_if_grown", "with_disk_tier"]
