@@ -8,7 +8,6 @@ captured graph; on a GPU, graph_forward's answers are compared bit for bit with 
 """
 from __future__ import annotations
 
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,27 +20,14 @@ import fastoffload_ext as fo
 from fastoffload_ext.engine import graph_forward as gf
 from fastoffload_ext.engine import graphs
 from fastoffload_ext.engine.graph_forward import graph_forward
-from fastoffload_ext.engine.graphs import OffloadedCUDAGraph, slot_snapshot
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 
 from ._models import Stack, make_pair, params_equal, place_outside_blocks
+from .test_graphs import _stand_in_graph
 
 peft = pytest.importorskip("peft", reason="peft is not installed (scripts/setup_env.sh installs it)")
 from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
 from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
-
-
-def _stand_in_graph(model: nn.Module, group: Any) -> tuple[OffloadedCUDAGraph, list[int]]:
-    """An OffloadedCUDAGraph whose captured graph is a stand-in (CPU), as the model is now; replays counted."""
-    graph = object.__new__(OffloadedCUDAGraph)
-    graph.model, graph.group, graph.engine = model, group, group.engine
-    graph.handles = [state.handle for state in group.states]
-    graph.generation, graph.static_output = group.engine.generation, "output"
-    graph.layout_generation, graph.slots = group.engine.layout_generation, slot_snapshot(group.engine)
-    graph.resumable, graph.watch = True, graphs._ModelWatch(model)
-    replays: list[int] = []
-    graph.graph = types.SimpleNamespace(replay=lambda: replays.append(1))
-    return graph, replays
 
 
 def _inject(model: nn.Module, name: str = "a", seed: int = 1) -> None:
