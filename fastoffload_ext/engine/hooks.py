@@ -53,6 +53,9 @@ HOOK_EXISTS_ERROR = ("fastoffload: Hook with name {name} is already registered; 
 NO_HOOK_ERROR = "fastoffload: No hook with name {name} found; use append_forward_hook to add it."
 DEAD_MODULE_ERROR = ("fastoffload: this forward belongs to a module that was deleted (only a reference to its "
                      "`forward` was kept); call the module itself instead of a saved `module.forward`")
+GENERATOR_OUTPUT_ERROR = ("fastoffload: the forward of an offloaded block ({block}) returned a generator, which would "
+                          "run after the block's weights were released and compute on empty placeholders; return its "
+                          "values (a tuple or list) instead")
 
 
 class ForwardHook:
@@ -119,6 +122,10 @@ _eval_frame_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval
                                "get_eval_frame_callback", _no_eval_frame_callback)
 
 
+_GENERATOR = types.GeneratorType
+_OFFLOAD_HOOK_NAME = "LayerwiseOffloadHook"  # the offload hook's key in a manager (offload_hook.py)
+
+
 def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> Any:
     # The wrapper holds its module weakly (weak.py): a strong reference from the module's own attribute
     # back to the module would be a cycle.
@@ -154,6 +161,8 @@ def _forward_with_hooks(module_ref: weakref.ref, *args: Any, **kwargs: Any) -> A
                         logger.exception("post_forward of %s failed while cleaning up after an error", only.name())
                     raise
                 points[1]()
+                if type(output) is _GENERATOR:
+                    raise OffloadStateError(GENERATOR_OUTPUT_ERROR.format(block=type(module).__name__))
                 return output
     return _run_hooks_around(module, manager, None, args, kwargs)
 
@@ -174,6 +183,9 @@ def _run_hooks_around(module: nn.Module, manager: ModuleHookManager, call: Calla
             output = forward(*args, **kwargs) if forward is not None else manager.class_forward(module, *args, **kwargs)
         else:
             output = call(*args, **kwargs)
+        if type(output) is _GENERATOR and _OFFLOAD_HOOK_NAME in manager.forward_hooks:
+            # Its body would run once the offload hook has released the block: on empty placeholders.
+            raise OffloadStateError(GENERATOR_OUTPUT_ERROR.format(block=type(module).__name__))
     except BaseException:
         for hook in reversed(ran):
             try:

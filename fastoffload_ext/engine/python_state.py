@@ -29,6 +29,9 @@ Deliberate differences from the seed, each tested:
 - A parameter the caller replaced with a new ``nn.Parameter`` object while its block was offloaded is
   no longer this state's: it runs and is restored as the caller left it, as on the ext backend (the
   seed would refuse it as "changed in place" and then bind its placeholder, losing the new value).
+- A parameter that is a view without dense strides (an expanded row, a slice) keeps its sizes and strides in the
+  host copy, the device copies and the restore, as on the compiled core: made contiguous, reductions over it
+  added in another order and the outputs differed from the resident model's.
 - The device copies and placeholders are ordinary tensors even when made inside ``inference_mode()``:
   a parameter rebound to an inference tensor stops counting versions, so an in-place write to it in
   an inference_mode forward would be silently lost (the resident model keeps it; here it raises).
@@ -43,7 +46,7 @@ from torch import nn
 
 from fastoffload_ext.engine.messages import (CAST_ERROR, DETACHED_ERROR, GRAD_ERROR, IN_PLACE_ERROR, LOST_EDIT_WARNING,
                                             REPLACED_ERROR, scalar_type_name)
-from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints, real_copy, tensor_placeholder
+from fastoffload_ext.engine.state import BlockOffloadState, SeedEntryPoints, tensor_placeholder
 from fastoffload_ext.engine.threads import ForwardGate
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
@@ -61,6 +64,30 @@ def _ordinary(make: Callable[[], None]) -> None:
             make()
     else:
         make()
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """How many elements of its storage ``tensor`` reaches, from its offset on."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _layout_copy(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False,
+                 pin: bool = False) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device`` that shares memory with nothing, with its sizes and strides.
+
+    A plain copy makes a view that is not dense (an expanded row, a slice) contiguous, and reductions over it
+    then add in another order than on the resident model. Such a tensor's storage span is copied as it is, as
+    the compiled core packs it; a contiguous one (nearly every parameter) takes the plain copy.
+    """
+    if tensor.is_contiguous():
+        copy = tensor.to(device, copy=True, non_blocking=non_blocking)
+        return copy.pin_memory() if pin else copy
+    flat = tensor.as_strided((_span(tensor),), (1,)).to(device, copy=True, non_blocking=non_blocking)
+    if pin:
+        flat = flat.pin_memory()
+    return flat.as_strided(tensor.shape, tensor.stride(), 0)
 
 
 class LayerwiseOffloadState(SeedEntryPoints):
@@ -90,10 +117,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self._detached = False
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = tensor.detach().to("cpu", copy=True) if tensor.device.type != "cpu" else tensor.detach().clone()
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return host
+        return _layout_copy(tensor.detach(), torch.device("cpu"), pin=self.device.type == "cuda")
 
     @torch.compiler.disable
     def on_init(self, module: nn.Module) -> None:
@@ -215,7 +239,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
         gpu = self.gpu_named_parameters
         if any(name not in gpu for name, _ in named):  # a prefetch loads all of a block or none of it
             # Nothing prefetched this block: load it now, on the current stream.
-            _ordinary(lambda: gpu.update({name: self.cpu_named_parameters[name].to(self.device, copy=True)
+            _ordinary(lambda: gpu.update({name: _layout_copy(self.cpu_named_parameters[name], self.device)
                                           for name, _ in named if name not in gpu}))
         for name, param in named:
             param.data = gpu[name]
@@ -234,12 +258,12 @@ class LayerwiseOffloadState(SeedEntryPoints):
     def _copy_to_device(self) -> None:
         if self.async_copy_stream is None:
             for name, host in self.cpu_named_parameters.items():
-                self.gpu_named_parameters[name] = host.to(self.device, copy=True)
+                self.gpu_named_parameters[name] = _layout_copy(host, self.device)
             return
         compute_stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.async_copy_stream):
             for name, host in self.cpu_named_parameters.items():
-                gpu_param = host.to(self.device, non_blocking=True)
+                gpu_param = _layout_copy(host, self.device, non_blocking=True)
                 gpu_param.record_stream(compute_stream)  # keep it alive until the compute stream used it
                 self.gpu_named_parameters[name] = gpu_param
 
@@ -357,7 +381,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
                 if host is None:
                     logger.warning("Parameter %s not found in the offload state during detachment.", name)
                     continue
-                param.data = real_copy(param.data, device) if id(param) in live else \
+                param.data = _layout_copy(param.data, device) if id(param) in live else \
                     self._current_value(param, host, device)
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
@@ -373,8 +397,8 @@ class LayerwiseOffloadState(SeedEntryPoints):
         # A loaded block (running, or inside mutate_params_scope) holds its current values on the
         # device; an offloaded one holds a placeholder, whose shape differs from the host copy's.
         if tuple(param.shape) == tuple(host.shape):
-            return real_copy(param.data, device)
-        value = real_copy(host, device)
+            return _layout_copy(param.data, device)
+        value = _layout_copy(host, device)
         # A cast after enable (model.half()) left a placeholder of the new dtype: follow it, as the
         # resident model would have, instead of silently handing back the old dtype.
         return value if param.dtype == host.dtype else value.to(param.dtype)
