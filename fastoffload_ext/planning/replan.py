@@ -172,6 +172,11 @@ DISK_REPLAN_ERROR = (
     "than the host's RAM cannot survive. Nothing was changed. To apply it: disable_layerwise_offload(model, "
     "'meta'), then enable_layerwise_offload(model, weights=..., plan=plan) again")
 
+DISK_PLAN_ERROR = (
+    "fastoffload: the new plan ({plan}) reads {disk} blocks from disk every step, but a re-plan applies a layout "
+    "from host memory, where those blocks do not fit the host budget. Nothing was changed. To apply it: "
+    "disable_layerwise_offload(model, 'meta'), then enable_layerwise_offload(model, weights=..., plan=plan) again")
+
 
 # A new layout for a group that streams from disk is only worth a word when predicted this much faster.
 DISK_REPLAN_GAIN = 0.01
@@ -295,6 +300,15 @@ def replan_group(group: Any, costs: BlockCosts | None = None, *, keep_layout: bo
             raise OffloadStateError(DISK_REPLAN_ERROR.format(disk=disk, plan=new))
         logger.warning("%s; keeping the layout enable applied", DISK_REPLAN_ERROR.format(disk=disk, plan=new))
         group.plan = kept
+        return group
+    if new.disk_blocks:
+        # None streams from disk now, but the plan would read some from it: the disable and enable that apply it
+        # hold every offloaded block in host memory, and enable would refuse the host budget only after the model
+        # was taken apart (the layout that ran is applied again, as a new group).
+        if not keep_layout:
+            raise OffloadStateError(DISK_PLAN_ERROR.format(disk=new.disk_blocks, plan=new))
+        logger.warning("%s; keeping the layout enable applied", DISK_PLAN_ERROR.format(disk=new.disk_blocks, plan=new))
+        group.plan = _kept(group, table)
         return group
     logger.info("re-planning %s: %s", group.list_name, new)
     return _apply(group, new, table)
@@ -494,6 +508,6 @@ def reapply(group: Any) -> Any:
     return restored
 
 
-__all__ = ["DISK_REPLAN_ERROR", "GROWN_OVER_BUDGET", "SHARED_REPLAN_ERROR", "TABLE_SIZES_ERROR", "calibrate",
-           "read_gbps", "reapply", "reapply_refusal", "recheck", "replan", "replan_group", "transfer_bytes",
+__all__ = ["DISK_PLAN_ERROR", "DISK_REPLAN_ERROR", "GROWN_OVER_BUDGET", "SHARED_REPLAN_ERROR", "TABLE_SIZES_ERROR",
+           "calibrate", "read_gbps", "reapply", "reapply_refusal", "recheck", "replan", "replan_group", "transfer_bytes",
            "warn_if_grown", "with_disk_tier"]
