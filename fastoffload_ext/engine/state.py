@@ -17,7 +17,7 @@ from torch import nn
 from fastoffload_ext.engine.messages import REBUILD_FAILED_NOTE
 
 __all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation",
-           "parameter_names", "real_copy", "tensor_placeholder"]
+           "parameter_names", "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -82,13 +82,6 @@ def tensor_placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tens
     """An empty tensor of the same rank and dtype on ``device`` (rank 0 becomes shape (0,))."""
     shape = (0,) * max(tensor.ndim, 1)
     return torch.empty(shape, device=device, dtype=tensor.dtype)
-
-
-def real_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device`` that shares memory with nothing."""
-    copy = torch.empty_like(tensor, device=device)
-    copy.copy_(tensor)
-    return copy
 
 
 def parameter_names(module: nn.Module, prefix: str = "") -> dict[int, list[str]]:
