@@ -172,5 +172,6 @@ class CheckpointOffloadState(ExtLayerwiseOffloadState):
     def host_bytes(self) -> int:
         return 0 if self.block.on_disk else super().host_bytes()
 
-    def weight_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self.block.entries)
+    # weight_bytes() is the base class's: the engine block's layout while attached (a disk-tier block's too),
+    # 0 once its weights came back. A disable cut short between two blocks, and disable's detach of a block
+    # whose hook was taken off, tell a detached block by that 0.
