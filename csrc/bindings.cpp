@@ -481,6 +481,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const OffloadEngine& e, int64_t block) { return e.block_digests(checked_block(e, block)); },
           py::arg("block"))
       .def(
+          "host_copy_address",
+          [](const OffloadEngine& e, int64_t block) { return e.host_copy_address(checked_block(e, block)); },
+          py::arg("block"))
+      .def(
+          "host_written",
+          [](OffloadEngine& e, int64_t block, uint64_t address) {
+            const size_t b = checked_block(e, block);
+            return without_gil([&] { return e.host_written(b, address); });
+          },
+          py::arg("block"), py::arg("address"))
+      .def(
           "make_private",
           [](OffloadEngine& e, int64_t block) {
             const size_t b = checked_block(e, block);

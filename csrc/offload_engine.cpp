@@ -984,6 +984,36 @@ std::vector<at::Tensor> OffloadEngine::host_views(size_t block) const {
   return views;
 }
 
+uint64_t OffloadEngine::host_copy_address(size_t block) const {
+  auto lock = gate_.enter_read();
+  const StoredBlock& stored = store_.block(block);
+  if (stored.on_disk || stored.shared || !stored.has_raw()) return 0;
+  return reinterpret_cast<uint64_t>(stored.host_bytes.storage().data());
+}
+
+bool OffloadEngine::host_written(size_t block, uint64_t address) {
+  GateHold hold = waiting_gate();
+  check_block(block);
+  const StoredBlock& stored = store_.block(block);
+  if (address == 0 || stored.on_disk || stored.shared || !stored.has_raw() ||
+      reinterpret_cast<uint64_t>(stored.host_bytes.storage().data()) != address)
+    return false;
+  const int64_t slot = ring_.slot_of(block);
+  TORCH_CHECK(!materialized_[block] && (slot < 0 || ring_.slot(slot).state != SlotState::kInUse), "fastoffload: block ",
+              std::to_string(block), " is running or materialized: a write into its host copy is applied before it "
+              "runs next");
+  // A prefetch may still be reading the bytes from before the write, into the slot about to be forgotten.
+  copy_.synchronize_copies();
+  ring_.forget_block(block);
+  if (stored.has_packed()) {
+    store_.drop_packed(block);
+    encode_new(block);
+    layout_generation_ += 1;  // a captured graph decodes the compressed copy just replaced
+  }
+  generation_ += 1;
+  return true;
+}
+
 EngineStats OffloadEngine::stats() const {
   auto lock = gate_.enter_read();
   return stats_;

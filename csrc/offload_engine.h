@@ -213,6 +213,17 @@ class OffloadEngine {
   // read-only on a non-owner, where a write would crash).
   at::Tensor host_view(size_t block, size_t j) const;
   std::vector<at::Tensor> host_views(size_t block) const;
+  // The address of the block's private raw host copy, the storage that host_views() gives views of; 0 when
+  // there is none (a block stored only compressed, in the disk tier, or shared with other ranks: its views are
+  // copies).
+  uint64_t host_copy_address(size_t block) const;
+  // The caller wrote into views of the raw host copy at `address` (host_copy_address when the views were
+  // taken): the device copies made from the old bytes (the slot the block sits cached in, a prefetch) are
+  // forgotten, and a compressed copy kept beside it (compress "auto" still measuring) is encoded again, so
+  // the next acquire copies the written values. Returns false, changing nothing, when `address` is no longer
+  // that copy (dropped for compressed travel, or replaced by a rebuild): the write reached a copy only. The
+  // block must be neither running nor materialized.
+  bool host_written(size_t block, uint64_t address);
   // Bytes of the block's parameters (numel x element size), without touching the host copy.
   size_t weight_bytes(size_t block) const;
   // A shared owner's digests of what it packed (LayerStore's StoredBlock::digests).

@@ -117,7 +117,8 @@ def _scenario_main(rank: int, device: str, queue: Any, control: Path) -> None:
     result["segment_pss_bytes"] = _pss_segments_bytes()
     result["mapping_modes"] = _mapping_modes()
     # Host views of a shared block are copies: writing into them (as rank 1 does here) must neither crash
-    # on the read-only pages nor reach the other rank's weights.
+    # on the read-only pages nor reach the other rank's weights, and the block refuses to run while the
+    # written copies are alive (the write cannot reach the model).
     host = group.states[0].cpu_named_parameters
     result["host_views_equal"] = all(torch.equal(host[n], p) for n, p in place_named(reference.blocks[0]))
     if rank == 1:
@@ -126,6 +127,11 @@ def _scenario_main(rank: int, device: str, queue: Any, control: Path) -> None:
         result["host_views_after_write"] = all(
             torch.equal(t, p) for t, (_, p) in zip(group.states[0].cpu_named_parameters.values(),
                                                    place_named(reference.blocks[0])))
+        try:
+            _exact(model, x, want, steps=1)
+        except fo.OffloadStateError as error:
+            result["write_refused"] = "was a copy" in str(error)
+        del host, tensor  # said by the refusal: dropped, the write is forgotten
     dist.barrier()
     result["exact_after_write"] = _exact(model, x, want, steps=1)
     try:
@@ -546,11 +552,11 @@ def _run_main(tmp_path: Path, device: str) -> None:
                    "with share_host_copy=False" in enabled[rank]["mutate"]
             assert enabled[rank]["exact_after_refusal"]
         # (f) rank 1 maps the shared pages read-only, the owner read-write; host views are copies, so rank
-        # 1's writes into them changed nothing, on either rank.
+        # 1's writes into them changed nothing, on either rank, and its next forward refused while they lived.
         assert enabled[1]["mapping_modes"] == {"r--s"} and enabled[0]["mapping_modes"] == {"rw-s"}
         for rank in range(WORLD):
             assert enabled[rank]["host_views_equal"] and enabled[rank]["exact_after_write"]
-        assert enabled[1]["host_views_after_write"]
+        assert enabled[1]["host_views_after_write"] and enabled[1].get("write_refused")
         # (c) after enable returned on both ranks the names (and the owner's lock) are gone.
         assert _names(job) == []
         # (d) kill -9 of rank 1: nothing left behind, rank 0 still exact.

@@ -14,6 +14,7 @@ Differences from the python backend, each tested:
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -61,6 +62,10 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         self._targets_seen: list[BlockOffloadState] | None = None
         self._targets_len = -1
         self._detaches_seen = -1
+        # Where cpu_named_parameters records the tensors it hands out (the block's state-dict hooks, held weakly:
+        # they hold this state): a write into a view of the host copy is applied before the block runs next, and
+        # one into a copy is refused there.
+        self.hand_out_host: weakref.WeakMethod | None = None
 
     def _attached(self) -> bool:
         return self.handle is not None and not self.engine.is_removed(self.handle)
@@ -82,14 +87,40 @@ class ExtLayerwiseOffloadState(SeedEntryPoints):
         """Each offloaded parameter object by its name when offloaded (empty once restored)."""
         return dict(zip(self.param_names, self.params)) if self._attached() else {}
 
-    # The seed exposes these dicts; here they are computed on demand (never on the hot path). A shared
-    # block's are copies: its pages are other ranks' weights too, and read-only on a non-owner.
+    # The seed exposes these dicts; here they are computed on demand (never on the hot path). They are views of
+    # the block's raw host copy, so a write into one changes the model as in the seed (the block's device copies
+    # made before it, a cached slot or a prefetch, are dropped before it runs next); copies where there is no such
+    # copy: a compressed, disk-tier or shared block (a shared block's pages are other ranks' weights too, and
+    # read-only on a non-owner), and a write into one of those is refused at the block's next forward.
     @property
     def cpu_named_parameters(self) -> dict[str, torch.Tensor]:
+        values = self.host_values()
+        record = self.hand_out_host() if self.hand_out_host is not None else None
+        if values and record is not None:
+            record(values, int(self.engine.host_copy_address(self.handle)))
+        return values
+
+    def host_values(self) -> dict[str, torch.Tensor]:
+        """``cpu_named_parameters`` without recording it: the engine's own reads, which hand nothing out."""
         if not self._attached():
             return {}
-        # One decode for the whole block when its host copy is compressed.
-        return dict(zip(self.param_names, self.engine.host_views(self.handle)))
+        # Ordinary tensors, whose version counters tell a write, even when asked for inside inference_mode().
+        with torch.inference_mode(False):
+            # One decode for the whole block when its host copy is compressed.
+            return dict(zip(self.param_names, self.engine.host_views(self.handle)))
+
+    def host_written(self, address: int) -> bool | None:
+        """A write into views of the block's raw host copy at ``address`` was made: True once the block's next run
+        copies it, False when that host copy is no longer there (the write reached a copy only), None while the
+        block runs (applied at its next entry)."""
+        if not self._attached():
+            return False
+        if self.is_running():
+            return None
+        try:
+            return bool(self.engine.host_written(self.handle, address))
+        except RuntimeError:
+            return False  # materialized: the scope's own values go back into the host copy over the write
 
     @property
     def gpu_named_parameters(self) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from fastoffload_ext import codec
 from fastoffload_ext.engine import sharing
 from fastoffload_ext.engine.messages import COPY_ERROR, STALE_GROUP_ERROR
 from fastoffload_ext.engine.run_order import RunOrderWatch
-from fastoffload_ext.engine.state import BlockOffloadState
+from fastoffload_ext.engine.state import BlockOffloadState, host_values_of
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 from fastoffload_ext.planning import replan as replanning
@@ -156,7 +156,7 @@ class LayerwiseOffloadGroup:
         pinned = 0
         if self.device.type == "cuda":
             pinned = sum(1 << max(int(t.untyped_storage().nbytes()) - 1, 0).bit_length()
-                         for state in self.states for t in state.cpu_named_parameters.values())
+                         for state in self.states for t in host_values_of(state).values())
         return dict(pinned_bytes=pinned, host_reserved_bytes=max(pinned, host_bytes), slot_bytes=0, num_slots=0)
 
     def __repr__(self) -> str:

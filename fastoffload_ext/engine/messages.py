@@ -11,8 +11,8 @@ import warnings
 
 import torch
 
-__all__ = ["CAST_ERROR", "COPY_ERROR", "DETACHED_ERROR", "DROPPED_COPY_ERROR", "EDITED_COPY_ERROR",
-           "EDITED_COPY_SAVE_WARNING", "EDITED_COPY_WARNING", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING",
+__all__ = ["CAST_ERROR", "COPY_ENTRY", "COPY_ERROR", "COPY_WHY", "DETACHED_ERROR", "DROPPED_COPY_ERROR",
+           "EDITED_COPY_ERROR", "EDITED_COPY_SAVE_WARNING", "EDITED_COPY_WARNING", "GRAD_ERROR", "IN_PLACE_ERROR", "LOST_EDIT_WARNING",
            "REBUILD_FAILED_NOTE", "REPLACED_ERROR", "STALE_SAVE_WARNING", "SHARED_LOAD_ERROR",
            "UNPACKABLE_LOAD_ERROR", "SHARED_MUTATION_ERROR", "STALE_GROUP_ERROR", "scalar_type_name", "warn_caller"]
 
@@ -52,12 +52,20 @@ STALE_SAVE_WARNING = ("fastoffload: parameter '{name}' of block {index} was chan
                       "forward refuses the block. Apply the change inside mutate_params_scope(), or disable offload "
                       "first.")
 
-# An in-place edit of a state_dict() entry of an offloaded block (state_dict.py): the entry is a copy of the host value,
-# where a resident model's shares the parameter's storage, so the edit never reaches the model. {what} is "was changed
-# in place" or "was changed in place and then dropped"; {more} names how many other entries of the block were too.
-_EDITED_COPY = ("state_dict() entry '{key}' (parameter '{name}' of block {index}{more}) {what}, but while a block is "
-                "offloaded, state_dict() returns copies of its host values, so the change did not reach the model (a "
-                "resident model's entries share the parameters' storage)")
+# An in-place edit of a copy of an offloaded block's host value (state_dict.py), which never reaches the model: a
+# state_dict() entry (a resident model's shares the parameter's storage) or a cpu_named_parameters tensor that was a
+# copy. {entry} and {why} are COPY_ENTRY and COPY_WHY of its source; {what} is "was changed in place" or "was changed
+# in place and then dropped"; {more} names how many other entries of the block were too.
+_EDITED_COPY = "{entry} (parameter '{name}' of block {index}{more}) {what}, but {why}"
+COPY_ENTRY = {"state_dict": "state_dict() entry '{key}'", "host": "cpu_named_parameters entry '{key}'"}
+COPY_WHY = {
+    "state_dict": ("while a block is offloaded, state_dict() returns copies of its host values, so the change did not "
+                   "reach the model (a resident model's entries share the parameters' storage)"),
+    "host": ("that entry was a copy, so the change did not reach the model: cpu_named_parameters gives views of a "
+             "block's host copy only while it is held raw in this process's memory, not stored compressed, in the "
+             "disk tier or shared with other processes, and a view stops being one when the copy is rebuilt or "
+             "dropped (a load_state_dict(), a mutate_params_scope(), compressed travel chosen)"),
+}
 # The block's forward, and a mutate_params_scope() on it, while the edited copy is alive and not loaded.
 EDITED_COPY_ERROR = ("fastoffload: " + _EDITED_COPY + ". The block refuses to run while the edited copy is alive and "
                      "not loaded, rather than run with its old values. Load the changed values with "

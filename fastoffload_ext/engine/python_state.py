@@ -108,6 +108,9 @@ class LayerwiseOffloadState(SeedEntryPoints):
         self.gate = ForwardGate()
         self.block_index: int | None = None
         self._versions: dict[str, int] = {}  # param name -> version counter as of the last bind
+        # The host tensors the last prefetch copied, with their version counters then: a write into
+        # cpu_named_parameters after it (the seed's way to change a weight) makes the acquire load again.
+        self._prefetched_from: list[tuple[str, torch.Tensor, int]] = []
         self._offloaded: dict[str, nn.Parameter] = {}  # the parameter objects on_init offloaded
         # param name -> the placeholder release bound and its storage's identity (held, so that the identity is
         # never reused)
@@ -237,6 +240,8 @@ class LayerwiseOffloadState(SeedEntryPoints):
 
     def _bind_loaded(self, named: list[tuple[str, nn.Parameter]]) -> None:
         gpu = self.gpu_named_parameters
+        if gpu and self._prefetch_stale():
+            gpu.clear()  # cpu_named_parameters was written (or an entry replaced) after the prefetch copied it
         if any(name not in gpu for name, _ in named):  # a prefetch loads all of a block or none of it
             # Nothing prefetched this block: load it now, on the current stream.
             _ordinary(lambda: gpu.update({name: _layout_copy(self.cpu_named_parameters[name], self.device)
@@ -255,7 +260,13 @@ class LayerwiseOffloadState(SeedEntryPoints):
             self.gpu_named_parameters.clear()  # a half prefetch is dropped; the block loads when it runs
             raise
 
+    def _prefetch_stale(self) -> bool:
+        host = self.cpu_named_parameters
+        return any(host.get(name) is not tensor or tensor._version != version
+                   for name, tensor, version in self._prefetched_from)
+
     def _copy_to_device(self) -> None:
+        self._prefetched_from = [(name, host, host._version) for name, host in self.cpu_named_parameters.items()]
         if self.async_copy_stream is None:
             for name, host in self.cpu_named_parameters.items():
                 self.gpu_named_parameters[name] = _layout_copy(host, self.device)
@@ -385,6 +396,7 @@ class LayerwiseOffloadState(SeedEntryPoints):
                     self._current_value(param, host, device)
             self.gpu_named_parameters.clear()
             self.cpu_named_parameters.clear()
+            self._prefetched_from = []
             self._offloaded = {}
             self._placeholders.clear()
             self._depth = 0

@@ -55,7 +55,7 @@ Contract and limits:
 - ``mutate_params_scope`` is refused on a shared block (``SHARED_MUTATION_ERROR``): a LoRA merged by one
   rank would change the weights of every rank of the host under them. Merge before enabling offload,
   or enable with ``share_host_copy=False``. Host views of a shared block (``cpu_named_parameters``) are
-  copies, so writing to them changes nothing.
+  copies: a write into one is refused at the block's next forward, as it cannot reach the model.
 - Ranks are grouped by hostname. Containers that share a hostname but not /dev/shm are not supported.
 - A rank that dies *during* enable leaves the others waiting in the collective until the process
   group's timeout.

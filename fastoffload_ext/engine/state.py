@@ -16,8 +16,8 @@ from torch import nn
 
 from fastoffload_ext.engine.messages import REBUILD_FAILED_NOTE
 
-__all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "leave_mutation",
-           "parameter_names", "tensor_placeholder"]
+__all__ = ["BackwardRuns", "BlockOffloadState", "SeedEntryPoints", "enter_mutation", "host_values_of",
+           "leave_mutation", "parameter_names", "tensor_placeholder"]
 
 
 @runtime_checkable
@@ -76,6 +76,13 @@ class BlockOffloadState(Protocol):
     def prefetch_params(self) -> None: ...
 
     def release_gpu_params(self) -> None: ...
+
+
+def host_values_of(state: BlockOffloadState) -> dict[str, torch.Tensor]:
+    """The block's host values for the offload's own reads: ``cpu_named_parameters`` without recording them as handed
+    out to the caller (``host_values``; a state built by hand may have ``cpu_named_parameters`` alone)."""
+    read = getattr(state, "host_values", None)
+    return read() if callable(read) else state.cpu_named_parameters
 
 
 def tensor_placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

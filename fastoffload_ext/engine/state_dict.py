@@ -24,6 +24,12 @@ with a size mismatch. Module state-dict hooks put the host copy in:
   at once. The version counter is read through an empty alias sharing it, so a dropped copy is still
   told apart. An edit through ``.data``, which counts no version, is not seen. A block with no copy
   recorded pays one test of an empty list per forward.
+- The seed's ``cpu_named_parameters`` is recorded the same way (``hand_out_host``). Its tensors are views of the
+  block's raw host copy where there is one, and a write into them is the model's, as in the seed: the check at
+  the block's next entry finds it and drops the device copies made from the old bytes (``host_written``), so the
+  next run copies the written values. Where the tensors are copies (a block stored compressed, in the disk tier
+  or shared, or a view whose host copy was dropped or rebuilt since), a write is refused as an edited
+  ``state_dict()`` copy is.
 - ``load_state_dict()`` makes the block's parameters ordinary device tensors for the load (as
   ``mutate_params_scope`` does), lets the module load into them, and rebuilds the host copy from
   them; a block whose host copy is shared with other ranks refuses (``messages.SHARED_LOAD_ERROR``).
@@ -57,7 +63,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fastoffload_ext.engine.messages import (
+    COPY_ENTRY,
     COPY_ERROR,
+    COPY_WHY,
     DROPPED_COPY_ERROR,
     EDITED_COPY_ERROR,
     EDITED_COPY_SAVE_WARNING,
@@ -66,7 +74,13 @@ from fastoffload_ext.engine.messages import (
     UNPACKABLE_LOAD_ERROR,
     warn_caller,
 )
-from fastoffload_ext.engine.state import BlockOffloadState, enter_mutation, leave_mutation, parameter_names
+from fastoffload_ext.engine.state import (
+    BlockOffloadState,
+    enter_mutation,
+    host_values_of,
+    leave_mutation,
+    parameter_names,
+)
 from fastoffload_ext.engine.weak import WeakModule
 from fastoffload_ext.errors import OffloadStateError
 
@@ -80,14 +94,20 @@ __all__ = ["HandedOutCopy", "ModelStateDictHooks", "StateDictHooks"]
 
 
 class HandedOutCopy:
-    """One copy of an offloaded block's host value that a ``state_dict()`` handed out, held weakly.
+    """One tensor of an offloaded block's host values handed out, held weakly: a copy a ``state_dict()`` made
+    (``source`` "state_dict"), or a tensor of ``cpu_named_parameters`` ("host"), which is a view of the block's raw
+    host copy at ``address`` (an edit of it reaches the model) or, with ``address`` 0, a copy.
 
     ``counter`` is an empty alias of the copy that shares its version counter but not its storage: it tells an
-    in-place edit made before the copy was dropped, and keeps none of the copy's memory."""
+    in-place edit made before the copy was dropped, and keeps none of the copy's memory. A view keeps its storage
+    (``storage``): the address it was taken at then names that host copy alone, never memory used again since."""
 
-    __slots__ = ("ref", "counter", "version", "key", "name", "param_id", "reported")
+    __slots__ = ("ref", "counter", "version", "key", "name", "param_id", "reported", "source", "address", "storage")
 
-    def __init__(self, value: torch.Tensor, key: str, name: str, param_id: int | None) -> None:
+    def __init__(self, value: torch.Tensor, key: str, name: str, param_id: int | None, source: str = "state_dict",
+                 address: int = 0) -> None:
+        self.source, self.address = source, address
+        self.storage = value.untyped_storage() if address else None
         self.ref = weakref.ref(value)
         counter: torch.Tensor | None = None
         try:
@@ -132,6 +152,8 @@ class StateDictHooks:
         self.copies: list[HandedOutCopy] = []
         self._prune_at = 64  # a record past this many prunes the dropped copies first
         self._loading_params: set[int] = set()  # the parameters the load under way names
+        if hasattr(state, "hand_out_host"):
+            state.hand_out_host = weakref.WeakMethod(self.hand_out_host)  # cpu_named_parameters records here
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise OffloadStateError(COPY_ERROR)  # the module's hooks are what a deepcopy or pickle meets first
@@ -201,12 +223,41 @@ class StateDictHooks:
             self.copies.append(HandedOutCopy(value, key, name, None if param is None else id(param)))
         return value
 
+    def hand_out_host(self, values: dict[str, torch.Tensor], address: int) -> dict[str, torch.Tensor]:
+        """Records ``values``, the tensors ``cpu_named_parameters`` hands out: views of the block's raw host copy at
+        ``address``, or copies (``address`` 0)."""
+        if len(self.copies) >= self._prune_at:
+            self._edited()
+            self._prune_at = max(64, 2 * len(self.copies))
+        objects = self.state.offloaded_parameters()
+        for name, value in values.items():
+            if not value.is_inference() and value.numel():
+                param = objects.get(name)
+                self.copies.append(HandedOutCopy(value, name, name, None if param is None else id(param), "host",
+                                                 address))
+        return values
+
+    def _write_reached(self, copy: HandedOutCopy) -> bool:
+        """Whether an edit of ``copy``, a view of the raw host copy, is in the model's values: then the block's device
+        copies made before it are dropped now (or, while the block runs, before its next run), and ``copy`` counts
+        as unchanged from here. False when the view stopped being one (the edit reached a copy only)."""
+        written = getattr(self.state, "host_written", None)
+        reached = written(copy.address) if callable(written) else False
+        if reached is None:
+            return True  # the block is running: applied at its next entry, which checks again
+        if reached:
+            copy.version, copy.reported = copy.version_now(), False
+        return bool(reached)
+
     def _edited(self) -> list[HandedOutCopy]:
         """The records of copies changed in place: alive, or dropped since without being reported. Forgets the others
-        that were dropped: a dropped dict costs nothing from the next check on."""
+        that were dropped: a dropped dict costs nothing from the next check on. An edit of a view of the raw host copy
+        is the model's and is applied, not counted."""
         kept, edited = [], []
         for copy in self.copies:
             changed = copy.edited()
+            if changed and copy.address and self._write_reached(copy):
+                changed = False
             if copy.ref() is not None or (changed and not copy.reported):
                 kept.append(copy)
                 if changed:
@@ -239,7 +290,8 @@ class StateDictHooks:
             template = EDITED_COPY_ERROR if alive else DROPPED_COPY_ERROR
         more = f", and {len(reported) - 1} more entries" if len(reported) > 1 else ""
         what = "was changed in place" if alive else "was changed in place and then dropped"
-        return template.format(key=first.key, name=first.name, index=self._index(), more=more, what=what)
+        return template.format(entry=COPY_ENTRY[first.source].format(key=first.key), why=COPY_WHY[first.source],
+                               name=first.name, index=self._index(), more=more, what=what)
 
     def refuse_edited_copies(self) -> None:
         """Raises ``EDITED_COPY_ERROR`` for a copy of this block's host values changed in place and still alive (on
@@ -286,7 +338,7 @@ class StateDictHooks:
                 continue
             peer, name = owner
             if id(peer) not in host_values:
-                host_values[id(peer)] = peer.state.cpu_named_parameters  # one decode of a compressed host copy
+                host_values[id(peer)] = host_values_of(peer.state)  # one decode of a compressed host copy
             host = host_values[id(peer)].get(name)
             if host is not None and host.numel() != 0:
                 state_dict[key] = peer.hand_out(_copy(host, state_dict[key].dtype), key, name, param)
@@ -335,7 +387,7 @@ class StateDictHooks:
         if self._saving_at != (prefix, within):
             return  # reached by a call on a module above it, whose hook fills in
         self._saving_at = None
-        host_values = self.state.cpu_named_parameters
+        host_values = host_values_of(self.state)
         # Each host copy goes to every name its parameter object has in the block now: a parameter tied inside
         # the block (``b.weight = a.weight``) is offloaded under its first name but saved under every one, and a
         # submodule wrapped since enable (a LoRA layer around a Linear) renamed it. One the caller replaced has
@@ -547,3 +599,4 @@ class ModelStateDictHooks:
             return
         named = module.named_parameters(remove_duplicate=False) if recurse else module._parameters.items()
         hooks.fill_placeholders(state_dict, [(prefix + key, param) for key, param in named if param is not None])
+

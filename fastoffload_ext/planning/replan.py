@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fastoffload_ext.engine.messages import STALE_GROUP_ERROR, warn_caller
+from fastoffload_ext.engine.state import host_values_of
 from fastoffload_ext.errors import OffloadConfigError, OffloadStateError
 from fastoffload_ext.planning.budgets import format_bytes
 from fastoffload_ext.planning.calibration import calibrate_costs, time_step_ms
@@ -46,7 +47,7 @@ def _block_bytes(group: Any) -> list[int]:
     """Each block's packed bytes (what a slot holds), from the host copy when the block is offloaded."""
     sizes = [module_packed_bytes(block) for block in group.blocks]
     for index, state in zip(group.offloaded_indices, group.states):
-        sizes[index] = packed_bytes([t.numel() * t.element_size() for t in state.cpu_named_parameters.values()])
+        sizes[index] = packed_bytes([t.numel() * t.element_size() for t in host_values_of(state).values()])
     return sizes
 
 
@@ -84,7 +85,7 @@ def _coded_table(group: Any, table: BlockCosts) -> BlockCosts:
     offloaded = dict(zip(group.offloaded_indices, group.states))
     for index, block in enumerate(group.blocks):
         state = offloaded.get(index)
-        moved[index] = (estimate_tensors(list(state.cpu_named_parameters.values())) if state is not None
+        moved[index] = (estimate_tensors(list(host_values_of(state).values())) if state is not None
                         else estimate_block(block))
     return dataclasses.replace(table, transfer_bytes=tuple(moved))
 
