@@ -18,15 +18,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fastoffload_ext.codec.options import MAX_RATIO, MIN_BYTES
 from fastoffload_ext.planning.costs import PACK_ALIGNMENT, packed_bytes
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 256 * 1024
-# The engine's codec settings (OffloadEngine.set_compression's defaults): tensors below MIN_BYTES and
-# tensors that would keep more than MAX_RATIO of their bytes travel raw.
-MIN_BYTES = 4096
-MAX_RATIO = 0.9
+# The encoder's settings, the engine's own (codec.options): tensors below MIN_BYTES and tensors that would keep
+# more than MAX_RATIO of their bytes travel raw.
 # Per coded tensor: its segment descriptor and the 16-byte alignment of its planes, rounded up.
 SEGMENT_OVERHEAD_BYTES = 256
 HEADER_BYTES = 256
