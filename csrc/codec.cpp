@@ -315,6 +315,7 @@ Plan plan_block(const uint8_t* raw, size_t raw_bytes, const std::vector<TensorSp
   size_t cursor = 0;    // end of the last coded span
   size_t previous = 0;  // end of the last span
   for (const TensorSpan& span : sorted) {
+    if (span.nbytes == 0) continue;  // an empty tensor holds no bytes, wherever its offset points
     TORCH_CHECK(span.offset >= previous && span.nbytes <= raw_bytes && span.offset <= raw_bytes - span.nbytes,
                 "fastoffload: codec input tensors must lie inside the block and not overlap, got [",
                 std::to_string(span.offset), ", +", std::to_string(span.nbytes), ") after byte ",

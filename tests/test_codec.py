@@ -260,3 +260,16 @@ def test_kernel_launcher_checks_its_arguments() -> None:
         core.codec_decode_device(encoded, encoded.cuda(), torch.empty(raw_bytes + 1, dtype=torch.uint8, device="cuda"))
     with pytest.raises(RuntimeError, match=r"fastoffload: the device copy holds"):
         core.codec_decode_device(encoded, encoded[:-16].cuda(), torch.empty(raw_bytes, dtype=torch.uint8, device="cuda"))
+
+
+@pytest.mark.parametrize("order", ["empty last", "empty first"])
+def test_an_empty_tensor_at_a_neighbours_offset_is_no_overlap(order: str) -> None:
+    """A zero-element tensor holds no bytes: a checkpoint's layout may put it at the offset of the tensor beside it,
+    and the encoder must not take that for an overlap, whichever of the two it meets first."""
+    raw = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    raw = raw.view(torch.uint8).clone()
+    spans = [(0, 26, False), (512, 7680, True)]
+    spans.insert(1 if order == "empty last" else 0, (0, 0, True))
+    coded = core.codec_encode(raw, spans, max_ratio=0.9, min_bytes=4096)
+    assert coded.numel() < raw.numel()  # the bf16 span was coded
+    assert torch.equal(core.codec_decode(coded, verify=True), raw)
