@@ -29,6 +29,11 @@ uint64_t align_up(uint64_t value) { return (value + kDirectAlignment - 1) / kDir
 
 std::string error_text(int error_number) { return std::string(std::strerror(error_number)); }
 
+// After the "fastoffload: " prefix of each check that raises it.
+constexpr const char* kClosedError =
+    "this checkpoint reader was closed with its offload (disable_layerwise_offload, or an enable that "
+    "failed): its threads and files are gone. Enable offload again to read the checkpoint";
+
 }  // namespace
 
 ReadMode parse_read_mode(const std::string& name) {
@@ -46,10 +51,13 @@ struct DiskReader::File {
   int64_t mtime_ns = 0;
   uint64_t inode = 0;
   std::atomic<bool> direct_refused{false};  // the file system refused an O_DIRECT read: buffered from then on
-  ~File() {
+  // The path, size and modification time stay: check_unchanged() works by name.
+  void close_descriptors() {
     if (fd >= 0) ::close(fd);
     if (direct_fd >= 0) ::close(direct_fd);
+    fd = direct_fd = -1;
   }
+  ~File() { close_descriptors(); }
 };
 
 struct DiskReader::Chunk {
@@ -103,17 +111,31 @@ DiskReader::DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode)
   for (const Bounce& bounce : bounces) workers_.emplace_back([this, bounce] { worker_loop(bounce); });
 }
 
-DiskReader::~DiskReader() {
+DiskReader::~DiskReader() { close(); }
+
+void DiskReader::close() {
+  std::lock_guard<std::mutex> closing(close_mutex_);
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    stopping_ = true;
+    stopping_ = true;  // from now on a caller's job is refused (push)
   }
   queue_cv_.notify_all();
-  for (auto& worker : workers_) worker.join();
+  // Each worker runs what is queued (a job's chunks included) before it ends, and frees its read buffer.
+  for (auto& worker : workers_)
+    if (worker.joinable()) worker.join();
+  // No worker is left to read through a descriptor, and open() refuses now: every file is closed for good.
+  std::lock_guard<std::mutex> lock(files_mutex_);
+  for (auto& file : files_) file->close_descriptors();
+}
+
+bool DiskReader::closed() const {
+  std::lock_guard<std::mutex> lock(queue_mutex_);
+  return stopping_;
 }
 
 size_t DiskReader::open(const std::string& path) {
   std::lock_guard<std::mutex> lock(files_mutex_);
+  TORCH_CHECK(!closed(), "fastoffload: ", kClosedError, " (asked to open ", path, ")");
   for (size_t i = 0; i < files_.size(); ++i)
     if (files_[i]->path == path) return i;
   auto file = std::make_unique<File>();
@@ -269,6 +291,7 @@ void DiskReader::place_in_window(const std::vector<FileRange>& ranges, uint8_t* 
 
 std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8_t* dest,
                                             std::function<void()> prepare, DestWindow window) {
+  TORCH_CHECK(!closed(), "fastoffload: ", kClosedError);
   auto job = std::make_shared<ReadJob>();
   auto owned = std::make_shared<std::vector<FileRange>>(std::move(ranges));
   std::vector<size_t> files;
@@ -327,9 +350,11 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
     j.cv_.notify_all();
   };
   auto shared_chunks = std::make_shared<std::vector<Chunk>>(std::move(chunks));
-  auto enqueue_chunks = [this, shared_chunks, finish_one]() {
+  auto enqueue_chunks = [this, shared_chunks, finish_one](bool from_worker) {
+    std::vector<std::function<void(Bounce&)>> tasks;
+    tasks.reserve(shared_chunks->size());
     for (size_t c = 0; c < shared_chunks->size(); ++c) {
-      push([this, shared_chunks, c, finish_one](Bounce& bounce) {
+      tasks.emplace_back([this, shared_chunks, c, finish_one](Bounce& bounce) {
         const Chunk& chunk = (*shared_chunks)[c];
         std::string error;
         try {
@@ -342,12 +367,14 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
         finish_one(*chunk.job, error, 1, true);
       });
     }
+    push(std::move(tasks), from_worker);
   };
   if (!prepare) {
-    enqueue_chunks();
+    enqueue_chunks(/*from_worker=*/false);
     return job;
   }
-  push([job, prepare, enqueue_chunks, finish_one, n = shared_chunks->size()](Bounce&) {
+  std::vector<std::function<void(Bounce&)>> start;
+  start.emplace_back([job, prepare, enqueue_chunks, finish_one, n = shared_chunks->size()](Bounce&) {
     std::string error;
     try {
       prepare();
@@ -360,9 +387,10 @@ std::shared_ptr<ReadJob> DiskReader::submit(std::vector<FileRange> ranges, uint8
       finish_one(*job, error, n + 1, false);  // nothing is read into a destination that may still be in use
       return;
     }
-    enqueue_chunks();
+    enqueue_chunks(/*from_worker=*/true);
     finish_one(*job, std::string(), 1, false);
   });
+  push(std::move(start), /*from_worker=*/false);
   return job;
 }
 
@@ -384,12 +412,17 @@ void DiskReader::read(std::vector<FileRange> ranges, uint8_t* dest, DestWindow w
   wait(*job);
 }
 
-void DiskReader::push(std::function<void(Bounce&)> task) {
+void DiskReader::push(std::vector<std::function<void(Bounce&)>> tasks, bool from_worker) {
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    queue_.push_back(std::move(task));
+    // Checked with the tasks queued under one lock: a caller's job is either queued whole before close() began,
+    // and run by the workers before they end, or refused. The worker that queues a job's chunks runs them itself
+    // if the others have ended.
+    TORCH_CHECK(from_worker || !stopping_, "fastoffload: ", kClosedError);
+    for (auto& task : tasks) queue_.push_back(std::move(task));
   }
-  queue_cv_.notify_one();
+  if (tasks.size() == 1) queue_cv_.notify_one();
+  else queue_cv_.notify_all();
 }
 
 void DiskReader::worker_loop(Bounce bounce) {

@@ -112,9 +112,16 @@ class DiskReader {
   // disk is never left with fewer requests than `threads` for want of a worker. chunk_bytes: largest
   // single read (rounded up to the block size).
   DiskReader(size_t threads, size_t chunk_bytes, ReadMode mode);
-  ~DiskReader();
+  ~DiskReader();  // close()
   DiskReader(const DiskReader&) = delete;
   DiskReader& operator=(const DiskReader&) = delete;
+
+  // Lets go of what the reader holds: the jobs already submitted finish, then the worker threads end (their
+  // read buffers freed with them) and every opened file is closed. Idempotent. Afterwards open(), submit() and
+  // read() refuse with an error that says so; stats() (the last figures), path(), file_size() and
+  // check_unchanged() (by name) still answer. The offload engine closes its reader with itself.
+  void close();
+  bool closed() const;
 
   // Opens `path` for reading (O_DIRECT when the mode and the file system allow it) and returns its
   // index. Opening the same path twice returns the same index.
@@ -168,7 +175,10 @@ class DiskReader {
   // pread with the in-flight accounting of ReaderStats around it.
   ssize_t timed_pread(int fd, uint8_t* dest, size_t nbytes, uint64_t offset);
   File& file_at(size_t index) const;
-  void push(std::function<void(Bounce&)> task);
+  // Queues `tasks` at once. from_worker: queued by a task the workers run (a job's chunks after its prepare
+  // step), which the workers still run after close() began; a caller's tasks are refused then, as no worker
+  // may be left to run them.
+  void push(std::vector<std::function<void(Bounce&)>> tasks, bool from_worker);
   // The job's ranges cut into requests of at most `limit` bytes, neighbours of one file merged.
   std::vector<Chunk> make_chunks(const std::shared_ptr<std::vector<FileRange>>& ranges, uint8_t* dest,
                                  const std::shared_ptr<ReadJob>& job, size_t limit) const;
@@ -186,11 +196,12 @@ class DiskReader {
   std::vector<std::unique_ptr<File>> files_;
   mutable std::mutex files_mutex_;
 
-  std::mutex queue_mutex_;
+  mutable std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
   std::deque<std::function<void(Bounce&)>> queue_;  // a task gets its worker's bounce buffer
-  bool stopping_ = false;
+  bool stopping_ = false;  // close() began: the workers end once the queue is empty
   std::vector<std::thread> workers_;
+  std::mutex close_mutex_;  // one close() at a time joins the workers and closes the files
 
   // The read request slots (a counting semaphore): a worker holds one only inside a read system call.
   size_t read_slots_;

@@ -48,6 +48,9 @@ void DiskTier::start(std::vector<std::shared_ptr<PoolAllocation>> buffers, size_
   const size_t count = buffers.size();
   TORCH_CHECK(count >= 1, "fastoffload: the disk tier needs at least one staging buffer, got ", std::to_string(count));
   Lock lock(mutex_);
+  // Its thread is gone: a buffer handed off would never be read.
+  TORCH_CHECK(!closed_, "fastoffload: the disk tier was closed with its offload engine (offload was disabled, or "
+              "its enable failed); enable offload again to stream blocks from disk");
   drain_locked(lock);
   handed_.clear();
   staging_.clear();
@@ -308,6 +311,17 @@ void DiskTier::consumed(size_t block) {
 void DiskTier::drain() {
   Lock lock(mutex_);
   drain_locked(lock);
+}
+
+void DiskTier::close() {
+  stop_stager();
+  Lock lock(mutex_);
+  handed_.clear();  // never submitted: nothing reads into those buffers
+  drain_locked(lock);
+  staging_.clear();  // the ring's pool memory goes back with its last reference
+  stats_.staging_count = 0;
+  stats_.staging_bytes = 0;
+  closed_ = true;
 }
 
 void DiskTier::drain_locked(Lock& lock) {

@@ -83,6 +83,10 @@ class DiskTier {
   bool ready(size_t block) const;
   // Waits for every read in flight (their errors are dropped: nobody will use those bytes).
   void drain();
+  // The engine closes: the tier's thread ends, the reads in flight are waited for (drain) and the staging ring
+  // goes back to the pool. Idempotent. Afterwards the tier is not started (take() refuses), start() refuses,
+  // and stats() keeps its counters, with no staging buffers left.
+  void close();
 
   DiskTierStats stats() const;
   const std::shared_ptr<DiskReader>& reader() const { return reader_; }
@@ -133,6 +137,7 @@ class DiskTier {
   std::deque<std::pair<size_t, uint64_t>> handed_;  // (buffer, its ticket then)
   bool stager_busy_ = false;
   bool stopping_ = false;
+  bool closed_ = false;
   std::thread stager_;
 };
 

@@ -866,8 +866,7 @@ void OffloadEngine::close() {
   }
   copy_.synchronize_copies();
   drop_pending_spills();
-  if (disk_ != nullptr) disk_->drain();
-  if (spill_ != nullptr) spill_->remove();  // the reader may keep it open: the name goes now, the pages with it
+  release_disk();
   for (size_t b = 0; b < store_.size(); ++b) {
     if (removed_[b]) continue;
     ring_.forget_block(b);
@@ -877,6 +876,16 @@ void OffloadEngine::close() {
   views_stale_ = true;
   generation_ += 1;
   layout_generation_ += 1;  // a captured graph copies into the freed slots
+}
+
+void OffloadEngine::release_disk() {
+  // The tier's thread ends and its staging ring goes back to the pool once the reads into it are done.
+  if (disk_ != nullptr) disk_->close();
+  if (spill_ != nullptr) spill_->remove();  // the name goes now; its pages go once the reader closes it below
+  // Nothing reads any more (the loads and spills were waited for above, the disk tier just now): the reader's
+  // threads end and its files, the spill file's among them, are closed, also while the caller still holds this
+  // engine (its group). A block left in the engine that needs a read now refuses with the reader's error.
+  if (reader_ != nullptr) reader_->close();
 }
 
 void OffloadEngine::synchronize() {

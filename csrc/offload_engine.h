@@ -167,7 +167,10 @@ class OffloadEngine {
   // Like restore(), but nothing is read or copied (a disk-tier block's file may be unreadable or
   // changed): the parameters are left bound to their empty placeholders, for the caller to replace.
   void drop(size_t block);
-  // Frees the slots (after restore() of every block, or to drop everything).
+  // Frees the slots (after restore() of every block, or to drop everything), and lets go of the disk: the disk
+  // tier's thread and staging ring, the spill file, and the reader (set_reader's), whose threads end and whose
+  // files close. The engine's reader is its own: close() closes it for whoever else holds it. Afterwards a block
+  // still in the engine that needs a read (a disk-tier block) refuses with an error; the stats stay readable.
   void close();
   void synchronize();
 
@@ -277,6 +280,8 @@ class OffloadEngine {
   // Returns whether the buffers were (re)allocated.
   bool ensure_staging();
   void order_copies_after_current();
+  // close(): the disk tier, the spill file and the reader let go of their threads, memory and files.
+  void release_disk();
 
   at::Device device_;
   LayerStore store_;

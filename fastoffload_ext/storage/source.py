@@ -293,10 +293,17 @@ class CheckpointSource:
         with self.timed("reader"):
             self.reader_made_at = time.perf_counter()
             self.reader = core.DiskReader(opts.read_threads, opts.chunk_bytes, opts.read_mode)
-            for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
-                self.file_index[path] = self.reader.open(path)
-                self.checkpoint.check_unchanged(path)  # the reader checks every later read against this file
-            engine.set_reader(self.reader)
+            try:
+                for path in sorted({entry.path for block in self.blocks for entry in block.entries}):
+                    self.file_index[path] = self.reader.open(path)
+                    self.checkpoint.check_unchanged(path)  # the reader checks every later read against this file
+                engine.set_reader(self.reader)
+            except BaseException:
+                # Nothing holds the reader but this source, which the traceback keeps: its threads and the files
+                # it opened go now.
+                self.reader = None
+                self.file_index.clear()
+                raise
 
     def open_spill(self, engine: Any, compress: str) -> None:
         """With compression and a disk tier: the spill file the disk-tier blocks are encoded into."""
@@ -309,7 +316,13 @@ class CheckpointSource:
         folder = os.path.abspath(opts.spill_dir) if opts.spill_dir is not None else os.path.dirname(first)
         # A name of this process alone; the engine creates it exclusively and removes it at detach.
         with self.timed("spill"):
-            engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
+            try:
+                engine.set_spill_file(os.path.join(folder, f".fastoffload-spill-{os.getpid()}-{secrets.token_hex(8)}"))
+            except BaseException:
+                # The enable stops here, before any block: the engine lets go of the reader's threads and files
+                # now, not once the traceback that holds it goes.
+                engine.close()
+                raise
 
     def spans(self, block: BlockSource) -> list[tuple[int, int, int]]:
         return [(self.file_index[e.path], e.offset, e.nbytes) for e in block.entries]
