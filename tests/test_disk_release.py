@@ -198,3 +198,28 @@ def test_a_failed_spill_file_releases_the_reader_while_its_traceback_is_held(tmp
     assert _open_files(path) == []
     assert _threads() <= threads
     assert get_offload_group(model) is None and all(p.is_meta for p in model.parameters())
+
+
+def test_an_enable_that_fails_after_the_engine_is_built_releases_its_files(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure between the engine's build (its files and spill file open) and the first attached block, as a
+    sharing negotiation's, closes the engine before the error propagates."""
+    from fastoffload_ext.engine import layerwise
+
+    reference, path, budget = _half_in_host_memory(tmp_path)
+    _warm_up(reference)
+
+    def failing(*_: object) -> None:
+        raise OffloadStateError("fastoffload: injected failure of the negotiation")
+
+    monkeypatch.setattr(layerwise, "_negotiate_sharing", failing)
+    threads = _threads()
+    model = meta_stack(N_BLOCKS)
+    with pytest.raises(OffloadStateError, match="injected") as failure:
+        enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True,
+                                 disk_options=DiskOptions(read_threads=READ_THREADS))
+    assert failure.traceback is not None
+    assert _open_files(path, _spill_prefix(tmp_path)) == []
+    assert list(tmp_path.glob(".fastoffload-spill-*")) == []
+    assert _threads() <= threads
+    assert get_offload_group(model) is None and all(p.is_meta for p in model.parameters())

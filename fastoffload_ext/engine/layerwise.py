@@ -192,6 +192,7 @@ class _Enable:
     def run(self, replaced: bool) -> LayerwiseOffloadGroup:
         """``replaced``: is_replace found this library's offload on the model, and it has been undone."""
         model = self.model
+        group: LayerwiseOffloadGroup | None = None
         try:
             options = validate_arguments(model, self.device, **self.given, checked=self.checked)
             _check_model(model, options, replaced)
@@ -200,6 +201,13 @@ class _Enable:
             _negotiate_sharing(group, options, self.rendezvous)
         except BaseException as error:
             self.rendezvous.fail(error)  # a no-op once the negotiation ran
+            if group is not None and group.engine is not None:
+                # No block is attached yet: the engine's files, threads and spill file go now, not when the
+                # traceback that holds the group does.
+                try:
+                    group.engine.close()
+                except Exception:  # the original error is the one to raise
+                    logger.exception("fastoffload: closing the engine of an enable that failed failed")
             raise
         _attach_blocks(group, options)
         try:
