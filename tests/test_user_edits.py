@@ -538,6 +538,17 @@ def test_weights_sharing_storage_are_refused_like_tied_ones(backend: str) -> Non
         "fastoffload: parameter blocks.2.up.weight shares its storage with blocks.1.up.weight: tied weights across "
         "offloaded blocks are not supported (offloading one would turn the other into a placeholder). Untie them "
         "(clone one), or keep those blocks resident with resident_blocks")
+    model, _ = _frozen_pair()
+    fused = model.blocks[1].up.weight.data
+    model.blocks[1].o.weight = nn.Parameter(fused[: fused.shape[1]], requires_grad=False)  # a view of the same block's
+    with pytest.raises(ValueError) as raised:
+        fo.enable_layerwise_offload(model, device="cpu", backend=backend)
+    assert str(raised.value) == (
+        "fastoffload: parameter blocks.1.up.weight shares its storage with blocks.1.o.weight in the same block: "
+        "parameters of one offloaded block that share a storage (views of one tensor) are not supported (its host "
+        "copy holds each parameter apart, so a write through one would not reach the other). Give each its own "
+        "storage (clone one), or keep that block resident with resident_blocks")
+    assert fo.get_offload_group(model) is None and all(p.numel() > 0 for p in model.parameters())
 
 
 # ---- a detached block ---------------------------------------------------------------------------

@@ -157,6 +157,12 @@ def check_tied_parameters(model: nn.Module, list_name: str, blocks: nn.ModuleLis
             key = storage_key(param)
             if key in owner:
                 other_where, other = owner[key]
+                if other_where.startswith(f"{list_name}.{index}."):
+                    raise OffloadConfigError(_tie_text(where, param, other_where, other) + " in the same block: "
+                                             "parameters of one offloaded block that share a storage (views of one "
+                                             "tensor) are not supported (its host copy holds each parameter apart, "
+                                             "so a write through one would not reach the other). Give each its own "
+                                             "storage (clone one), or keep that block resident with resident_blocks")
                 raise OffloadConfigError(_tie_text(where, param, other_where, other) + ": tied weights across "
                                          "offloaded blocks are not supported (offloading one would turn the other "
                                          "into a placeholder). Untie them (clone one), or keep those blocks resident "
