@@ -121,3 +121,26 @@ def test_views_read_and_dropped_are_forgotten_by_the_next_forward() -> None:
     assert records == []  # dropped and never written: nothing is left for the next forwards to check
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("depth", [1, 3])
+def test_graph_forward_replays_a_write_into_the_host_copy(depth: int) -> None:
+    """Replays copy what the host copy holds at each replay; with every block cached in its own slot (depth 3, four
+    blocks) the write drops the cached copy, and the next call captures or copies again, never replaying old bytes."""
+    from fastoffload_ext.engine.graph_forward import graph_forward
+
+    model, reference = make_pair(4, torch.bfloat16, d=256)
+    reference.cuda()
+    place_outside_blocks(model, "cuda")
+    group = fo.enable_layerwise_offload(model, backend="ext", prefetch_depth=depth)
+    graph_forward(model)
+    x = torch.randn(2, 64, 256, device="cuda").bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))  # replayed
+        _write(group, reference, 2, "o.weight")
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)
