@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastoffload_ext.engine.autograd import SavedTensorGuard
+from fastoffload_ext.engine.autograd import SavedTensorGuard, functorch_active, refuse_differentiating_transforms
 from fastoffload_ext.engine.hooks import ForwardHook, ModuleHookManager
 from fastoffload_ext.engine.messages import EDITED_COPY_WARNING, warn_caller
 from fastoffload_ext.engine.run_order import RunOrderWatch
@@ -127,6 +127,8 @@ class LayerwiseOffloadHook(ForwardHook):
         return output
 
     def _enter(self) -> None:
+        if functorch_active():
+            refuse_differentiating_transforms()  # before anything is bound inside a differentiating one
         if self._copies:
             # Before anything of the block changes: a copy of its values that state_dict() handed out was changed in
             # place, and would be lost silently.
@@ -149,18 +151,25 @@ class LayerwiseOffloadHook(ForwardHook):
             watch = self.run_order_watch
             if watch is not None:
                 watch.started(state)
+        acquired = False
         try:
             if targets is not None:
                 self._acquire_then_prefetch(targets)
             elif self._one_call_entry is None or not self._one_call_entry():
                 self._acquire_then_prefetch(state.prefetch_targets)
+            acquired = True
             self.saved_tensors.enter()
         except BaseException as error:
             # A Ctrl-C is raised at the first bytecode after the engine's acquire returns (an acquire that
             # waits for a disk read drops the GIL, so that is where it lands): the block is running then,
             # but the caller never learns that this entry completed and never releases it. Each such block
-            # would hold its slot for good, and once every slot is held no block can load again.
+            # would hold its slot for good, and once every slot is held no block can load again. A state
+            # without that check (the python backend) is released when the saved-tensor hooks were refused
+            # after its acquire (under ``disable_saved_tensors_hooks``): kept, it held its device copy and the
+            # model's gate for good, refusing every other thread's forward.
             release = getattr(self.state, "release_if_running", None)
+            if release is None and acquired:
+                release = state.release
             if release is not None:
                 try:
                     release()
