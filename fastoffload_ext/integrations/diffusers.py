@@ -25,13 +25,17 @@ device, and defines the pipeline's device operations on the offloaded model:
   denoising loop until the VAE runs.
 - ``pipe.enable_sequential_cpu_offload()`` would put accelerate's per-parameter hooks on the
   offloaded blocks; it raises :class:`OffloadStateError` instead.
+- ``pipe.enable_group_offload()`` and ``model.enable_group_offload()`` would put diffusers' group offload
+  hooks on the offloaded blocks, which move and copy (to disk, too) their placeholders; they raise
+  :class:`OffloadStateError` before any component is hooked. A pipeline call whose ``exclude_modules`` names
+  every offloaded model works for its other components.
 - ``model.fuse_qkv_projections()`` and ``model.enable_layerwise_casting()`` rewrite weights that offloaded
   blocks hold as placeholders; they raise :class:`OffloadStateError` before anything changes. Layerwise
   casting enabled before the offload works, bit-exact to the resident model with the same casting, and its
   blocks then move in the storage dtype. diffusers' caches (``enable_cache`` with first-block cache,
   TaylorSeer, ...) work in either order.
 
-The three pipeline methods are defined once on diffusers' ``DiffusionPipeline`` class, for every
+The four pipeline methods are defined once on diffusers' ``DiffusionPipeline`` class, for every
 pipeline that holds an offloaded model in any component slot: ``DiffusionPipeline.from_pipe`` builds a
 new pipeline around the same components and casts it (to ``torch.float32`` unless given a dtype), and
 that cast must be refused before it reaches the shared text encoder. A pipeline without an offloaded
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import weakref
@@ -89,6 +94,12 @@ FUSE_ERROR = ("fastoffload: {what} on the layerwise-offloaded {model} would buil
               "offloaded blocks' placeholders (their weights live in the offload engine's host copy, which it does "
               "not read); nothing was fused. Fuse before offloading the model, or undo the offload first: "
               "fastoffload_ext.disable_layerwise_offload(model, device=...), fuse, and offload it again")
+GROUP_OFFLOAD_ERROR = ("fastoffload: {what} would put diffusers' group offload hooks on the layerwise-offloaded "
+                       "{model}, whose blocks this engine already streams (group offload would move and copy their "
+                       "placeholders, not their weights); nothing was hooked. Leave the offloaded model to this engine "
+                       "(a pipeline's enable_group_offload(..., exclude_modules=[...its name...]) hooks the other "
+                       "components), or undo the offload first: fastoffload_ext.disable_layerwise_offload(model, "
+                       "device=...)")
 # diffusers' projection fusion: the model's method runs each attention module's; both refuse while offloaded.
 _FUSING_METHODS = ("fuse_qkv_projections", "fuse_projections")
 LAYERWISE_CASTING_ERROR = (
@@ -259,16 +270,20 @@ def guard_fusions(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
       an offloaded block are empty placeholders, and the next forward would fail on the empty fused layer;
     - ``enable_layerwise_casting`` casts every layer's weights to the storage dtype, which for an offloaded
       block casts its placeholders and not its host copy, and the next forward would refuse the cast. Enabled
-      before the offload it works: the blocks are stored and moved in the storage dtype.
+      before the offload it works: the blocks are stored and moved in the storage dtype;
+    - ``enable_group_offload`` puts diffusers' group offload hooks on the blocks, which move and copy their
+      placeholders (offloaded to disk, an onload then binds the saved placeholders, and the next forward refuses
+      the block).
     """
     owners = [model, *(module for name in group.list_names for module in getattr(model, name).modules())]
     for owner in owners:
         for method in _FUSING_METHODS:
             if callable(getattr(type(owner), method, None)) and method not in owner.__dict__:
                 object.__setattr__(owner, method, _refusing(model, owner, method, FUSE_ERROR))
-    method = "enable_layerwise_casting"
-    if callable(getattr(type(model), method, None)) and method not in model.__dict__:
-        object.__setattr__(model, method, _refusing(model, model, method, LAYERWISE_CASTING_ERROR))
+    for method, message in (("enable_layerwise_casting", LAYERWISE_CASTING_ERROR),
+                            ("enable_group_offload", GROUP_OFFLOAD_ERROR)):
+        if callable(getattr(type(model), method, None)) and method not in model.__dict__:
+            object.__setattr__(model, method, _refusing(model, model, method, message))
 
 
 def _place_rest(model: nn.Module, group: LayerwiseOffloadGroup) -> None:
@@ -430,8 +445,26 @@ def _pipeline_methods() -> dict[str, Callable[..., Callable[..., Any]]]:
             return original(pipe, *args, **kwargs)
         return refused
 
+    def enable_group_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+        def refused(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+            # diffusers hooks the components one by one: refused before the first, unless every offloaded model
+            # is excluded (diffusers then moves each excluded one to the onload device, which its guard checks).
+            try:
+                arguments = inspect.signature(original).bind(pipe, *args, **kwargs).arguments
+                excluded = arguments.get("exclude_modules", kwargs.get("exclude_modules"))
+            except TypeError:
+                return original(pipe, *args, **kwargs)  # diffusers' own error, before it hooks anything
+            excluded = [excluded] if isinstance(excluded, str) else list(excluded or ())
+            names = [name for name in _offloaded_names(pipe) if name not in excluded]
+            if names:
+                raise OffloadStateError(GROUP_OFFLOAD_ERROR.format(
+                    what="enable_group_offload", model=" and ".join(f"pipe.{n}" for n in names)))
+            return original(pipe, *args, **kwargs)
+        return refused
+
     return {"to": to, "enable_model_cpu_offload": enable_model_cpu_offload,
-            "enable_sequential_cpu_offload": enable_sequential_cpu_offload}
+            "enable_sequential_cpu_offload": enable_sequential_cpu_offload,
+            "enable_group_offload": enable_group_offload}
 
 
 def _diffusion_pipeline_class(pipe: Any) -> type | None:
@@ -443,8 +476,8 @@ def _diffusion_pipeline_class(pipe: Any) -> type | None:
 
 
 def _wrap_pipeline_offloads(pipe: Any) -> None:
-    """Defines ``to``, ``enable_model_cpu_offload`` and ``enable_sequential_cpu_offload`` on offloaded
-    components. For a diffusers pipeline, once on ``DiffusionPipeline`` itself, so that every pipeline that
+    """Defines ``to``, ``enable_model_cpu_offload``, ``enable_sequential_cpu_offload`` and ``enable_group_offload``
+    on offloaded components. For a diffusers pipeline, once on ``DiffusionPipeline`` itself, so that every pipeline that
     holds an offloaded model has them, also one built later around a shared component
     (``from_pipe``); a pipeline without one passes straight through. For any other object, on it alone."""
     base = _diffusion_pipeline_class(pipe)
