@@ -1017,9 +1017,11 @@ bool OffloadEngine::host_written(size_t block, uint64_t address) {
   if (stored.has_packed()) {
     store_.drop_packed(block);
     encode_new(block);
-    layout_generation_ += 1;  // a captured graph decodes the compressed copy just replaced
   }
   generation_ += 1;
+  // A captured graph replays the old bytes: it decodes a compressed copy just replaced, or, with every block in a
+  // slot of its own, copies nothing and reads the slot the old bytes are in.
+  layout_generation_ += 1;
   return true;
 }
 

@@ -225,7 +225,7 @@ class OffloadEngine {
   // forgotten, and a compressed copy kept beside it (compress "auto" still measuring) is encoded again, so
   // the next acquire copies the written values. Returns false, changing nothing, when `address` is no longer
   // that copy (dropped for compressed travel, or replaced by a rebuild): the write reached a copy only. The
-  // block must be neither running nor materialized.
+  // block must be neither running nor materialized. A graph captured before it no longer replays (layout).
   bool host_written(size_t block, uint64_t address);
   // Bytes of the block's parameters (numel x element size), without touching the host copy.
   size_t weight_bytes(size_t block) const;

@@ -144,3 +144,30 @@ def test_graph_forward_replays_a_write_into_the_host_copy(depth: int) -> None:
         assert torch.equal(model(x), reference(x))
     fo.disable_layerwise_offload(model)
     assert params_equal(model, reference)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_captured_graph_does_not_replay_over_a_write_into_the_host_copy(depth: int) -> None:
+    """A replay runs no hook, so it applies a write into cpu_named_parameters itself, before it decides whether it
+    can replay: with every block in a slot of its own (depth 3, four blocks) the graph copies nothing, and would read
+    the old bytes from the slot. It refuses instead, saying to capture again (graph_forward does so by itself)."""
+    from fastoffload_ext.engine.graphs import cyclic_slot_assignment
+
+    from tests.test_graphs import _stand_in_graph
+
+    model, reference, x, group = _offloaded("cpu", prefetch_depth=depth)
+    group.engine.set_slot_assignment(*cyclic_slot_assignment(3, depth))
+    with torch.no_grad():
+        model(x)
+    graph, replays = _stand_in_graph(model, group)
+    with torch.no_grad():
+        model(x)
+    assert graph.replay() == "output" and replays == [1]
+    _write(group, reference, 2, "o.weight")
+    with pytest.raises(OffloadStateError, match="a write into cpu_named_parameters.*call recapture"):
+        graph.replay()
+    assert replays == [1]  # nothing replayed over the old bytes
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))  # eager, the written values
+    fo.disable_layerwise_offload(model)
+    assert params_equal(model, reference)

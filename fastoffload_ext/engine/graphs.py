@@ -425,18 +425,19 @@ class OffloadedCUDAGraph:
             raise OffloadStateError(f"fastoffload: {changed} since this graph was captured; a replay runs the "
                                     "captured kernels, not the model's Python, so it would not see that. Call "
                                     "recapture() before replaying")
+        # A copy of a block's values that state_dict() handed out and the caller changed in place: an eager forward
+        # refuses the block at its entry (state_dict.py), and a replay, which runs no hook, refuses it here. A write
+        # into the host copy through cpu_named_parameters is applied here, and changes the layout checked next.
+        model_hooks = self.group.model_hooks
+        for _, block_hooks in model_hooks.blocks if model_hooks is not None else ():
+            if block_hooks.copies:
+                block_hooks.refuse_edited_copies()
         if self.engine.generation != self.generation:
             self._resume()
         # A cast, a rebind or an in-place write to an offloaded parameter since the capture: an eager forward
         # refuses it at the block's acquire, and a replay, which would not see it either, refuses it here.
         for handle in self.handles:
             self.engine.check_offloaded_bindings(handle)
-        # A copy of a block's values that state_dict() handed out and the caller changed in place: an eager forward
-        # refuses the block at its entry (state_dict.py), and a replay, which runs no hook, refuses it here.
-        model_hooks = self.group.model_hooks
-        for _, block_hooks in model_hooks.blocks if model_hooks is not None else ():
-            if block_hooks.copies:
-                block_hooks.refuse_edited_copies()
         self.graph.replay()
         return self.static_output
 
@@ -445,7 +446,8 @@ class OffloadedCUDAGraph:
         what they held when the capture began, once the copies those steps issued are done."""
         if self.engine.layout_generation != self.layout_generation:
             raise OffloadStateError("fastoffload: a block's weights were loaded or edited (load_state_dict, "
-                                    "mutate_params_scope, an adapter), or the slots were reallocated, since this graph "
+                                    "mutate_params_scope, an adapter, a write into cpu_named_parameters), or the slots "
+                                    "were reallocated, since this graph "
                                     "was captured, so its slots and host copies no longer hold what the graph expects; "
                                     "call recapture() before replaying")
         if not self.resumable or slot_snapshot(self.engine) != self.slots:
