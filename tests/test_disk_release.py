@@ -50,6 +50,17 @@ def _half_in_host_memory(tmp_path: Path) -> tuple[torch.nn.Module, Path, int]:
     return reference, path, N_BLOCKS * block_bytes(reference) // 2 + 4096
 
 
+def _nothing_left_after_failure(failure: pytest.ExceptionInfo, path: Path, folder: Path, threads: int,
+                                model: torch.nn.Module) -> None:
+    """An enable that raised: while its traceback (``failure``) still holds the frames, and they the group and its
+    engine, no file, spill file or thread of the engine is left, and the model is as it was (meta)."""
+    assert failure.traceback is not None
+    assert _open_files(path, _spill_prefix(folder)) == []
+    assert list(folder.glob(".fastoffload-spill-*")) == []
+    assert _threads() <= threads
+    assert get_offload_group(model) is None and all(p.is_meta for p in model.parameters())
+
+
 def _warm_up(reference: torch.nn.Module) -> None:
     """Before the threads are counted: one forward of the resident model, so that torch's own worker threads start
     outside the window, and a collection, so that no offload an earlier test dropped ends inside it."""
@@ -172,11 +183,7 @@ def test_a_failed_enable_releases_the_reader_while_its_traceback_is_held(tmp_pat
         enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=compress,
                                  disk_options=DiskOptions(read_threads=READ_THREADS))
     # The traceback holds the frames, and they the group and its engine; what the engine held is gone anyway.
-    assert failure.traceback is not None
-    assert _open_files(path, _spill_prefix(tmp_path)) == []
-    assert list(tmp_path.glob(".fastoffload-spill-*")) == []
-    assert _threads() <= threads
-    assert get_offload_group(model) is None and all(p.is_meta for p in model.parameters())
+    _nothing_left_after_failure(failure, path, tmp_path, threads, model)
     # The same checkpoint, read without the fault, runs bit-exact.
     monkeypatch.setattr(CheckpointSource, "open_files", opened)
     enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=compress)
@@ -218,8 +225,4 @@ def test_an_enable_that_fails_after_the_engine_is_built_releases_its_files(tmp_p
     with pytest.raises(OffloadStateError, match="injected") as failure:
         enable_layerwise_offload(model, device="cpu", weights=path, host_budget=budget, compress=True,
                                  disk_options=DiskOptions(read_threads=READ_THREADS))
-    assert failure.traceback is not None
-    assert _open_files(path, _spill_prefix(tmp_path)) == []
-    assert list(tmp_path.glob(".fastoffload-spill-*")) == []
-    assert _threads() <= threads
-    assert get_offload_group(model) is None and all(p.is_meta for p in model.parameters())
+    _nothing_left_after_failure(failure, path, tmp_path, threads, model)

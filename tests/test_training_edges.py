@@ -14,25 +14,10 @@ import torch
 
 import fastoffload_ext as fo
 
-from ._models import make_pair, params_equal, place_outside_blocks
+from ._models import params_equal
+from .test_autograd import _frozen_pair, _grads
 
 BACKENDS = ["ext", "python"]
-
-
-def _frozen_pair(n_blocks: int):
-    model, reference = make_pair(n_blocks)
-    for m in (model, reference):
-        m.blocks.requires_grad_(False)
-    place_outside_blocks(model, "cpu")
-    return model, reference
-
-
-def _grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = x.detach().clone().requires_grad_(True)
-    model.proj_in.weight.grad = None
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), x.grad, model.proj_in.weight.grad
 
 
 def _in_thread(call):
@@ -57,7 +42,7 @@ def test_a_block_whose_saved_tensor_hooks_are_refused_is_released(backend: str) 
     # Under disable_saved_tensors_hooks the guard's hooks are refused after the block was acquired: the block must be
     # released again, or it holds its device copy and the model's gate for good, and every forward from another
     # thread is refused from then on.
-    model, reference = _frozen_pair(3)
+    model, reference = _frozen_pair(3, "cpu")
     fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(11))
     with torch.autograd.graph.disable_saved_tensors_hooks("saved-tensor hooks are off here"):
@@ -102,7 +87,7 @@ def test_torch_func_differentiation_through_offloaded_blocks_is_refused_clearly(
     # each parameter holding a tensor of a transform level that had ended (the process crashed at its next use), the
     # compiled core raised "Cannot access storage of TensorWrapper". Refused before anything is bound, with what to
     # use instead; the parameters keep their values and the next step is the resident model's.
-    model, reference = _frozen_pair(3)
+    model, reference = _frozen_pair(3, "cpu")
     fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
     x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(12))
     transform(reference, x.clone())  # the resident model runs it
@@ -119,7 +104,7 @@ def test_torch_func_differentiation_through_offloaded_blocks_is_refused_clearly(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_through_offloaded_blocks_is_exact(backend: str) -> None:
-    model, reference = _frozen_pair(3)
+    model, reference = _frozen_pair(3, "cpu")
     fo.enable_layerwise_offload(model, device="cpu", backend=backend, prefetch_depth=1)
     x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(13))
     for _ in range(2):
