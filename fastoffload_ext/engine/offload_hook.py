@@ -98,13 +98,17 @@ class LayerwiseOffloadHook(ForwardHook):
         lost = lost_edit() if lost_edit is not None else None
         # A copy that state_dict() handed out and the caller changed in place: it never reached the block.
         edited = self.state_dict_hooks.edited_copy(EDITED_COPY_WARNING) if self._copies else None
+        # A parameter converted into a new object made from its placeholder (state_dict.StateDictHooks.rewrapped).
+        rewrapped = list(self.state_dict_hooks.rewrapped().values())
         if device.type == "meta" and not getattr(self.state, "restores_to_meta", False):
             # A parameter cannot be rebound across device kinds (``param.data = meta`` raises), so the
             # block comes back on the host and then goes to meta as ``module.to("meta")`` takes it there.
             self.state.restore(module, torch.device("cpu"))
+            _give_values(rewrapped)
             module.to(device)
         else:
             self.state.restore(module, device)
+            _give_values(rewrapped)
         self.state_dict_hooks.detach()
         self.state_dict_hooks.forget_copies()  # the parameters are the model's own tensors from here on
         if lost is not None:
@@ -275,6 +279,13 @@ class LayerwiseOffloadHook(ForwardHook):
                 if getattr(self.state, "mutation_depth", 0) == 0 and self.state_dict_hooks.attached():
                     # The scope may have added or replaced submodules, whose own state_dict() needs the hooks.
                     self.state_dict_hooks.attach(self.state.module_ref)
+
+
+def _give_values(rewrapped: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Each restored parameter's value to the object the block holds in its place (state_dict.StateDictHooks.rewrapped),
+    in that object's dtype, as the resident model's converted parameter holds it (a restore follows a cast alike)."""
+    for param, now in rewrapped:
+        now.data = param.data.to(now.dtype)
 
 
 def offload_hook_of(module: nn.Module) -> LayerwiseOffloadHook | None:

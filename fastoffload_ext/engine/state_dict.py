@@ -89,6 +89,14 @@ logger = logging.getLogger(__name__)
 RUNNING_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: it is running a forward (the load "
                       "was made from a hook inside it), and its parameters are views of the device copy that its "
                       "release drops. Load between forwards, for instance after the model's forward returns")
+# A load into a parameter that a conversion under torch.__future__.set_overwrite_module_params_on_conversion(True)
+# replaced by a new, empty Parameter made from its placeholder (StateDictHooks.rewrapped).
+REWRAPPED_LOAD_ERROR = ("fastoffload: load_state_dict() is refused on block {index}: its parameter '{name}' was "
+                        "replaced by a new, empty Parameter made from its offload placeholder (a .to(), .float() or "
+                        ".half() with torch.__future__.set_overwrite_module_params_on_conversion(True)), which has no "
+                        "values to load into and which the block's forward does not bind. Call "
+                        "disable_layerwise_offload(model), which gives that Parameter its values, then load and enable "
+                        "offload again; convert the model before enable_layerwise_offload, or with that setting off")
 
 __all__ = ["HandedOutCopy", "ModelStateDictHooks", "StateDictHooks"]
 
@@ -400,10 +408,19 @@ class StateDictHooks:
         edited = self.edited_copy(EDITED_COPY_SAVE_WARNING) if self.copies else None
         if edited is not None:
             warn_caller(edited)  # the values saved are the model's, not those of the copy changed in place
+        rewrapped: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None
         for name, host in host_values.items():
             value = None
             param = objects.get(name)
-            for alias in names_now.get(id(param), []) if param is not None else [name]:
+            aliases = names_now.get(id(param), []) if param is not None else [name]
+            if not aliases and param is not None:
+                # Not held by the block any more: replaced by the caller, moved out, or converted into a new object
+                # made from its placeholder, which saves the host copy's value.
+                if rewrapped is None:
+                    rewrapped = self.rewrapped()
+                if name in rewrapped:
+                    aliases = names_now.get(id(rewrapped[name][1]), [])
+            for alias in aliases:
                 if not alias.startswith(within):
                     continue  # outside the submodule saved
                 key = prefix + alias[len(within):]
@@ -429,6 +446,36 @@ class StateDictHooks:
         # A parameter moved into this block from another one, still offloaded there.
         self.fill_placeholders(state_dict, [(prefix + alias[len(within):], param) for alias, param in
                                             self._block.named_parameters(remove_duplicate=False) if alias.startswith(within)])
+
+    def rewrapped(self) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+        """The offloaded parameters whose place in the block holds a new, empty tensor made from their placeholder,
+        by the name they were offloaded under: (the offloaded parameter, what stands in its place now).
+
+        With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, every ``.to()``, ``.float()``,
+        ``.half()`` on the model puts a new Parameter made from the one it finds in each place: for an offloaded
+        block, from its empty placeholder. That object is the offloaded parameter converted (a resident model's is
+        the parameter's value converted), so it is saved and restored with the host copy's value in its dtype;
+        taken as a parameter the caller replaced (``block.up.weight = nn.Parameter(new)``), whose value is its
+        own, its empty tensor was saved and kept by a disable, and every value of the block was lost.
+        """
+        block = self._block
+        objects = self.state.offloaded_parameters()
+        if block is None or not objects:
+            return {}
+        held = {id(param) for param in block.parameters()}
+        missing = {name: param for name, param in objects.items() if id(param) not in held}
+        if not missing:
+            return {}
+        offloaded = self._owners()  # a placeholder of another block's parameter, moved here, is that parameter
+        found: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        for name, param in missing.items():
+            try:
+                now = block.get_parameter(name)
+            except AttributeError:
+                continue  # the place is gone (a submodule replaced): the parameter was moved out or replaced
+            if now is not param and now.numel() == 0 and id(now) not in offloaded:
+                found[name] = (param, now)
+        return found
 
     def moved_out(self) -> list[nn.Parameter]:
         """The parameters this block offloaded that it no longer holds: moved elsewhere since enable, or replaced."""
@@ -458,6 +505,12 @@ class StateDictHooks:
             # An edit, cast or rebind made while the block was offloaded, which the load's materialize refuses.
             binding = getattr(self.state, "binding_refusal", None)
             refused = binding() if callable(binding) else None
+        if refused is None:
+            # A parameter converted into a new, empty object made from its placeholder (see rewrapped): torch would
+            # load into that empty tensor and refuse its shape, after the modules before it had loaded.
+            rewrapped = next(iter(self.rewrapped()), None)
+            if rewrapped is not None:
+                return OffloadStateError(REWRAPPED_LOAD_ERROR.format(index=self._index(), name=rewrapped))
         if refused is None and self._block is not None:
             # A parameter the load's closing rebuild could not pack (added by a scope whose rebuild failed): refused
             # now, or the load would stop at this block's end with the modules after it not loaded.
