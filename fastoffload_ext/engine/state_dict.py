@@ -224,25 +224,24 @@ class StateDictHooks:
 
     def hand_out(self, value: torch.Tensor, key: str, name: str, param: nn.Parameter | None) -> torch.Tensor:
         """Records ``value``, a copy of the host value of this block's parameter ``name`` saved under ``key``."""
+        if not value.is_inference():  # made outside inference mode: an inference tensor counts no versions
+            self._record(HandedOutCopy(value, key, name, None if param is None else id(param)))
+        return value
+
+    def _record(self, copy: HandedOutCopy) -> None:
         if len(self.copies) >= self._prune_at:
             self._edited()
             self._prune_at = max(64, 2 * len(self.copies))
-        if not value.is_inference():  # made outside inference mode: an inference tensor counts no versions
-            self.copies.append(HandedOutCopy(value, key, name, None if param is None else id(param)))
-        return value
+        self.copies.append(copy)
 
     def hand_out_host(self, values: dict[str, torch.Tensor], address: int) -> dict[str, torch.Tensor]:
         """Records ``values``, the tensors ``cpu_named_parameters`` hands out: views of the block's raw host copy at
         ``address``, or copies (``address`` 0)."""
-        if len(self.copies) >= self._prune_at:
-            self._edited()
-            self._prune_at = max(64, 2 * len(self.copies))
         objects = self.state.offloaded_parameters()
         for name, value in values.items():
             if not value.is_inference() and value.numel():
                 param = objects.get(name)
-                self.copies.append(HandedOutCopy(value, name, name, None if param is None else id(param), "host",
-                                                 address))
+                self._record(HandedOutCopy(value, name, name, None if param is None else id(param), "host", address))
         return values
 
     def _write_reached(self, copy: HandedOutCopy) -> bool:
